@@ -1,0 +1,106 @@
+"""A model with its own paged KV cache and block manager: the target has one, a draft
+model has another. Runs forward passes for one sequence at a time."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.block_manager import BlockManager, SeqBlocks
+from engine.config import EngineConfig
+from engine.hashing import root_key
+from engine.kv_cache import FP8_DTYPE, KVCache, dtype_name, resolve_kv_dtype
+from engine.loader import LoadedModel
+from engine.models.llama import rope_identity
+
+SCALE_MODE = "per_token_head_fp32"
+
+
+@dataclass
+class RunnerSeq(SeqBlocks):
+    """Blocks plus how many tokens have KV in the cache."""
+    num_computed: int = 0
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device,
+                 num_blocks: int | None = None):
+        self.loaded, self.model, self.device = loaded, loaded.model, device
+        self.model_dtype = next(self.model.parameters()).dtype
+        self.build_cache(config, num_blocks)
+
+    # ---- cache ---------------------------------------------------------------
+    def build_cache(self, config: EngineConfig, num_blocks: int | None = None) -> None:
+        """(Re)allocate the pool for the config's KV dtype and block size. Drops the prefix cache."""
+        self.kv = None    # free the old pool before allocating the new one
+        shape = self.model.cache_shape
+        dtype = resolve_kv_dtype(config.kv_cache_dtype, self.model_dtype)
+        if num_blocks is None:
+            num_blocks = config.num_blocks or KVCache.blocks_for_budget(shape, config.block_size, dtype, config.kv_cache_bytes)
+        self.kv = KVCache(shape, max(num_blocks, 1), config.block_size, dtype, self.device)
+        scale_mode = SCALE_MODE if dtype == FP8_DTYPE else "none"
+        root = root_key(self.loaded.identity, dtype_name(dtype), scale_mode, config.block_size,
+                        rope_identity(self.loaded.hf_config))
+        self.blocks = BlockManager(self.kv.num_blocks, config.block_size, root, config.enable_prefix_caching)
+        self.use_kernels = self._want_kernels(config)
+
+    def _want_kernels(self, config: EngineConfig) -> bool:
+        if config.attention_backend == "torch" or self.device.type != "cuda":
+            return config.attention_backend == "triton" and _interpreter_on()
+        try:
+            from engine.kernels.dispatch import kernels_available
+        except ImportError:
+            return False
+        return kernels_available(self.device)
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        self.blocks.enable_prefix_caching = enabled
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return dtype_name(self.kv.dtype)
+
+    def bytes_held(self) -> int:
+        return self.kv.bytes_held(self.blocks.num_used_blocks)
+
+    # ---- sequences -----------------------------------------------------------
+    def start(self, token_ids: list[int], reserve_tokens: int = 0) -> RunnerSeq:
+        blocks = self.blocks.allocate_prompt(token_ids, reserve_tokens)
+        seq = RunnerSeq(blocks.block_table, blocks.keys, blocks.num_cached_tokens)
+        seq.num_computed = blocks.num_cached_tokens
+        return seq
+
+    def end(self, seq: RunnerSeq) -> None:
+        self.blocks.free(seq)
+
+    def rollback(self, seq: RunnerSeq, num_computed: int) -> None:
+        """Keep KV for the first num_computed tokens; free blocks past them."""
+        seq.num_computed = min(seq.num_computed, num_computed)
+        self.blocks.truncate(seq, seq.num_computed)
+
+    @torch.inference_mode()
+    def forward(self, seq: RunnerSeq, new_tokens: list[int], logits_for: str | int = "last") -> torch.Tensor:
+        """Feed new_tokens at positions num_computed.. Returns float32 logits.
+        Blocks are not registered in the prefix cache here: the caller commits once it
+        knows which tokens are final (speculative tokens may be rolled back)."""
+        start, n = seq.num_computed, len(new_tokens)
+        self.blocks.ensure_capacity(seq, start + n)
+        bs = self.kv.block_size
+        positions = torch.arange(start, start + n, device=self.device)
+        table = torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)
+        slots = table[positions // bs] * bs + positions % bs
+        meta = AttentionMetadata(positions, slots, table, start + n, self.use_kernels)
+        ids = torch.tensor(new_tokens, dtype=torch.int64, device=self.device)
+        logits = self.model(ids, self.kv, meta, logits_for)
+        seq.num_computed = start + n
+        return logits
+
+    def commit(self, seq: RunnerSeq, token_ids: list[int]) -> None:
+        """token_ids: the sequence's final tokens; their first num_computed have KV."""
+        self.blocks.commit(seq, token_ids, seq.num_computed)
+
+
+def _interpreter_on() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET") == "1"

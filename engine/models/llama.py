@@ -1,0 +1,210 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) built from a transformers config
+and loading transformers' weight names. RMSNorm, RoPE, GQA, SwiGLU; Qwen2 q/k/v bias;
+Qwen3 per-head q/k RMSNorm. Attention goes through the paged KV cache.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, attention
+from engine.errors import UnsupportedModelError
+from engine.kv_cache import CacheShape, KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as transformers (fp32 variance, cast back before the weight).
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position up to max_positions, indexed per token."""
+
+    def __init__(self, config, head_dim: int, max_positions: int):
+        super().__init__()
+        cos, sin = rope_tables(config, head_dim, max_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [N, H, D]; rotate-half convention, as transformers' Llama.
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)        # [N, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rope_tables(config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.device("cpu"):     # real tables even while the model is built on "meta"
+        inv_freq, attention_scaling = _rope_inv_freq(config, head_dim)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)                     # [P, D]
+        return emb.cos() * attention_scaling, emb.sin() * attention_scaling
+
+
+def _rope_params(config) -> dict:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def _rope_inv_freq(config, head_dim: int):
+    params = _rope_params(config)
+    if params["rope_type"] == "default":
+        base = float(params["rope_theta"])
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    fn = ROPE_INIT_FUNCTIONS.get(params["rope_type"])
+    if fn is None:
+        raise UnsupportedModelError(f"RoPE type {params['rope_type']!r} is not supported")
+    return fn(config, torch.device("cpu"))
+
+
+def rope_identity(config) -> str:
+    """Everything about RoPE that changes cached keys (part of the prefix-cache key)."""
+    return repr(sorted((k, str(v)) for k, v in _rope_params(config).items()))
+
+
+class Attention(nn.Module):
+    def __init__(self, config, head_dim: int, rotary: Rotary):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        # q, k and v projections fused into one matmul (one weight read per step).
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.rotary = rotary
+        self.scale = head_dim ** -0.5
+
+    def forward(self, x, cache, meta: AttentionMetadata):
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)              # [N, H_q, D]
+        k = k.view(n, self.num_kv_heads, self.head_dim)           # [N, H_kv, D]
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, meta.positions), self.rotary(k, meta.positions)
+        out = attention(q, k, v, cache, meta, self.scale)          # [N, H_q, D]
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, head_dim: int, rotary: Rotary):
+        super().__init__()
+        self.self_attn = Attention(config, head_dim, rotary)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaFamilyModel(nn.Module):
+    def __init__(self, config, max_positions: int | None = None):
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.rotary = Rotary(config, self.head_dim, self.max_positions)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, self.rotary)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def materialize(self) -> None:
+        """After building on the meta device: allocate on the CPU, re-tie, rebuild RoPE tables."""
+        self.to_empty(device="cpu")
+        self.tie_weights()
+        self.rotary.cos, self.rotary.sin = rope_tables(self.config, self.head_dim, self.max_positions)
+
+    @property
+    def cache_shape(self) -> CacheShape:
+        return CacheShape(len(self.layers), self.layers[0].self_attn.num_kv_heads, self.head_dim)
+
+    def hidden_states(self, input_ids: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids [N] -> final normed hidden states [N, hidden]."""
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, kv.layer(i), meta)
+        return self.norm(h)
+
+    def forward(self, input_ids, kv: KVCache, meta: AttentionMetadata, logits_for: str | int = "last"):
+        """Logits for the last token ("last"), all tokens ("all"), or the last n tokens (int)."""
+        h = self.hidden_states(input_ids, kv, meta)
+        if logits_for == "last":
+            h = h[-1:]
+        elif isinstance(logits_for, int):
+            h = h[-logits_for:]
+        return self.lm_head(h).float()
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load transformers' weight names, fusing q/k/v and gate/up."""
+        own = {}
+        prefix = "model."
+        for name, t in tensors.items():
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+            own[name] = t
+        fused = {}
+        for i in range(len(self.layers)):
+            a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            fused[a + "qkv_proj.weight"] = torch.cat([own.pop(a + p + "_proj.weight") for p in "qkv"])
+            if a + "q_proj.bias" in own:
+                fused[a + "qkv_proj.bias"] = torch.cat([own.pop(a + p + "_proj.bias") for p in "qkv"])
+            fused[m + "gate_up_proj.weight"] = torch.cat([own.pop(m + "gate_proj.weight"), own.pop(m + "up_proj.weight")])
+        own.update(fused)
+        if "lm_head.weight" not in own or getattr(self.config, "tie_word_embeddings", False):
+            own.pop("lm_head.weight", None)
+        own = {k: v for k, v in own.items() if "rotary_emb" not in k}
+        missing, unexpected = self.load_state_dict(own, strict=False)
+        missing = [k for k in missing if not (k == "lm_head.weight" and self.lm_head.weight is self.embed_tokens.weight)]
+        if missing or unexpected:
+            raise UnsupportedModelError(f"weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
