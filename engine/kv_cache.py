@@ -77,6 +77,7 @@ class KVCache:
             self.v_scale = torch.ones(dims[:-1], dtype=SCALE_DTYPE, device=device)
         else:
             self.k_scale = self.v_scale = None
+        self._layers = [self._make_layer(i) for i in range(shape.num_layers)]
 
     @classmethod
     def blocks_for_budget(cls, shape: CacheShape, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
@@ -84,6 +85,9 @@ class KVCache:
         return budget_bytes // per_block
 
     def layer(self, i: int) -> "LayerCache":
+        return self._layers[i]
+
+    def _make_layer(self, i: int) -> "LayerCache":
         scales = (self.k_scale[i], self.v_scale[i]) if self.is_fp8 else (None, None)
         return LayerCache(self.k[i], self.v[i], *scales)
 

