@@ -112,10 +112,10 @@ def test_self_draft_accepts_everything(make_engine):
 
 def test_rollback_keeps_exactly_the_blocks_needed(make_engine):
     eng = make_engine(block_size=4)
-    eng.set_draft_model("self:4")
+    eng.set_draft_model("self:10")
     eng.reconfigure(proposer="draft", num_speculative_tokens=8)
     gen = eng.generate(PROMPTS[1], SamplingParams(max_tokens=60, stop_on_eos=False))
-    partial = 0
+    partial = rolled_back = 0
     for event in gen:
         computed = event.prompt_tokens + event.generated_tokens - 1      # the last token has no KV yet
         needed = -(-computed // 4)
@@ -124,7 +124,8 @@ def test_rollback_keeps_exactly_the_blocks_needed(make_engine):
             draft = eng.draft_runner.blocks.num_used_blocks
             assert draft <= needed                                           # never more than the target
         partial += 0 < event.accepted < event.proposed
-    assert partial >= 3
+        rolled_back += event.accepted < event.proposed
+    assert rolled_back >= 5 and partial >= 1
     assert eng.runner.blocks.num_used_blocks == 0 and eng.draft_runner.blocks.num_used_blocks == 0
 
 
