@@ -1,0 +1,1 @@
+"""The desktop app (PySide6 + pyqtgraph). Only app.engine_worker talks to the engine."""

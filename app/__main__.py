@@ -1,0 +1,83 @@
+"""`python -m app` / `workbench`: open the main window on the default model (or a profile's)."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from dataclasses import dataclass
+
+from PySide6.QtGui import QIcon
+from PySide6.QtWidgets import QApplication
+
+from app.controller import Controller
+from app.engine_worker import EngineHost
+from app.main_thread_gc import MainThreadGarbageCollector
+from app.main_window import MainWindow
+from app.metrics_history import MetricsHistory
+from app.theme import APP_ICON, style_sheet
+from engine.profiles import ProfileStore
+
+
+@dataclass
+class Workbench:
+    """Everything a running workbench holds; tests and the screenshot script drive it too."""
+    window: MainWindow
+    controller: Controller
+    host: EngineHost
+    store: ProfileStore
+    history: MetricsHistory
+    collector: MainThreadGarbageCollector
+
+    def shutdown(self, save_session: bool = True) -> None:
+        """Save the session, stop the worker thread, give garbage collection back."""
+        if save_session:
+            self.controller.save_last_session()
+        self.host.stop()
+        self.collector.stop()
+
+
+def build(profile_path: str | None = None, store: ProfileStore | None = None, start: bool = True) -> Workbench:
+    """Create the window, the worker thread and the controller; start loading the model
+    (or leave that to the caller, who may want to connect to the worker first)."""
+    # Before the worker thread starts; the module says why.
+    collector = MainThreadGarbageCollector()
+    collector.start()
+    store = store or ProfileStore()
+    profile, warning = store.startup_profile(profile_path)
+    history = MetricsHistory()
+    window = MainWindow(history)
+    host = EngineHost()
+    controller = Controller(window, host.worker, store, history, profile)
+    if warning:
+        window.show_error(warning)
+    if start:
+        controller.start()
+    return Workbench(window, controller, host, store, history, collector)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="workbench", description="Inference Workbench: chat with a model and "
+                                     "watch speculative decoding, the FP8 KV cache and prefix caching live.")
+    parser.add_argument("--profile", metavar="PATH", help="start from a saved session profile (.json)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("Inference Workbench")
+    app.setWindowIcon(QIcon(str(APP_ICON)))
+    app.setStyleSheet(style_sheet())
+    workbench = build(args.profile)
+    # Ctrl+C in the terminal closes the window properly (the session is saved, the worker
+    # stopped). The plots' timer lets Python see the signal while Qt's loop runs.
+    signal.signal(signal.SIGINT, lambda *_: workbench.window.close())
+    workbench.window.show()
+    try:
+        return app.exec()
+    finally:
+        workbench.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Text the window shows, from plain settings and stats dicts (no Qt, no engine)."""
+from __future__ import annotations
+
+from html import escape
+from pathlib import Path
+
+from app.metrics_history import describe_change
+
+
+def describe_settings(settings: dict, chosen: dict | None = None) -> str:
+    """The settings in effect (engine.settings()), as short HTML lines for the side panel."""
+    if not settings:
+        return "no model loaded yet"
+    proposer = settings.get("proposer", "off")
+    speculation = "off" if proposer == "off" else f"{proposer}, k={settings.get('num_speculative_tokens')}"
+    if chosen and chosen.get("proposer") == "draft" and proposer == "off":
+        speculation += " <i>(the draft proposer needs a draft model)</i>"
+    draft = settings.get("draft_model")
+    lines = [
+        f"<b>KV cache</b>: {escape(str(settings.get('kv_cache_dtype')))}, block {settings.get('block_size')}, "
+        f"{settings.get('kv_pool_blocks')} blocks",
+        f"<b>Prefix cache</b>: {'on' if settings.get('enable_prefix_caching') else 'off'}",
+        f"<b>Speculation</b>: {speculation}",
+        f"<b>Draft model</b>: {escape(_short(draft)) if draft else 'none'}",
+    ]
+    return "<br>".join(lines)
+
+
+def describe_deferred(deferred: dict) -> str:
+    """What waits for the running reply to end before it applies."""
+    if not deferred:
+        return ""
+    changes = ", ".join(describe_change(k, v) for k, v in deferred.items())
+    return f"⏳ Applies when the current reply ends: {escape(changes)}"
+
+
+def message_stats(summary: dict | None, finish_reason: str | None, settings: dict | None = None) -> str:
+    """The line under an assistant message: TTFT, decode speed, tokens, acceptance."""
+    if not summary:
+        return "stopped before the first token" if finish_reason == "cancelled" else "no reply"
+    parts = [f"TTFT {summary['ttft_s'] * 1000:.0f} ms",
+             f"decode {summary['decode_tok_s']:.1f} tok/s",
+             f"{summary['generated_tokens']} tokens"]
+    if summary.get("acceptance_rate") is not None:
+        parts.append(f"acceptance {summary['acceptance_rate'] * 100:.0f}% "
+                     f"({summary['accepted']}/{summary['proposed']}, τ={summary['mean_accepted_len']:.2f})")
+    else:
+        parts.append("acceptance — (speculation off)")
+    if summary.get("prefix_hit_tokens"):
+        parts.append(f"prefix hit {summary['prefix_hit_tokens']}/{summary['prompt_tokens']} tokens")
+    if settings:
+        parts.append(f"KV {settings.get('kv_cache_dtype')}")
+    if finish_reason in ("cancelled", "length"):
+        parts.append("stopped" if finish_reason == "cancelled" else "max tokens reached")
+    return " · ".join(parts)
+
+
+def _short(reference: str) -> str:
+    return reference if reference in ("self", "default") else Path(reference).name

@@ -1,0 +1,192 @@
+"""The main window: layout only. Chat in the centre, settings docked right, plots docked
+below, an error banner, and a status bar with the load progress.
+
+Menu actions and shortcuts emit intents; the controller acts on them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QAction, QIcon, QKeySequence, QShortcut
+from PySide6.QtWidgets import (QDockWidget, QFileDialog, QHBoxLayout, QInputDialog, QLabel, QMainWindow,
+                               QProgressBar, QPushButton, QScrollArea, QVBoxLayout, QWidget)
+
+from app.chat_view import ChatView
+from app.metrics_history import MetricsHistory
+from app.plots_panel import PlotsPanel
+from app.settings_panel import SettingsPanel
+from app.theme import APP_ICON
+
+PROFILE_FILTER = "Workbench profiles (*.json)"
+
+
+class MainWindow(QMainWindow):
+    saveProfileRequested = Signal()
+    saveProfileAsRequested = Signal(str)          # a profile name
+    loadProfileRequested = Signal(str)            # a name or a file path
+    deleteProfileRequested = Signal(str)
+    closing = Signal()
+
+    def __init__(self, history: MetricsHistory, parent=None):
+        super().__init__(parent)
+        self.setWindowTitle("Inference Workbench")
+        self.setWindowIcon(QIcon(str(APP_ICON)))
+        self.resize(1600, 1100)
+        self.chat = ChatView()
+        self.settings = SettingsPanel()
+        self.plots = PlotsPanel(history)
+        self._build_central()
+        self._build_docks()
+        self._build_status_bar()
+        self._build_menus()
+        QShortcut(QKeySequence(Qt.Key.Key_Escape), self, self.chat.stopRequested.emit)
+        # Ctrl+Enter sends from anywhere in the window, not only from the message box.
+        for keys in ("Ctrl+Return", "Ctrl+Enter"):
+            QShortcut(QKeySequence(keys), self, self.chat.request_send)
+        self.chat.input.setFocus()
+
+    # ---- layout ----------------------------------------------------------------
+    def _build_central(self) -> None:
+        self.error_banner = QLabel()
+        self.error_banner.setObjectName("errorBanner")
+        self.error_banner.setWordWrap(True)
+        self.error_banner.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        dismiss = QPushButton("Dismiss")
+        dismiss.clicked.connect(self.clear_error)
+        self._error_row = QWidget()
+        row = QHBoxLayout(self._error_row)
+        row.setContentsMargins(8, 8, 8, 0)
+        row.addWidget(self.error_banner, 1)
+        row.addWidget(dismiss)
+        self._error_row.hide()
+        central = QWidget()
+        layout = QVBoxLayout(central)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self._error_row)
+        layout.addWidget(self.chat, 1)
+        self.setCentralWidget(central)
+
+    def _build_docks(self) -> None:
+        # The settings take the full height on the right; the plots sit under the chat.
+        self.setCorner(Qt.Corner.BottomRightCorner, Qt.DockWidgetArea.RightDockWidgetArea)
+        self.setCorner(Qt.Corner.TopRightCorner, Qt.DockWidgetArea.RightDockWidgetArea)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setWidget(self.settings)
+        scroll.setMinimumWidth(340)
+        self.settings_dock = self._dock("Settings", scroll, Qt.DockWidgetArea.RightDockWidgetArea)
+        self.plots_dock = self._dock("Live metrics", self.plots, Qt.DockWidgetArea.BottomDockWidgetArea)
+        self.resizeDocks([self.plots_dock], [520], Qt.Orientation.Vertical)
+        self.resizeDocks([self.settings_dock], [350], Qt.Orientation.Horizontal)
+
+    def _dock(self, title: str, widget: QWidget, area) -> QDockWidget:
+        dock = QDockWidget(title, self)
+        dock.setObjectName(title)
+        dock.setWidget(widget)
+        dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
+                         | QDockWidget.DockWidgetFeature.DockWidgetFloatable)
+        self.addDockWidget(area, dock)
+        return dock
+
+    def _build_status_bar(self) -> None:
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 100)
+        self.progress.hide()
+        self.busy_label = QLabel()
+        self.statusBar().addPermanentWidget(self.busy_label)
+        self.statusBar().addPermanentWidget(self.progress)
+
+    def _build_menus(self) -> None:
+        model_menu = self.menuBar().addMenu("&Model")
+        panel = self.settings
+        model_menu.addAction("Default model", panel.default_model_button.click)
+        model_menu.addAction("Open model folder…", panel.model_folder_button.click)
+        model_menu.addAction("Open GGUF file…", panel.model_gguf_button.click)
+        self.profile_menu = self.menuBar().addMenu("&Profile")
+        self.save_action = QAction("Save profile", self, shortcut=QKeySequence.StandardKey.Save)
+        self.save_action.triggered.connect(self.saveProfileRequested)
+        self.save_as_action = QAction("Save profile as…", self, shortcut=QKeySequence("Ctrl+Shift+S"))
+        self.save_as_action.triggered.connect(self._ask_save_as)
+        self.load_action = QAction("Load profile file…", self, shortcut=QKeySequence.StandardKey.Open)
+        self.load_action.triggered.connect(self._ask_load_file)
+        self.delete_action = QAction("Delete a saved profile…", self)
+        self.delete_action.triggered.connect(self._ask_delete)
+        self.saved_menu = self.profile_menu.addMenu("Saved")
+        self.recent_menu = self.profile_menu.addMenu("Recent")
+        self.builtin_menu = self.profile_menu.addMenu("Built-in")
+        for action in (self.save_action, self.save_as_action, self.load_action, self.delete_action):
+            self.profile_menu.addAction(action)
+        plots_menu = self.menuBar().addMenu("P&lots")
+        plots_menu.addAction("Export plots as PNG…", self.plots.ask_png_path)
+        plots_menu.addAction("Export metrics as CSV…", self.plots.ask_csv_path)
+        view_menu = self.menuBar().addMenu("&View")
+        view_menu.addAction(self.settings_dock.toggleViewAction())
+        view_menu.addAction(self.plots_dock.toggleViewAction())
+
+    # ---- what the controller shows ----------------------------------------------
+    def show_error(self, text: str) -> None:
+        self.error_banner.setText(text)
+        self._error_row.show()
+        self.statusBar().showMessage(text.splitlines()[0], 10000)
+
+    def clear_error(self) -> None:
+        self._error_row.hide()
+        self.error_banner.clear()
+
+    def error_text(self) -> str:
+        return self.error_banner.text() if self._error_row.isVisibleTo(self) else ""
+
+    def show_progress(self, message: str, fraction: float) -> None:
+        self.progress.setValue(int(round(fraction * 100)))
+        self.progress.setFormat(f"{message} — %p%")
+        self.progress.show()
+
+    def hide_progress(self) -> None:
+        self.progress.hide()
+
+    def show_busy(self, text: str) -> None:
+        self.busy_label.setText(text)
+
+    def show_message(self, text: str) -> None:
+        self.statusBar().showMessage(text, 8000)
+
+    def set_profile_menus(self, saved: list[str], recent: list[Path], builtins: list[str]) -> None:
+        _fill(self.saved_menu, [(name, name) for name in saved], self.loadProfileRequested.emit)
+        _fill(self.recent_menu, [(p.stem, str(p)) for p in recent], self.loadProfileRequested.emit)
+        _fill(self.builtin_menu, [(name, name) for name in builtins], self.loadProfileRequested.emit)
+
+    # ---- dialogs (they only ask; the answer goes out as an intent) ----------------------
+    def ask_profile_name(self, suggestion: str = "") -> str | None:
+        name, ok = QInputDialog.getText(self, "Save profile as", "Profile name:", text=suggestion)
+        return name.strip() if ok and name.strip() else None
+
+    def _ask_save_as(self) -> None:
+        name = self.ask_profile_name()
+        if name:
+            self.saveProfileAsRequested.emit(name)
+
+    def _ask_load_file(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Load profile", "", PROFILE_FILTER)
+        if path:
+            self.loadProfileRequested.emit(path)
+
+    def _ask_delete(self) -> None:
+        names = [a.text() for a in self.saved_menu.actions()]
+        if not names:
+            self.show_message("there are no saved profiles to delete")
+            return
+        name, ok = QInputDialog.getItem(self, "Delete profile", "Profile:", names, editable=False)
+        if ok and name:
+            self.deleteProfileRequested.emit(name)
+
+    def closeEvent(self, event) -> None:
+        self.closing.emit()
+        super().closeEvent(event)
+
+
+def _fill(menu, items: list[tuple[str, str]], emit) -> None:
+    menu.clear()
+    for label, value in items:
+        menu.addAction(label, lambda value=value: emit(value))
+    menu.setEnabled(bool(items))

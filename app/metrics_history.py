@@ -1,0 +1,229 @@
+"""The session's metrics as numpy ring buffers: what the plots draw and the CSV export writes.
+
+Plain Python and numpy (no Qt, no engine): it takes the plain step/request dicts the
+engine worker emits. Step series are indexed by the session step (x axis of the step
+plots); request series by the request number. Metric definitions: DESIGN.md.
+"""
+from __future__ import annotations
+
+import csv
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+MIB = 2**20
+STEP_CAPACITY = 8192          # steps kept for plots and CSV; older ones scroll out
+REQUEST_CAPACITY = 1024
+MAX_POSITIONS = 16
+# Settings whose change gets a marker on the plots, with a short label for each.
+MARKED_SETTINGS = ("kv_cache_dtype", "enable_prefix_caching", "proposer", "num_speculative_tokens",
+                   "draft_model", "block_size")
+SPECULATION_SETTINGS = ("proposer", "num_speculative_tokens", "draft_model")
+
+
+class RingBuffer:
+    """Fixed-capacity float series; `values()` is a contiguous view, oldest first.
+
+    Each value is written twice (at i and i + capacity) so the window is always one slice."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._data = np.full(2 * capacity, np.nan)
+        self._next = 0
+        self._size = 0
+
+    def append(self, value: float) -> None:
+        i = self._next
+        self._data[i] = self._data[i + self.capacity] = value
+        self._next = (i + 1) % self.capacity
+        self._size = min(self._size + 1, self.capacity)
+
+    def values(self) -> np.ndarray:
+        start = (self._next - self._size) % self.capacity
+        return self._data[start:start + self._size]
+
+    def __len__(self) -> int:
+        return self._size
+
+
+def describe_change(key: str, value, settings: dict | None = None) -> str:
+    """A marker label short enough to sit on a plot."""
+    if key == "kv_cache_dtype":
+        return f"KV {value}"
+    if key == "enable_prefix_caching":
+        return "prefix cache " + ("on" if value else "off")
+    if key == "proposer":
+        draft = (settings or {}).get("draft_model")
+        return f"spec draft ({draft})" if value == "draft" and draft else f"spec {value}"
+    if key == "num_speculative_tokens":
+        return f"k={value}"
+    if key == "draft_model":
+        return f"draft {value or 'none'}"
+    return f"{key}={value}"
+
+
+class MetricsHistory:
+    STEP_COLUMNS = ("session_step", "request", "step", "time_s", "step_time_s", "tokens", "proposed", "accepted",
+                    "acceptance", "running_acceptance", "tok_s", "running_tok_s", "kv_used_mib",
+                    "kv_capacity_mib", "is_fp8", "prefix_hit_tokens", "prompt_tokens", "generated_tokens", "ttft_s")
+    REQUEST_COLUMNS = ("request", "session_step", "ttft_ms", "prefix_hit_tokens", "prompt_tokens",
+                       "generated_tokens", "decode_tok_s", "acceptance_rate", "mean_accepted_len")
+
+    def __init__(self):
+        self.version = 0           # bumps on every change, so views redraw only when needed
+        self._reset()
+
+    def clear(self) -> None:
+        """Forget everything (the version keeps counting, so views notice)."""
+        self._reset()
+        self.version += 1
+
+    def _reset(self) -> None:
+        self.steps = {name: RingBuffer(STEP_CAPACITY) for name in self.STEP_COLUMNS}
+        self.requests = {name: RingBuffer(REQUEST_CAPACITY) for name in self.REQUEST_COLUMNS}
+        self.step_labels: deque[dict] = deque(maxlen=STEP_CAPACITY)       # text columns for the CSV
+        self.request_labels: deque[dict] = deque(maxlen=REQUEST_CAPACITY)
+        self.markers: deque[tuple[float, float, str]] = deque(maxlen=256)  # (session step, request, label)
+        self.position_attempts = np.zeros(MAX_POSITIONS)
+        self.position_accepts = np.zeros(MAX_POSITIONS)
+        self.markers_added = 0     # total ever added (the deque drops old ones)
+        self.kv_dtype = ""
+        self._session_step = 0
+        self._request_count = 0
+        self._last_settings: dict | None = None
+        self._request: dict = {}
+
+    # ---- recording -------------------------------------------------------------
+    def record_step(self, event: dict) -> None:
+        self._note_setting_changes(event.get("settings") or {}, mid_request=event["step"] > 0)
+        if event["step"] == 0:
+            self._request_count += 1
+            self._request = {"proposed": 0, "accepted": 0, "decode_tokens": 0, "decode_time": 0.0}
+        self._accumulate_request(event)
+        self._accumulate_positions(event.get("accepted_per_position") or [])
+        self._append_step(event)
+        self.kv_dtype = event["kv_dtype"]
+        self._session_step += 1
+        self.version += 1
+
+    def record_request(self, done: dict) -> None:
+        summary = done.get("summary")
+        if not summary:
+            return       # failed before its first step: nothing was measured
+        row = {"request": self._request_count, "session_step": self._session_step - 1,
+               "ttft_ms": summary["ttft_s"] * 1000, "prefix_hit_tokens": summary["prefix_hit_tokens"],
+               "prompt_tokens": summary["prompt_tokens"], "generated_tokens": summary["generated_tokens"],
+               "decode_tok_s": summary["decode_tok_s"] or np.nan,
+               "acceptance_rate": _nan_if_none(summary["acceptance_rate"]),
+               "mean_accepted_len": _nan_if_none(summary["mean_accepted_len"])}
+        for name, value in row.items():
+            self.requests[name].append(value)
+        settings = done.get("settings") or {}
+        self.request_labels.append({"finish_reason": done.get("finish_reason"), "kv_dtype": self.kv_dtype,
+                                    "proposer": settings.get("proposer"),
+                                    "prefix_caching": settings.get("enable_prefix_caching")})
+        self.version += 1
+
+    def _note_setting_changes(self, settings: dict, mid_request: bool) -> None:
+        previous, self._last_settings = self._last_settings, dict(settings)
+        if previous is None:
+            return       # the first step sets the baseline; there is nothing to compare with
+        changed = [k for k in MARKED_SETTINGS if k in settings and settings.get(k) != previous.get(k)]
+        if not changed:
+            return
+        if "proposer" in changed and settings.get("proposer") == "draft" and "draft_model" in changed:
+            changed.remove("draft_model")       # "spec draft (self)" says both
+        label = ", ".join(describe_change(k, settings[k], settings) for k in changed)
+        # On the request axis: on the running request's bar, or between two requests.
+        request = self._request_count if mid_request else self._request_count + 0.5
+        self.markers.append((self._session_step - 0.5, request, label))
+        self.markers_added += 1
+        if any(k in SPECULATION_SETTINGS for k in changed):
+            self.position_attempts[:] = 0     # per-position acceptance describes the current set-up
+            self.position_accepts[:] = 0
+
+    def _accumulate_request(self, event: dict) -> None:
+        r = self._request
+        r["proposed"] += event["proposed"]
+        r["accepted"] += event["accepted"]
+        if event.get("ttft_s") is None:
+            r["decode_tokens"] += len(event["token_ids"])
+            r["decode_time"] += event["step_time_s"]
+
+    def _accumulate_positions(self, positions: list[bool]) -> None:
+        for i, accepted in enumerate(positions[:MAX_POSITIONS]):
+            self.position_attempts[i] += 1
+            self.position_accepts[i] += bool(accepted)
+
+    def _append_step(self, event: dict) -> None:
+        r = self._request
+        decode = event.get("ttft_s") is None and event["step_time_s"] > 0 and event["token_ids"]
+        row = {"session_step": self._session_step, "request": self._request_count, "step": event["step"],
+               "time_s": event["time_s"], "step_time_s": event["step_time_s"], "tokens": len(event["token_ids"]),
+               "proposed": event["proposed"], "accepted": event["accepted"],
+               "acceptance": event["accepted"] / event["proposed"] if event["proposed"] else np.nan,
+               "running_acceptance": r["accepted"] / r["proposed"] if r["proposed"] else np.nan,
+               "tok_s": len(event["token_ids"]) / event["step_time_s"] if decode else np.nan,
+               "running_tok_s": r["decode_tokens"] / r["decode_time"] if r["decode_time"] > 0 else np.nan,
+               "kv_used_mib": event["kv_bytes_used"] / MIB, "kv_capacity_mib": event["kv_bytes_capacity"] / MIB,
+               "is_fp8": float(event["kv_dtype"].startswith("fp8")),
+               "prefix_hit_tokens": event["prefix_hit_tokens"], "prompt_tokens": event["prompt_tokens"],
+               "generated_tokens": event["generated_tokens"], "ttft_s": _nan_if_none(event.get("ttft_s"))}
+        for name, value in row.items():
+            self.steps[name].append(value)
+        settings = event.get("settings") or {}
+        self.step_labels.append({"kv_dtype": event["kv_dtype"], "proposer": settings.get("proposer"),
+                                 "k": settings.get("num_speculative_tokens"),
+                                 "prefix_caching": settings.get("enable_prefix_caching"),
+                                 "finish_reason": event.get("finish_reason") or ""})
+
+    # ---- reading ---------------------------------------------------------------
+    def step_series(self, name: str) -> np.ndarray:
+        return self.steps[name].values()
+
+    def request_series(self, name: str) -> np.ndarray:
+        return self.requests[name].values()
+
+    def per_position_acceptance(self) -> np.ndarray:
+        """P(draft token i accepted | tokens < i accepted), for positions tried so far."""
+        tried = int(np.count_nonzero(self.position_attempts))
+        return self.position_accepts[:tried] / np.maximum(self.position_attempts[:tried], 1)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps["session_step"])
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests["request"])
+
+    # ---- export ----------------------------------------------------------------
+    def write_csv(self, path: str | Path) -> list[Path]:
+        """Steps to `path`, requests to `<stem>-requests.csv` beside it; returns both paths."""
+        path = Path(path)
+        requests_path = path.with_name(f"{path.stem}-requests.csv")
+        _write_table(path, self.steps, self.step_labels)
+        _write_table(requests_path, self.requests, self.request_labels)
+        return [path, requests_path]
+
+
+def _write_table(path: Path, columns: dict[str, RingBuffer], labels: deque) -> None:
+    names = list(columns)
+    arrays = [columns[n].values() for n in names]
+    label_names = list(labels[0]) if labels else []
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(names + label_names)
+        for i, label in enumerate(labels):
+            writer.writerow([_csv_value(a[i]) for a in arrays] + [label[n] for n in label_names])
+
+
+def _csv_value(value: float) -> str:
+    if np.isnan(value):
+        return ""
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+def _nan_if_none(value) -> float:
+    return np.nan if value is None else value

@@ -1,0 +1,269 @@
+"""Live plots of the session's metrics (pyqtgraph).
+
+Curves are created once; a QTimer (~20 Hz) copies the MetricsHistory ring buffers into
+them, only when something new arrived. Vertical markers show where a setting changed, so
+each optimization's effect is visible as it happens.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
+
+from app.metrics_history import MetricsHistory
+from app.theme import PLOT_COLOURS as C
+
+REFRESH_MS = 50          # ~20 Hz: smooth, and cheap next to a forward pass
+LEGEND_HEADROOM = 1.5    # y range = data max x this, so legends never cover data
+MARKER_LABEL_ROWS = (0.68, 0.54, 0.4)   # label heights, cycled so close markers do not overlap
+MAX_MARKER_LINES = 64    # per plot; older markers scroll out anyway
+
+
+def _pen(name: str, width: float = 2, style=Qt.PenStyle.SolidLine):
+    return pg.mkPen(C[name], width=width, style=style)
+
+
+class PlotsPanel(QWidget):
+    exportPngRequested = Signal(str)
+    exportCsvRequested = Signal(str)
+    clearRequested = Signal()
+
+    def __init__(self, history: MetricsHistory, parent=None):
+        super().__init__(parent)
+        self.history = history
+        self._drawn_version = -1
+        self._drawn_markers = 0
+        self._marker_lines: list[tuple[pg.PlotItem, pg.InfiniteLine]] = []
+        pg.setConfigOptions(antialias=True)
+        self.graphics = pg.GraphicsLayoutWidget()
+        self.graphics.setBackground("w")
+        self._build_plots()
+        self._lay_out()
+        self.timer = QTimer(self)
+        self.timer.setInterval(REFRESH_MS)
+        self.timer.timeout.connect(self.refresh)
+        self.timer.start()
+
+    # ---- layout ----------------------------------------------------------------
+    def _lay_out(self) -> None:
+        self.status_label = QLabel("Plots fill in as you chat. Dashed lines: a setting changed.")
+        self.status_label.setObjectName("plotHint")
+        clear = QPushButton("Clear")
+        clear.clicked.connect(self.clearRequested)
+        png = QPushButton("Export PNG…")
+        csv = QPushButton("Export CSV…")
+        png.clicked.connect(self.ask_png_path)
+        csv.clicked.connect(self.ask_csv_path)
+        bar = QHBoxLayout()
+        bar.addWidget(self.status_label, 1)
+        bar.addWidget(clear)
+        bar.addWidget(png)
+        bar.addWidget(csv)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addLayout(bar)
+        layout.addWidget(self.graphics, 1)
+
+    def ask_png_path(self) -> None:
+        self._ask_path(self.exportPngRequested, "PNG image (*.png)", "workbench-plots.png")
+
+    def ask_csv_path(self) -> None:
+        self._ask_path(self.exportCsvRequested, "CSV (*.csv)", "workbench-metrics.csv")
+
+    def _ask_path(self, signal, file_filter: str, suggestion: str) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export", suggestion, file_filter)
+        if path:
+            signal.emit(path)
+
+    def _new_plot(self, row: int, col: int, title: str, left: str, bottom: str, colspan: int = 2) -> pg.PlotItem:
+        plot = self.graphics.addPlot(row=row, col=col, colspan=colspan, title=title)
+        plot.setLabel("left", left)
+        plot.setLabel("bottom", bottom)
+        plot.showGrid(x=True, y=True, alpha=0.25)
+        plot.setClipToView(True)
+        plot.setDownsampling(auto=True, mode="peak")
+        for axis in ("left", "bottom"):
+            plot.getAxis(axis).setTextPen("#24292f")
+        return plot
+
+    def _build_plots(self) -> None:
+        """Two rows of four columns: step series two columns wide, bar charts one."""
+        self._build_acceptance()
+        self._build_positions()
+        self._build_kv()
+        self._build_ttft()
+        self._build_decode()
+        for plot in (self.acceptance_plot, self.decode_plot):
+            # One step axis for the three step plots, following the KV plot (which has every step).
+            plot.enableAutoRange(x=False)
+            plot.setXLink(self.kv_plot)
+        grid = self.graphics.ci.layout
+        for column in range(4):
+            grid.setColumnStretchFactor(column, 1)
+            grid.setColumnPreferredWidth(column, 100)
+
+    def _build_acceptance(self) -> None:
+        p = self.acceptance_plot = self._new_plot(0, 0, "Acceptance rate", "accepted / proposed (%)", "session step")
+        p.setYRange(0, LEGEND_HEADROOM * 100, padding=0)     # the legend sits above the 100% line
+        p.getAxis("left").setTicks([[(v, str(v)) for v in range(0, 101, 25)]])
+        _legend(p)
+        self.acceptance_points = p.plot(pen=None, symbol="o", symbolSize=5, symbolBrush=C["acceptance"],
+                                        symbolPen=None, name="per step")
+        self.acceptance_running = p.plot(pen=_pen("running"), name="running (this reply)")
+
+    def _build_positions(self) -> None:
+        p = self.positions_plot = self._new_plot(1, 2, "Per-position acceptance", "accepted (%)",
+                                                 "position i, given 1..i−1 accepted", colspan=1)
+        p.setYRange(0, 105, padding=0)
+        p.getAxis("left").setTicks([[(v, str(v)) for v in range(0, 101, 25)]])
+        self.positions_bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush=C["positions"])
+        p.addItem(self.positions_bars)
+
+    def _build_kv(self) -> None:
+        p = self.kv_plot = self._new_plot(0, 2, "KV-cache memory", "memory (MiB, log scale)", "session step")
+        _legend(p)
+        self.kv_model_curve = p.plot(pen=_pen("kv_model"), name="held, model dtype", connect="finite")
+        self.kv_fp8_curve = p.plot(pen=_pen("kv_fp8"), name="held, FP8 E4M3", connect="finite")
+        self.kv_capacity_curve = p.plot(pen=_pen("capacity", 1.5, Qt.PenStyle.DashLine), name="pool capacity")
+        # Log scale: a chat holds a few MiB of a pool of hundreds; both stay readable.
+        p.setLogMode(y=True)
+
+    def _build_ttft(self) -> None:
+        p = self.ttft_plot = self._new_plot(1, 3, "TTFT per request", "TTFT (ms)", "request #", colspan=1)
+        self.ttft_bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush=C["ttft"])
+        p.addItem(self.ttft_bars)
+        # Prefix-hit tokens on a right-hand axis with its own scale.
+        self.prefix_view = pg.ViewBox()
+        p.showAxis("right")
+        p.scene().addItem(self.prefix_view)
+        p.getAxis("right").linkToView(self.prefix_view)
+        p.getAxis("right").setLabel("prefix-hit tokens", color=C["prefix"])
+        p.getAxis("right").setTextPen(C["prefix"])
+        self.prefix_view.setXLink(p)
+        # Drawn over the bars (a tall bar would hide a diamond), but transparent to the mouse
+        # so zooming and panning still reach the TTFT plot underneath.
+        self.prefix_view.setZValue(1000)     # a top-level scene item: above the whole plot grid
+        self.prefix_view.setAcceptedMouseButtons(Qt.MouseButton.NoButton)
+        self.prefix_points = pg.PlotDataItem(pen=None, symbol="d", symbolSize=10, symbolBrush=C["prefix"],
+                                             symbolPen="#24292f")
+        self.prefix_view.addItem(self.prefix_points)
+        p.vb.sigResized.connect(lambda: self.prefix_view.setGeometry(p.vb.sceneBoundingRect()))
+
+    def _build_decode(self) -> None:
+        p = self.decode_plot = self._new_plot(1, 0, "Decode speed", "decode speed (tok/s)", "session step")
+        _legend(p)
+        self.decode_points = p.plot(pen=None, symbol="o", symbolSize=4, symbolBrush=C["tok_s"], symbolPen=None,
+                                    name="per step")
+        self.decode_running = p.plot(pen=_pen("running_tok_s"), name="running (this reply)")
+
+    # ---- refresh ---------------------------------------------------------------
+    def refresh(self) -> None:
+        h = self.history
+        if h.version == self._drawn_version:
+            return
+        self._drawn_version = h.version
+        x, requests = h.step_series("session_step"), h.step_series("request")
+        _set_finite(self.acceptance_points, x, h.step_series("acceptance") * 100)
+        _set_runs(self.acceptance_running, x, h.step_series("running_acceptance") * 100, requests)
+        self._refresh_positions()
+        self._refresh_kv(x)
+        self._refresh_ttft()
+        tok_s = h.step_series("tok_s")
+        _set_finite(self.decode_points, x, tok_s)
+        _set_runs(self.decode_running, x, h.step_series("running_tok_s"), requests)
+        self.decode_plot.setYRange(0, max(1.0, float(np.nanmax(tok_s, initial=0))) * LEGEND_HEADROOM, padding=0)
+        self._refresh_markers()
+
+    def _refresh_positions(self) -> None:
+        rates = self.history.per_position_acceptance()
+        self.positions_bars.setOpts(x=np.arange(1, len(rates) + 1), height=rates * 100)
+        if len(rates):
+            self.positions_plot.setXRange(0.4, len(rates) + 0.6, padding=0)
+            _integer_ticks(self.positions_plot, 1, len(rates))
+
+    def _refresh_kv(self, x: np.ndarray) -> None:
+        h = self.history
+        used, fp8 = h.step_series("kv_used_mib"), h.step_series("is_fp8") > 0
+        self.kv_model_curve.setData(x, np.where(fp8, np.nan, used), connect="finite")
+        self.kv_fp8_curve.setData(x, np.where(fp8, used, np.nan), connect="finite")
+        capacity = h.step_series("kv_capacity_mib")
+        self.kv_capacity_curve.setData(x, capacity)
+        self.kv_plot.setTitle(f"KV-cache memory — cache dtype {h.kv_dtype}" if h.kv_dtype else "KV-cache memory")
+        if len(used):
+            # Log axis: a decade below the smallest held, two above the pool for the legend.
+            low, high = float(np.nanmin(used)), float(np.nanmax(capacity))
+            self.kv_plot.setYRange(np.log10(max(low, 1e-3) / 2), np.log10(high * 100), padding=0)
+
+    def _refresh_ttft(self) -> None:
+        h = self.history
+        requests = h.request_series("request")
+        self.ttft_bars.setOpts(x=requests, height=h.request_series("ttft_ms"))
+        prefix_hits = h.request_series("prefix_hit_tokens")
+        self.prefix_points.setData(requests, prefix_hits)
+        top = max(16.0, float(np.nanmax(prefix_hits, initial=0)) * 1.15)
+        self.prefix_view.setYRange(-0.05 * top, top, padding=0)     # a zero-hit diamond shows whole
+        if len(requests):
+            self.ttft_plot.setXRange(requests[0] - 0.6, requests[-1] + 0.6, padding=0)
+            _integer_ticks(self.ttft_plot, int(requests[0]), int(requests[-1]))
+
+    def _refresh_markers(self) -> None:
+        if self.history.markers_added < self._drawn_markers:      # the history was cleared
+            self._remove_markers()
+        markers = list(self.history.markers)
+        new = self.history.markers_added - self._drawn_markers
+        for number, (step_x, request_x, label) in enumerate(markers[max(len(markers) - new, 0):],
+                                                            start=self._drawn_markers):
+            # Labelled on the step plots, at staggered heights; the request plot is too narrow.
+            height = MARKER_LABEL_ROWS[number % len(MARKER_LABEL_ROWS)]
+            for plot in (self.acceptance_plot, self.kv_plot, self.decode_plot):
+                self._add_marker(plot, step_x, label, height)
+            self._add_marker(self.ttft_plot, request_x)
+        self._drawn_markers = self.history.markers_added
+
+    def _remove_markers(self) -> None:
+        for plot, line in self._marker_lines:
+            plot.removeItem(line)
+        self._marker_lines.clear()
+        self._drawn_markers = 0
+
+    def _add_marker(self, plot: pg.PlotItem, x: float, label: str | None = None, height: float = 0.9) -> None:
+        line = pg.InfiniteLine(pos=x, angle=90, movable=False, pen=_pen("marker", 1.5, Qt.PenStyle.DashLine),
+                               label=label, labelOpts={"position": height, "color": C["marker"],
+                                                       "fill": "#fffffff0", "anchors": [(0, 0.5), (0, 0.5)]})
+        if label:
+            line.setToolTip(label)
+        plot.addItem(line)     # counts for auto-range, so a marker is never just off screen
+        self._marker_lines.append((plot, line))
+        if len(self._marker_lines) > 4 * MAX_MARKER_LINES:
+            old_plot, old_line = self._marker_lines.pop(0)
+            old_plot.removeItem(old_line)
+
+    # ---- export ----------------------------------------------------------------
+    def save_png(self, path: str) -> bool:
+        self.refresh()
+        return self.graphics.grab().save(path, "PNG")
+
+
+def _integer_ticks(plot: pg.PlotItem, first: int, last: int, most: int = 10) -> None:
+    """Whole-number ticks on a bar chart's x axis (no "1.5" between two bars)."""
+    step = max(1, -(-(last - first + 1) // most))
+    plot.getAxis("bottom").setTicks([[(v, str(v)) for v in range(first, last + 1, step)]])
+
+
+def _legend(plot: pg.PlotItem) -> None:
+    plot.addLegend(offset=(-8, 2), labelTextColor="#24292f", brush=pg.mkBrush(255, 255, 255, 230),
+                   pen=pg.mkPen("#d0d7de"), colCount=3, verSpacing=-4)
+
+
+def _set_finite(item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray) -> None:
+    keep = np.isfinite(y)
+    item.setData(x[keep], y[keep])
+
+
+def _set_runs(item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray, requests: np.ndarray) -> None:
+    """A line per request: no segment joins the end of one reply to the start of the next."""
+    keep = np.isfinite(y)
+    x, y, requests = x[keep], y[keep], requests[keep]
+    connect = np.append(requests[1:] == requests[:-1], False) if len(x) else "all"
+    item.setData(x, y, connect=connect)

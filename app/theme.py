@@ -1,0 +1,46 @@
+"""Colours and the style sheet, in one place so the chat, legend and plots agree."""
+from __future__ import annotations
+
+from pathlib import Path
+
+RESOURCES = Path(__file__).resolve().parent.parent / "resources"
+STYLE_SHEET = RESOURCES / "style.qss"
+APP_ICON = RESOURCES / "icons" / "workbench.svg"
+
+# Token kinds (engine.metrics) -> (text colour, background) in the chat.
+TOKEN_COLOURS = {
+    "target": ("#1f2328", None),
+    "accepted": ("#116329", "#d1f5d9"),
+    "resampled": ("#7d4e00", "#fff1c2"),
+    "bonus": ("#0a4fa6", "#dcecff"),
+}
+TOKEN_LEGEND = (
+    ("target", "sampled by the target"),
+    ("accepted", "accepted draft token"),
+    ("resampled", "resampled after a rejection"),
+    ("bonus", "bonus token (all k accepted)"),
+)
+
+# Plot pens: one colour per series, readable on white.
+PLOT_COLOURS = {
+    "acceptance": "#2f81f7",
+    "running": "#cf222e",
+    "positions": "#8250df",
+    "kv_model": "#1a7f37",
+    "kv_fp8": "#bf3989",
+    "capacity": "#57606a",
+    "ttft": "#2f81f7",
+    "prefix": "#d4a72c",
+    "tok_s": "#8c959f",
+    "running_tok_s": "#cf222e",
+    "marker": "#9a6700",
+}
+ERROR_COLOUR = "#cf222e"
+MUTED_COLOUR = "#57606a"
+
+
+def style_sheet() -> str:
+    try:
+        return STYLE_SHEET.read_text(encoding="utf-8")
+    except OSError:
+        return ""     # unstyled is still usable

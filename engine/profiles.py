@@ -1,0 +1,260 @@
+"""Session profiles: every setting of a workbench session as versioned JSON data.
+
+A profile file is plain data, never code:
+    {"format": "inference-workbench-profile", "version": 1, "name": ..., "model": ..., ...}
+Profiles live in platformdirs' user_config_dir("inference-workbench")/profiles; the
+environment variable WORKBENCH_CONFIG_DIR replaces the config dir (tests use tmp dirs).
+Writes are atomic (temp file + os.replace), so a crash never leaves half a profile.
+A corrupt file, or one from a newer workbench, raises ProfileError and changes nothing.
+Qt-free: the app and headless scripts share it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.errors import ConfigError, WorkbenchError
+
+FORMAT = "inference-workbench-profile"
+VERSION = 1
+APP_NAME = "inference-workbench"
+LAST_SESSION_FILE = "last_session.json"
+RECENT_FILE = "recent.json"
+MAX_RECENT = 10
+BUILTIN_DIR = Path(__file__).resolve().parent.parent / "resources" / "profiles"
+_NAME_PATTERN = re.compile(r"^[\w][\w .-]{0,63}$")
+
+# Settings the engine changes without reloading weights (LLMEngine.reconfigure keys).
+ENGINE_SETTINGS = ("kv_cache_dtype", "block_size", "enable_prefix_caching", "proposer", "num_speculative_tokens")
+SAMPLING_SETTINGS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+class ProfileError(WorkbenchError):
+    """A profile that cannot be read, parsed or written; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class SessionProfile:
+    name: str = "untitled"
+    model: str = "default"                 # "default", a HF folder or a .gguf file
+    draft_model: str | None = None         # None, "self", a folder or a .gguf file
+    proposer: str = "off"                  # "off" | "draft" | "ngram"
+    num_speculative_tokens: int = 4
+    kv_cache_dtype: str = "auto"           # "auto" = the model dtype
+    enable_prefix_caching: bool = True
+    block_size: int = 16
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    system_prompt: str = "You are a helpful assistant."
+
+    def __post_init__(self):
+        # Validate through the engine's own dataclasses so a profile can never hold a
+        # setting the engine would refuse.
+        self.engine_config()
+        self.sampling_params()
+
+    def engine_config(self, **overrides) -> EngineConfig:
+        spec = SpecConfig(proposer=self.proposer, num_speculative_tokens=self.num_speculative_tokens,
+                          draft_model=self.draft_model)
+        return EngineConfig(kv_cache_dtype=self.kv_cache_dtype, block_size=self.block_size,
+                            enable_prefix_caching=self.enable_prefix_caching, spec=spec, **overrides)
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.sampling_settings())
+
+    def engine_settings(self) -> dict:
+        """Keyword arguments for LLMEngine.reconfigure."""
+        return {key: getattr(self, key) for key in ENGINE_SETTINGS}
+
+    def sampling_settings(self) -> dict:
+        return {key: getattr(self, key) for key in SAMPLING_SETTINGS}
+
+    def to_json_dict(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json_dict(cls, data, source: str = "profile") -> "SessionProfile":
+        _check_header(data, source)
+        values = {k: v for k, v in data.items() if k not in ("format", "version")}
+        unknown = sorted(set(values) - set(_FIELD_TYPES))
+        if unknown:
+            raise ProfileError(f"{source}: unknown settings {unknown}; remove them or fix their spelling")
+        for key, value in values.items():
+            _check_type(key, value, source)
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            raise ProfileError(f"{source}: {exc}") from exc
+
+
+# What JSON may hold for each field (float fields accept JSON integers too).
+_FIELD_TYPES = {"name": (str,), "model": (str,), "draft_model": (str, type(None)), "proposer": (str,),
+                "num_speculative_tokens": (int,), "kv_cache_dtype": (str,), "enable_prefix_caching": (bool,),
+                "block_size": (int,), "max_tokens": (int,), "temperature": (float, int), "top_p": (float, int),
+                "top_k": (int,), "seed": (int, type(None)), "system_prompt": (str,)}
+assert set(_FIELD_TYPES) == {f.name for f in fields(SessionProfile)}
+
+
+def _check_header(data, source: str) -> None:
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ProfileError(f"{source} is not an inference-workbench profile (no \"format\": \"{FORMAT}\")")
+    version = data.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ProfileError(f"{source}: \"version\" must be a positive integer, got {version!r}")
+    if version > VERSION:
+        raise ProfileError(f"{source} was written by a newer workbench (profile version {version}; this one "
+                           f"reads version {VERSION}); update the workbench to open it")
+
+
+def _check_type(key: str, value, source: str) -> None:
+    allowed = _FIELD_TYPES[key]
+    # bool is an int in Python; a JSON true is not a valid token count.
+    if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+        raise ProfileError(f"{source}: {key!r} must be {names}, got {value!r}")
+
+
+def config_dir() -> Path:
+    from platformdirs import user_config_dir
+    return Path(os.environ.get("WORKBENCH_CONFIG_DIR") or user_config_dir(APP_NAME))
+
+
+def builtin_profiles() -> dict[str, Path]:
+    """Profiles shipped in resources/profiles, by name (file stem)."""
+    return {p.stem: p for p in sorted(BUILTIN_DIR.glob("*.json"))}
+
+
+def read_profile(path: str | os.PathLike) -> SessionProfile:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                           "fix the file or delete it") from exc
+    return SessionProfile.from_json_dict(data, source=str(path))
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """Write to a temp file in the same folder, then os.replace: readers see old or new, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class ProfileStore:
+    """The user's profiles folder, the recent list and the last session."""
+
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = Path(root) if root is not None else config_dir()
+        self.profiles_dir = self.root / "profiles"
+
+    # ---- named profiles -------------------------------------------------------
+    def path_for(self, name: str) -> Path:
+        if not _NAME_PATTERN.match(name or ""):
+            raise ProfileError(f"{name!r} is not a usable profile name: use letters, digits, spaces, '.', '_' "
+                               "or '-' (at most 64 characters, not starting with '.' or '-')")
+        return self.profiles_dir / f"{name}.json"
+
+    def names(self) -> list[str]:
+        return sorted(p.stem for p in self.profiles_dir.glob("*.json")) if self.profiles_dir.is_dir() else []
+
+    def save(self, profile: SessionProfile, name: str | None = None) -> Path:
+        """Save under `name` (default: the profile's own name); returns the file written."""
+        name = profile.name if name is None else name
+        path = self.path_for(name)
+        data = profile.to_json_dict() | {"name": name}
+        try:
+            write_json_atomic(path, data)
+        except OSError as exc:
+            raise ProfileError(f"cannot save profile {name!r} to {path}: {exc.strerror or exc}") from exc
+        self.add_recent(path)
+        return path
+
+    def load(self, name_or_path: str | os.PathLike) -> SessionProfile:
+        """A saved profile by name, a built-in by name, or any profile file by path."""
+        path = self.locate(name_or_path)
+        profile = read_profile(path)
+        self.add_recent(path)
+        return profile
+
+    def locate(self, name_or_path: str | os.PathLike) -> Path:
+        text = str(name_or_path)
+        if text.endswith(".json") or os.sep in text or "/" in text:
+            return Path(text).expanduser()
+        own = self.path_for(text)
+        if own.is_file():
+            return own
+        builtin = builtin_profiles().get(text)
+        if builtin is not None:
+            return builtin
+        raise ProfileError(f"no profile named {text!r} in {self.profiles_dir} or the built-in profiles")
+
+    def delete(self, name: str) -> None:
+        path = self.path_for(name)
+        if not path.is_file():
+            raise ProfileError(f"no profile named {name!r} to delete in {self.profiles_dir}")
+        path.unlink()
+        self._write_recent([p for p in self.recent() if p != path])
+
+    # ---- recent list ----------------------------------------------------------
+    def recent(self) -> list[Path]:
+        """Recently saved or loaded profile files that still exist, newest first."""
+        try:
+            entries = json.loads((self.root / RECENT_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return []     # the recent list is a convenience: a broken one is just empty
+        if not isinstance(entries, list):
+            return []
+        return [Path(e) for e in entries if isinstance(e, str) and Path(e).is_file()]
+
+    def add_recent(self, path: Path) -> None:
+        path = Path(path).resolve()
+        self._write_recent([path] + [p for p in self.recent() if p.resolve() != path])
+
+    def _write_recent(self, paths: list[Path]) -> None:
+        try:
+            write_json_atomic(self.root / RECENT_FILE, [str(p) for p in paths[:MAX_RECENT]])
+        except OSError:
+            pass          # never fail a save or load because the recent list could not be updated
+
+    # ---- last session ---------------------------------------------------------
+    def save_last_session(self, profile: SessionProfile) -> None:
+        try:
+            write_json_atomic(self.root / LAST_SESSION_FILE, profile.to_json_dict() | {"name": "last_session"})
+        except OSError as exc:
+            raise ProfileError(f"cannot save the session to {self.root}: {exc.strerror or exc}") from exc
+
+    def load_last_session(self) -> SessionProfile | None:
+        path = self.root / LAST_SESSION_FILE
+        return read_profile(path) if path.is_file() else None
+
+    def startup_profile(self, path: str | os.PathLike | None = None) -> tuple[SessionProfile, str | None]:
+        """What the app starts from: the given profile, else the last session, else defaults.
+        Returns (profile, warning); a broken file gives defaults plus a warning, never a crash."""
+        try:
+            if path is not None:
+                return self.load(path), None
+            return self.load_last_session() or SessionProfile(), None
+        except ProfileError as exc:
+            return SessionProfile(), f"{exc} — starting with the default settings"

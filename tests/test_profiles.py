@@ -1,0 +1,147 @@
+"""Session profiles: versioned JSON round trip, atomic writes, clear errors, built-ins."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.errors import WorkbenchError
+from engine.profiles import (FORMAT, VERSION, ProfileError, ProfileStore, SessionProfile, builtin_profiles,
+                             read_profile)
+
+CUSTOM = SessionProfile(name="mine", model="/models/qwen", draft_model="self", proposer="draft",
+                        num_speculative_tokens=7, kv_cache_dtype="fp8_e4m3", enable_prefix_caching=False,
+                        block_size=32, max_tokens=64, temperature=0.7, top_p=0.9, top_k=40, seed=123,
+                        system_prompt="Be terse.")
+
+
+@pytest.fixture
+def store(tmp_path):
+    return ProfileStore(tmp_path)
+
+
+def test_every_setting_survives_save_and_load(store):
+    path = store.save(CUSTOM)
+    assert path == store.profiles_dir / "mine.json"
+    assert store.load("mine") == CUSTOM
+    data = json.loads(path.read_text())
+    assert data["format"] == FORMAT and data["version"] == VERSION == 1
+
+
+def test_save_as_writes_a_second_name_and_both_are_listed(store):
+    store.save(CUSTOM)
+    store.save(CUSTOM, name="copy of mine")
+    assert store.names() == ["copy of mine", "mine"]
+    assert store.load("copy of mine").name == "copy of mine"
+
+
+def test_profile_maps_onto_engine_config_and_sampling():
+    config = CUSTOM.engine_config()
+    assert (config.kv_cache_dtype, config.block_size, config.enable_prefix_caching) == ("fp8_e4m3", 32, False)
+    assert (config.spec.proposer, config.spec.num_speculative_tokens, config.spec.draft_model) == ("draft", 7, "self")
+    params = CUSTOM.sampling_params()
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed) == (64, 0.7, 0.9, 40, 123)
+    assert CUSTOM.engine_settings() == {"kv_cache_dtype": "fp8_e4m3", "block_size": 32, "enable_prefix_caching": False,
+                                        "proposer": "draft", "num_speculative_tokens": 7}
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not valid JSON"),
+    ('{"format": "something-else", "version": 1}', "not an inference-workbench profile"),
+    (json.dumps({"format": FORMAT, "version": 2}), "newer workbench"),
+    (json.dumps({"format": FORMAT, "version": 1, "num_speculative_tokens": 99}), "1..16"),
+    (json.dumps({"format": FORMAT, "version": 1, "temprature": 0.5}), "unknown settings ['temprature']"),
+    (json.dumps({"format": FORMAT, "version": 1, "enable_prefix_caching": "yes"}), "must be bool"),
+    (json.dumps({"format": FORMAT, "version": 1, "max_tokens": True}), "must be int"),
+])
+def test_a_bad_file_raises_a_clear_error_and_changes_nothing(store, content, message):
+    store.save(CUSTOM)
+    before = store.load("mine")
+    bad = store.profiles_dir / "bad.json"
+    bad.write_text(content)
+    with pytest.raises(ProfileError, match=message.replace("[", r"\[").replace("]", r"\]")) as info:
+        store.load("bad")
+    assert isinstance(info.value, WorkbenchError)
+    assert str(bad) in str(info.value)
+    assert store.load("mine") == before
+    assert bad.read_text() == content
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp_files(store, monkeypatch):
+    store.save(CUSTOM)
+    original = store.path_for("mine").read_text()
+
+    def broken_replace(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(ProfileError, match="No space left"):
+        store.save(SessionProfile(name="mine", temperature=1.0))
+    assert store.path_for("mine").read_text() == original
+    assert [p.name for p in store.profiles_dir.iterdir()] == ["mine.json"]
+
+
+def test_names_that_would_escape_the_folder_are_refused(store):
+    for name in ("../evil", "a/b", "", ".hidden"):
+        with pytest.raises(ProfileError, match="not a usable profile name"):
+            store.save(CUSTOM, name=name)
+
+
+def test_delete_removes_the_file_and_its_recent_entry(store):
+    store.save(CUSTOM)
+    store.save(CUSTOM, name="other")
+    store.delete("mine")
+    assert store.names() == ["other"]
+    assert [p.name for p in store.recent()] == ["other.json"]
+    with pytest.raises(ProfileError, match="no profile named 'mine'"):
+        store.delete("mine")
+
+
+def test_recent_lists_newest_first_without_duplicates(store):
+    for name in ("a", "b", "c"):
+        store.save(SessionProfile(name=name))
+    store.load("a")
+    assert [p.stem for p in store.recent()] == ["a", "c", "b"]
+
+
+def test_builtin_profiles_hold_the_baseline_and_all_optimizations():
+    builtins = builtin_profiles()
+    baseline = read_profile(builtins["baseline"])
+    assert (baseline.proposer, baseline.kv_cache_dtype, baseline.enable_prefix_caching) == ("off", "auto", False)
+    best = read_profile(builtins["all_optimizations"])
+    assert best.proposer in ("ngram", "draft") and best.num_speculative_tokens == 4
+    assert (best.kv_cache_dtype, best.enable_prefix_caching) == ("fp8_e4m3", True)
+
+
+def test_builtins_load_by_name_unless_the_user_saved_one_with_that_name(store):
+    assert store.load("baseline").enable_prefix_caching is False
+    store.save(SessionProfile(name="baseline", enable_prefix_caching=True))
+    assert store.load("baseline").enable_prefix_caching is True
+
+
+def test_last_session_restores_and_a_broken_one_falls_back_with_a_warning(store):
+    assert store.startup_profile() == (SessionProfile(), None)
+    store.save_last_session(CUSTOM)
+    profile, warning = store.startup_profile()
+    assert warning is None and profile.kv_cache_dtype == "fp8_e4m3" and profile.seed == 123
+    (store.root / "last_session.json").write_text("]")
+    profile, warning = store.startup_profile()
+    assert profile == SessionProfile() and "not valid JSON" in warning
+
+
+def test_startup_from_an_explicit_profile_path(store, tmp_path):
+    path = store.save(CUSTOM)
+    profile, warning = store.startup_profile(path)
+    assert warning is None and profile == CUSTOM
+
+
+def test_config_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CONFIG_DIR", str(tmp_path / "cfg"))
+    assert ProfileStore().profiles_dir == tmp_path / "cfg" / "profiles"
+
+
+def test_profiles_module_imports_without_qt_or_torch():
+    code = ("import sys, engine.profiles; "
+            "bad = [m for m in ('PySide6', 'torch') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
