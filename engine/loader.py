@@ -224,4 +224,7 @@ def load_shipped_draft(target: LoadedModel, device, dtype) -> LoadedModel:
         raise ModelNotFoundError(
             f"no draft is shipped at {folder}; choose a draft model, 'self' (the target drafts for "
             "itself) or 'self:N' (its first N layers), or use n-gram speculation")
-    return load_model(str(folder), device=device, dtype=dtype)
+    # The shipped draft stores only its own weights; the embedding and head rows are the
+    # target's, attached here (see engine.distill, which also made it).
+    from engine.distill import load_draft_folder
+    return load_draft_folder(folder, target, device=device, dtype=dtype)

@@ -15,6 +15,26 @@ from engine.kv_cache import CacheShape, KVCache
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+class Linear(nn.Module):
+    """y = x @ W^T + b with W stored transposed, [in, out]. On the CPU, x @ W_t with a
+    contiguous [in, out] matrix reads weights ~1.5x faster than F.linear on [out, in]
+    (measured for SmolLM2's shapes, M = 1..9 rows); on CUDA both layouts run alike.
+    `weight` still gives the usual [out, in] view."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight_t)
+        return y + self.bias if self.bias is not None else y
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -95,8 +115,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * head_dim
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         # q, k and v projections fused into one matmul (one weight read per step).
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -120,8 +140,8 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -205,6 +225,8 @@ class LlamaFamilyModel(nn.Module):
                 fused[a + "qkv_proj.bias"] = torch.cat([own.pop(a + p + "_proj.bias") for p in "qkv"])
             fused[m + "gate_up_proj.weight"] = torch.cat([own.pop(m + "gate_proj.weight"), own.pop(m + "up_proj.weight")])
         own.update(fused)
+        for name in [n for n in own if n.endswith("_proj.weight")]:     # our Linear stores [in, out]
+            own[name[:-len("weight")] + "weight_t"] = own.pop(name).t().contiguous()
         if "lm_head.weight" not in own or getattr(self.config, "tie_word_embeddings", False):
             own.pop("lm_head.weight", None)
         own = {k: v for k, v in own.items() if "rotary_emb" not in k}
