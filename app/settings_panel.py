@@ -13,7 +13,8 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
 
 PROPOSERS = (("Off", "off"), ("Draft model", "draft"), ("N-gram (prompt lookup)", "ngram"))
 KV_DTYPES = (("Model dtype (auto)", "auto"), ("FP8 E4M3", "fp8_e4m3"))
-DRAFTS = (("None", ""), ("Self (target drafts for itself)", "self"))
+DRAFTS = (("None", ""), ("Shipped draft (distilled, default model)", "default-draft"),
+          ("Self (target drafts for itself)", "self"))
 BLOCK_SIZES = (8, 16, 32, 64)
 ENGINE_KEYS = ("proposer", "num_speculative_tokens", "kv_cache_dtype", "enable_prefix_caching", "block_size")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed")

@@ -299,10 +299,15 @@ def bench_speculative(args) -> dict:
     verify_step = sum(s.target_time_s for s in spec_stats) / passes
     c = draft_per_token / base_step
     k = args.k
-    predicted = ((1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1) / (k * c + 1)
+    # The i.i.d. model's alpha is P(accept | attempted): drafts after a rejection are never
+    # attempted, so accepted / proposed (the reported acceptance rate) would understate it.
+    alpha_attempted = sum(accepts) / max(sum(attempts), 1)
+    a = alpha_attempted
+    predicted = ((1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1) / (k * c + 1)
     predicted_measured_costs = tau * base_step / (sum(s.decode_time_s for s in spec_stats) / passes)
     return {"k": k, "proposer": args.proposer, "draft": draft if args.proposer == "draft" else "n-gram prompt lookup",
             "prompt_set": prompt_set, "prompts": len(prompts), "acceptance_rate": alpha, "mean_accepted_len": tau,
+            "alpha_per_attempted_token": alpha_attempted,
             "per_position": [a / n if n else 0.0 for a, n in zip(accepts, attempts)],
             "baseline_tok_s": base_tok_s, "spec_tok_s": spec_tok_s, "speedup": spec_tok_s / base_tok_s,
             "predicted_speedup": predicted, "predicted_speedup_from_tau_and_step_times": predicted_measured_costs,

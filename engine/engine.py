@@ -20,10 +20,9 @@ from engine.config import EngineConfig, SamplingParams, SpecConfig
 from engine.errors import ConfigError, PromptTooLongError, WorkbenchError
 from engine.metrics import TARGET, RequestStats, StepEvent
 from engine.model_runner import ModelRunner
-from engine.sampler import make_generator, sample
+from engine.sampler import make_generator, probabilities, sample
 from engine.spec_decode import (DraftModelProposer, NgramProposer, Proposer, check_draft_compatible,
                                 greedy_verify, rejection_sample)
-from engine.sampler import probabilities
 
 # Settings that reallocate the pool: they wait for the next request if one is running.
 POOL_SETTINGS = ("kv_cache_dtype", "block_size", "kv_cache_bytes", "num_blocks", "attention_backend")

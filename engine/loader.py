@@ -203,6 +203,10 @@ def load_draft(reference, target: LoadedModel, device="cpu", dtype=torch.float32
         return early_exit_draft(target, int(reference.split(":", 1)[1]))
     if reference == DEFAULT_DRAFT:
         return load_shipped_draft(target, device, dtype)
+    path = Path(str(reference)).expanduser()
+    if (path / "config.json").is_file() and "workbench_draft" in json.loads((path / "config.json").read_text()):
+        from engine.distill import load_draft_folder      # a distilled draft: shares the target's embedding
+        return load_draft_folder(path, target, device=device, dtype=dtype)
     return load_model(reference, device=device, dtype=dtype, progress=progress)
 
 
