@@ -63,12 +63,7 @@ class ReducedHeadDraft(LlamaFamilyModel):
     def tie_weights(self) -> None:             # the reduced head is never tied
         pass
 
-    def forward(self, input_ids, kv, meta, logits_for: str | int = "last"):
-        h = self.hidden_states(input_ids, kv, meta)
-        if logits_for == "last":
-            h = h[-1:]
-        elif isinstance(logits_for, int):
-            h = h[-logits_for:]
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.full_logits(self.head(h).float())
 
     def full_logits(self, reduced: torch.Tensor) -> torch.Tensor:
@@ -439,7 +434,7 @@ def agreement_vectors(draft: ReducedHeadDraft, examples: list[Example]) -> list[
         ids = torch.tensor([e.prompt_ids + e.answer_ids[:-1]])
         p = len(e.prompt_ids)
         h = train_hidden(draft, ids)[0, p - 1:]
-        logits = draft.full_logits(draft.head(h).float())
+        logits = draft.logits(h)
         out.append((logits.argmax(-1) == torch.tensor(e.answer_ids)).tolist())
     return out
 

@@ -208,7 +208,7 @@ class _Request:
         self.token_ids = token_ids
         self.generator = make_generator(params.seed)
         self.stats = RequestStats(prompt_tokens=len(token_ids))
-        self.detok = _Detokenizer(engine.tokenizer, len(token_ids))
+        self.detok = _Detokenizer(engine.tokenizer)
         self.proposers: dict[str, Proposer] = {}
         self.step = 0
         self.t_submit = time.perf_counter()
@@ -338,7 +338,7 @@ class _Request:
 class _Detokenizer:
     """Incremental text: decode a short window and emit only complete new characters."""
 
-    def __init__(self, tokenizer, prompt_len: int):
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix_offset = 0

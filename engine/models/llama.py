@@ -207,6 +207,10 @@ class LlamaFamilyModel(nn.Module):
             h = h[-1:]
         elif isinstance(logits_for, int):
             h = h[-logits_for:]
+        return self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(h).float()
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
