@@ -19,10 +19,19 @@ class AttentionMetadata:
     block_table: torch.Tensor      # [num_seq_blocks] int64 (int32 for kernels)
     context_len: int               # tokens in the cache once the new ones are written
     use_kernels: bool = False      # Triton on CUDA; False forces the torch reference
+    causal_mask: torch.Tensor | None = None   # [N, T] bool, key j visible to query i; None: all visible
 
     @property
     def is_decode(self) -> bool:
         return self.positions.numel() == 1
+
+
+def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor | None:
+    """[N, T] bool, key j visible to query i iff j <= positions[i]. The new tokens are the
+    last N of the context, so a single one sees every key: None (no mask)."""
+    if positions.numel() == 1:
+        return None
+    return torch.arange(context_len, device=positions.device)[None, :] <= positions[:, None]
 
 
 def store_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -64,10 +73,7 @@ def paged_attention_ref(q: torch.Tensor, cache: LayerCache, meta: AttentionMetad
     group = num_q_heads // num_kv_heads
     qg = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
     k, v = k.transpose(0, 1), v.transpose(0, 1)                            # [H_kv, T, D]
-    mask = None
-    if not (n == 1 and int(meta.positions[0]) == meta.context_len - 1):
-        key_pos = torch.arange(meta.context_len, device=q.device)
-        mask = (key_pos[None, :] <= meta.positions[:, None]).repeat(group, 1)   # [G*N, T]
+    mask = None if meta.causal_mask is None else meta.causal_mask.repeat(group, 1)   # [G*N, T]
     # Plain matmul-softmax: for one sequence on the CPU it is several times faster than SDPA's
     # kernel at decode shapes (measured: ~7 ms vs <1 ms per call at T=40 on SmolLM2 shapes).
     scores = torch.matmul(qg, k.transpose(1, 2)) * scale                  # [H_kv, G*N, T]

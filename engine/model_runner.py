@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, causal_mask
 from engine.block_manager import BlockManager, SeqBlocks
 from engine.config import EngineConfig
 from engine.hashing import root_key
@@ -90,7 +90,9 @@ class ModelRunner:
         positions = torch.arange(start, start + n, device=self.device)
         table = torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)
         slots = table[positions // bs] * bs + positions % bs
-        meta = AttentionMetadata(positions, slots, table, start + n, self.use_kernels)
+        # Built once per pass, shared by every layer (the kernels mask by positions themselves).
+        mask = None if self.use_kernels else causal_mask(positions, start + n)
+        meta = AttentionMetadata(positions, slots, table, start + n, self.use_kernels, mask)
         ids = torch.tensor(new_tokens, dtype=torch.int64, device=self.device)
         logits = self.model(ids, self.kv, meta, logits_for)
         seq.num_computed = start + n

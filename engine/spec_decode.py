@@ -36,11 +36,11 @@ def rejection_sample(draft_tokens: list[int], draft_probs: torch.Tensor | None,
     k = len(draft_tokens)
     for i, x in enumerate(draft_tokens):
         p_x = float(target_probs[i, x])
-        q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
+        q_i = _point_mass(x, target_probs[i]) if draft_probs is None else draft_probs[i]
+        q_x = float(q_i[x])
         u = float(torch.rand((), generator=generator))
-        if u < min(1.0, p_x / q_x) if q_x > 0 else False:
+        if q_x > 0 and u < min(1.0, p_x / q_x):
             continue
-        q_i = _point_mass(x, target_probs.shape[-1], target_probs) if draft_probs is None else draft_probs[i]
         residual = torch.clamp(target_probs[i] - q_i, min=0.0)
         if float(residual.sum()) <= 0.0:        # p == q on the support: any draw from p is exact
             residual = target_probs[i]
@@ -59,8 +59,9 @@ def greedy_verify(draft_tokens: list[int], target_argmax: list[int]) -> Verdict:
     return Verdict(k, list(draft_tokens) + [target_argmax[k]], [ACCEPTED] * k + [BONUS])
 
 
-def _point_mass(token: int, vocab: int, like: torch.Tensor) -> torch.Tensor:
-    q = torch.zeros(vocab, dtype=like.dtype, device=like.device)
+def _point_mass(token: int, like: torch.Tensor) -> torch.Tensor:
+    """q for a proposer without a distribution: all mass on the proposed token."""
+    q = torch.zeros_like(like)
     q[token] = 1.0
     return q
 

@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
 
-from engine.attention import AttentionMetadata, attention, paged_attention_ref, store_kv  # noqa: E402
+from engine.attention import AttentionMetadata, attention, causal_mask, paged_attention_ref, store_kv  # noqa: E402
 from engine.kernels import dispatch, paged_attention as pa  # noqa: E402
 from engine.kernels.fp8 import e4m3_decode_div256, e4m3_encode  # noqa: E402
 from engine.kernels.store import store_kv as store_kv_kernel  # noqa: E402
@@ -146,8 +146,9 @@ def reference_batch(q, cache, tables, context_lens):
     num_queries = q.shape[1]
     outs = []
     for b, n in enumerate(context_lens.tolist()):
-        meta = AttentionMetadata(positions=torch.arange(n - num_queries, n), slot_mapping=torch.empty(0),
-                                 block_table=tables[b].long(), context_len=n)
+        positions = torch.arange(n - num_queries, n)
+        meta = AttentionMetadata(positions=positions, slot_mapping=torch.empty(0), block_table=tables[b].long(),
+                                 context_len=n, causal_mask=causal_mask(positions, n))
         outs.append(paged_attention_ref(q[b], cache, meta, q.shape[-1] ** -0.5))
     return torch.stack(outs)
 
@@ -200,8 +201,9 @@ def run_both(cache_dtype, cached, new, group=4, num_kv_heads=2, head_dim=64, blo
     k, v = torch.randn(2, new, num_kv_heads, head_dim)
     outs = []
     for use_kernels, c in ((True, cache), (False, ref_cache)):
-        meta = AttentionMetadata(positions=torch.arange(cached, ctx), slot_mapping=slots[cached:],
-                                 block_table=table, context_len=ctx, use_kernels=use_kernels)
+        positions = torch.arange(cached, ctx)
+        meta = AttentionMetadata(positions=positions, slot_mapping=slots[cached:], block_table=table,
+                                 context_len=ctx, use_kernels=use_kernels, causal_mask=causal_mask(positions, ctx))
         outs.append(attention(q, k, v, c, meta, head_dim ** -0.5))
     return outs[0], outs[1], cache, ref_cache
 
