@@ -1,11 +1,7 @@
 """Colours and the style sheet, in one place so the chat, legend and plots agree."""
 from __future__ import annotations
 
-from pathlib import Path
-
-RESOURCES = Path(__file__).resolve().parent.parent / "resources"
-STYLE_SHEET = RESOURCES / "style.qss"
-APP_ICON = RESOURCES / "icons" / "workbench.svg"
+from resources import APP_ICON, STYLE_SHEET
 
 # Token kinds (engine.metrics) -> (text colour, background) in the chat.
 TOKEN_COLOURS = {

@@ -1,9 +1,9 @@
 """Inference engine: our own Llama-family forward pass over a paged, prefix-cached,
 FP8-capable GQA KV cache. Never imports Qt."""
-from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine.config import EngineConfig, SamplingParams
 from engine.errors import WorkbenchError
 
-__all__ = ["EngineConfig", "SamplingParams", "SpecConfig", "WorkbenchError", "LLMEngine"]
+__all__ = ["EngineConfig", "SamplingParams", "WorkbenchError", "LLMEngine"]
 
 
 def __getattr__(name):

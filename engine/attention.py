@@ -21,10 +21,6 @@ class AttentionMetadata:
     use_kernels: bool = False      # Triton on CUDA; False forces the torch reference
     causal_mask: torch.Tensor | None = None   # [N, T] bool, key j visible to query i; None: all visible
 
-    @property
-    def is_decode(self) -> bool:
-        return self.positions.numel() == 1
-
 
 def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor | None:
     """[N, T] bool, key j visible to query i iff j <= positions[i]. The new tokens are the

@@ -1,94 +1,167 @@
-"""Engine settings as validated dataclasses. Everything the user can change lives here."""
+"""Every setting a user can change, defined once.
+
+`SETTINGS` is the one table: key, type, default, range or choices, and when a change
+takes effect. `EngineConfig` and `SamplingParams` are built from it, `LLMEngine.reconfigure`
+routes changes by it, session profiles store and migrate it, and the app's settings panel
+builds its controls from it. A new setting is one new row here, nowhere else.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace, asdict
+from dataclasses import dataclass, field, make_dataclass, replace
+from typing import Any
 
 from engine.errors import ConfigError
 
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
-PROPOSERS = ("off", "draft", "ngram")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# When a change takes effect.
+LIVE = "live"                   # at the next step, even in the middle of a reply
+NEXT_REQUEST = "next request"   # when the running reply ends (reallocates the cache, loads a draft)
+LOAD = "load"                   # when a model is loaded
+
+# Which object holds a setting.
+ENGINE = "engine"               # EngineConfig: the engine's own settings
+SAMPLING = "sampling"           # SamplingParams: per request
+SESSION = "session"             # only the profile holds it (the model reference, the system prompt)
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    type: type                   # bool, int, float or str
+    default: Any
+    section: str
+    applies: str
+    label: str
+    choices: dict | None = None  # allowed value -> what the UI calls it
+    low: float | None = None     # inclusive range for numbers
+    high: float | None = None
+    optional: bool = False       # None is allowed (and means "not set")
+    step: float | None = None    # the UI's increment for floats
+    help: str = ""
+
+    def validate(self, value):
+        """The value as stored (ints accepted for floats), or ConfigError naming the setting."""
+        if value is None:
+            if self.optional:
+                return None
+            raise ConfigError(f"{self.key} must be set")
+        if not self.accepts_type(value):
+            raise ConfigError(f"{self.key} must be {self.type.__name__}, got {value!r}")
+        value = self.type(value)
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(f"{self.key} must be one of {tuple(self.choices)}, got {value!r}")
+        if self.low is not None and value < self.low or self.high is not None and value > self.high:
+            raise ConfigError(f"{self.key} ({self.label}) must be in {_num(self.low)}..{_num(self.high)}, got {value!r}")
+        return value
+
+    def accepts_type(self, value) -> bool:
+        # bool is an int in Python, but `true` is not a token count; a float takes an int.
+        if isinstance(value, bool):
+            return self.type is bool
+        return isinstance(value, int if self.type is int else (int, float) if self.type is float else self.type)
+
+
+def _num(x) -> str:
+    return "" if x is None else f"{x:g}"
+
+
 MAX_SPEC_TOKENS = 16
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+SETTINGS: tuple[Setting, ...] = (
+    # ---- session (profile only) ----
+    Setting("name", str, "untitled", SESSION, NEXT_REQUEST, "Profile name"),
+    Setting("model", str, "default", SESSION, LOAD, "Model",
+            help="'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file"),
+    Setting("system_prompt", str, "You are a helpful assistant.", SESSION, NEXT_REQUEST, "System prompt"),
+    # ---- speculative decoding ----
+    Setting("proposer", str, "off", ENGINE, LIVE, "Proposer",
+            choices={"off": "Off", "draft": "Draft model", "ngram": "N-gram (prompt lookup)"}),
+    Setting("num_speculative_tokens", int, 4, ENGINE, LIVE, "k (draft tokens)", low=1, high=MAX_SPEC_TOKENS,
+            help="draft tokens proposed per step, verified in one target pass"),
+    Setting("draft_model", str, None, ENGINE, NEXT_REQUEST, "Draft model", optional=True,
+            help="'default-draft' (shipped), 'self', 'self:N' (the target's first N layers), a folder or a .gguf"),
+    Setting("ngram_min", int, 1, ENGINE, LIVE, "N-gram min", low=1, high=16),
+    Setting("ngram_max", int, 4, ENGINE, LIVE, "N-gram max", low=1, high=16),
+    # ---- KV cache ----
+    Setting("kv_cache_dtype", str, "auto", ENGINE, NEXT_REQUEST, "Cache dtype",
+            choices={"auto": "Model dtype (auto)", "fp8_e4m3": "FP8 E4M3", "bfloat16": "bfloat16",
+                     "float16": "float16", "float32": "float32"}),
+    Setting("block_size", int, 16, ENGINE, NEXT_REQUEST, "Block size", choices={b: str(b) for b in BLOCK_SIZES},
+            help="tokens per KV block; prefix caching reuses whole blocks"),
+    Setting("enable_prefix_caching", bool, True, ENGINE, LIVE, "Prefix caching"),
+    Setting("kv_cache_bytes", int, 512 * 2**20, ENGINE, NEXT_REQUEST, "KV pool bytes", low=1),
+    Setting("num_blocks", int, None, ENGINE, NEXT_REQUEST, "KV pool blocks", low=1, optional=True,
+            help="overrides kv_cache_bytes when set"),
+    Setting("attention_backend", str, "auto", ENGINE, NEXT_REQUEST, "Attention",
+            choices={"auto": "auto", "torch": "torch (reference)", "triton": "Triton kernels"}),
+    # ---- load time ----
+    Setting("device", str, "auto", ENGINE, LOAD, "Device", help="auto = CUDA when present, else the CPU"),
+    Setting("dtype", str, "auto", ENGINE, LOAD, "Weights dtype",
+            choices={"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"},
+            help="auto = bf16 on CUDA, fp32 on the CPU"),
+    Setting("max_model_len", int, None, ENGINE, LOAD, "Context length", low=1, optional=True,
+            help="None: the model's max_position_embeddings"),
+    # ---- sampling (the next message) ----
+    Setting("temperature", float, 0.0, SAMPLING, NEXT_REQUEST, "Temperature", low=0.0, high=5.0, step=0.05,
+            help="0 = greedy"),
+    Setting("top_p", float, 1.0, SAMPLING, NEXT_REQUEST, "Top-p", low=0.01, high=1.0, step=0.05),
+    Setting("top_k", int, 0, SAMPLING, NEXT_REQUEST, "Top-k", low=0, high=100_000, help="0 = off"),
+    Setting("max_tokens", int, 256, SAMPLING, NEXT_REQUEST, "Max tokens", low=1, high=131_072),
+    Setting("seed", int, None, SAMPLING, NEXT_REQUEST, "Seed", low=0, high=2**31 - 1, optional=True,
+            help="None = a random seed per reply"),
+    Setting("stop_on_eos", bool, True, SAMPLING, NEXT_REQUEST, "Stop at end of sequence"),
+)
+BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
 
 
-@dataclass(frozen=True)
-class SpecConfig:
-    """Speculative decoding. `draft_model` is a model reference for the loader
-    ("default-draft", a folder, a GGUF file, or the target itself via "self")."""
-    proposer: str = "off"
-    num_speculative_tokens: int = 4
-    draft_model: str | None = None
-    ngram_max: int = 4
-    ngram_min: int = 1
+def keys(section: str | None = None, applies: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """Setting keys, in table order, filtered by section and/or when they apply."""
+    return tuple(s.key for s in SETTINGS
+                 if (section is None or s.section == section) and (applies is None or s.applies in applies))
 
+
+def validate(key: str, value):
+    setting = BY_KEY.get(key)
+    if setting is None:
+        raise ConfigError(f"unknown setting {key!r}; known settings: {', '.join(BY_KEY)}")
+    return setting.validate(value)
+
+
+def _fields(section: str) -> list:
+    return [(s.key, s.type if not s.optional else s.type | None, field(default=s.default))
+            for s in SETTINGS if s.section == section]
+
+
+class _Validated:
+    """__post_init__ checks every field against its row of SETTINGS."""
     def __post_init__(self):
-        if self.proposer not in PROPOSERS:
-            raise ConfigError(f"speculative proposer must be one of {PROPOSERS}, got {self.proposer!r}")
-        if not 1 <= self.num_speculative_tokens <= MAX_SPEC_TOKENS:
-            raise ConfigError(f"k (speculative tokens) must be in 1..{MAX_SPEC_TOKENS}, got {self.num_speculative_tokens}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ConfigError(f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
+        for key in self.__dataclass_fields__:
+            object.__setattr__(self, key, validate(key, getattr(self, key)))
+        self._check()
+
+    def _check(self) -> None:
+        pass
+
+    def with_changes(self, **changes):
+        return replace(self, **changes)
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Cache and runtime settings. `kv_cache_dtype="auto"` means the model dtype.
-
-    `kv_cache_bytes` bounds the pool; `num_blocks` (if set) overrides it."""
-    device: str = "auto"
-    dtype: str = "auto"                      # model dtype: auto = bf16 on CUDA, fp32 on CPU
-    kv_cache_dtype: str = "auto"
-    block_size: int = 16
-    kv_cache_bytes: int = 512 * 2**20
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None         # None: the model's max_position_embeddings
-    attention_backend: str = "auto"
-    spec: SpecConfig = field(default_factory=SpecConfig)
-
-    def __post_init__(self):
-        if self.kv_cache_dtype not in KV_DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-            raise ConfigError(f"block_size must be a power of two in 1..256, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.kv_cache_bytes < 1:
-            raise ConfigError("kv_cache_bytes must be positive")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if isinstance(self.spec, dict):
-            object.__setattr__(self, "spec", SpecConfig(**self.spec))
-
-    def with_changes(self, **changes) -> "EngineConfig":
-        spec_changes = {k: changes.pop(k) for k in list(changes) if k in SpecConfig.__dataclass_fields__}
-        spec = replace(self.spec, **spec_changes) if spec_changes else self.spec
-        return replace(self, spec=changes.pop("spec", spec), **changes)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+class _EngineChecks(_Validated):
+    def _check(self) -> None:
+        if self.ngram_min > self.ngram_max:
+            raise ConfigError(f"n-gram sizes must satisfy min <= max, got {self.ngram_min}..{self.ngram_max}")
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters."""
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_on_eos: bool = True
-
-    def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-
+class _SamplingChecks(_Validated):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+EngineConfig = make_dataclass("EngineConfig", _fields(ENGINE), bases=(_EngineChecks,), frozen=True,
+                              namespace={"__doc__": "The engine's settings (the ENGINE rows of SETTINGS)."})
+SamplingParams = make_dataclass("SamplingParams", _fields(SAMPLING), bases=(_SamplingChecks,), frozen=True,
+                                namespace={"__doc__": "One request's sampling (the SAMPLING rows of SETTINGS). "
+                                           "temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."})
+for _cls in (EngineConfig, SamplingParams):
+    _cls.__module__ = __name__

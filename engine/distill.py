@@ -21,7 +21,7 @@ The recipe, offline and on the CPU, from the target alone:
   5. the draft folder: config.json (model_type "llama", fewer layers), model.safetensors
      (fp16 layer and norm weights, head token ids and bias), tokenizer files and
      distill_report.json. The embedding and head rows are NOT stored: they are the
-     target's, attached at load time by `load_draft_folder` (engine.loader's "default-draft").
+     target's, attached at load time by `engine.loader.load_draft_folder` (engine.loader's "default-draft").
 
 The draft's logits span the full vocabulary (-inf outside its head), so the engine's
 proposer, sampler and rejection sampler use it unchanged; losslessness does not depend on it.
@@ -43,34 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.metrics import PositionCounts, predicted_speedup, ratio
+from engine.loader import SHIPPED_DRAFT_FOLDER, load_draft_folder
 from engine.models.llama import LlamaFamilyModel
+from engine.models.reduced_head_draft import DRAFT_CONFIG_KEY, ReducedHeadDraft, save_draft
 
 DRAFT_FOLDER_NAME = "smollm2-135m-draft"
-DRAFT_CONFIG_KEY = "workbench_draft"        # marks a folder that needs the target at load time
-
-
-# ---- the draft model ---------------------------------------------------------------------
-class ReducedHeadDraft(LlamaFamilyModel):
-    """A Llama-family stack whose head scores only `head_token_ids`; the returned logits
-    are full-vocabulary (-inf elsewhere), so it drops into the engine as any draft."""
-
-    def __init__(self, config, head_size: int, max_positions: int | None = None):
-        super().__init__(config, max_positions)
-        del self.lm_head                       # replaced by the reduced head
-        self.register_buffer("head_token_ids", torch.zeros(head_size, dtype=torch.int64))
-        self.head = nn.Linear(config.hidden_size, head_size, bias=True)
-
-    def tie_weights(self) -> None:             # the reduced head is never tied
-        pass
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.full_logits(self.head(h).float())
-
-    def full_logits(self, reduced: torch.Tensor) -> torch.Tensor:
-        """[N, head_size] -> [N, vocab]: tokens outside the head get -inf (probability 0)."""
-        full = reduced.new_full((reduced.shape[0], self.config.vocab_size), float("-inf"))
-        full[:, self.head_token_ids] = reduced
-        return full
 
 
 def train_hidden(model: LlamaFamilyModel, input_ids: torch.Tensor) -> torch.Tensor:
@@ -130,62 +108,6 @@ def build_draft(target, layer_ids: list[int], head_token_ids: torch.Tensor) -> R
         draft.head.weight.copy_(src.embed_tokens.weight[head_token_ids].float())
         draft.head.bias.zero_()
     return draft.float()
-
-
-def _hf_tensors(draft: ReducedHeadDraft, dtype=torch.float16) -> dict[str, torch.Tensor]:
-    """The draft's own weights under transformers' Llama names (q/k/v and gate/up unfused)."""
-    out = {"model.norm.weight": draft.norm.weight, "head_token_ids": draft.head_token_ids.to(torch.int32),
-           "head.bias": draft.head.bias}
-    for i, layer in enumerate(draft.layers):
-        a, p = layer.self_attn, f"model.layers.{i}."
-        q, k, v = a.qkv_proj.weight.split([a.q_size, a.kv_size, a.kv_size])
-        gate, up = layer.mlp.gate_up_proj.weight.split(layer.mlp.inter)
-        out.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
-                    p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": a.o_proj.weight,
-                    p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                    p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
-                    p + "input_layernorm.weight": layer.input_layernorm.weight,
-                    p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
-    return {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous() for k, v in out.items()}
-
-
-def save_draft(draft: ReducedHeadDraft, tokenizer, folder: Path, report: dict | None = None) -> None:
-    from safetensors.torch import save_file
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(_hf_tensors(draft), str(folder / "model.safetensors"), metadata={"format": "pt"})
-    draft.config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    if report is not None:
-        (folder / "distill_report.json").write_text(json.dumps(report, indent=2) + "\n")
-
-
-def load_draft_folder(folder: Path, target, device="cpu", dtype=torch.float32):
-    """Load a draft written by save_draft; its embedding and head rows come from the target."""
-    from transformers import AutoTokenizer
-    from engine.errors import UnsupportedModelError
-    from engine.loader import LoadedModel, identity_of, load_config, read_weights, weight_files
-    folder = Path(folder)
-    config = load_config(folder)
-    files = weight_files(folder)
-    tensors = read_weights(files)
-    if config.vocab_size != target.hf_config.vocab_size or config.hidden_size != target.hf_config.hidden_size:
-        raise UnsupportedModelError(f"{folder.name} was distilled for another target (vocabulary or width differ)")
-    ids = tensors.pop("head_token_ids").long()
-    src = target.model.embed_tokens.weight
-    with torch.device("meta"):
-        draft = ReducedHeadDraft(config, len(ids), max_positions=target.model.max_positions)
-    draft.materialize()
-    tensors["head_token_ids"] = ids
-    tensors["head.weight"] = src[ids].detach().float()
-    draft.embed_tokens = nn.Embedding(0, config.hidden_size)   # placeholder: shared below
-    tensors["embed_tokens.weight"] = torch.empty(0, config.hidden_size)
-    draft.load_hf_state_dict(tensors)
-    draft = draft.to(device=device, dtype=dtype).eval()
-    draft.embed_tokens = target.model.embed_tokens              # shared, no copy
-    draft.rotary.float()
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-    identity = hashlib.sha256(f"{identity_of(folder, files)}|{target.identity}".encode()).hexdigest()
-    return LoadedModel(draft, tokenizer, config, folder, identity, f"{folder.name} (draft for {target.display_name})")
 
 
 # ---- data ------------------------------------------------------------------------------------
@@ -442,8 +364,8 @@ def agreement_vectors(draft: ReducedHeadDraft, examples: list[Example]) -> list[
 def simulate_greedy_spec(agreements: list[list[bool]], k: int) -> dict:
     """Replay greedy speculative decoding: at each step the draft proposes k tokens on the
     target's path, the run of agreements is accepted, and one target token is added."""
-    attempts, accepts = [0] * k, [0] * k
-    tokens = passes = proposed = 0
+    positions = PositionCounts()
+    tokens = passes = proposed = accepted = 0
     for agree in agreements:
         pos = 0
         while pos < len(agree):
@@ -451,18 +373,17 @@ def simulate_greedy_spec(agreements: list[list[bool]], k: int) -> dict:
             m = 0
             while m < n and agree[pos + m]:
                 m += 1
-            for i in range(min(m + 1, n)):
-                attempts[i] += 1
-                accepts[i] += i < m
+            positions.add([i < m for i in range(min(m + 1, n))])
+            accepted += m
             pos += m + 1
             tokens += m + 1
             passes += 1
             proposed += n
     flat = [a for v in agreements for a in v]
     # acceptance_rate as in DESIGN.md and engine.bench: accepted draft tokens / proposed ones
-    return {"greedy_agreement": sum(flat) / max(len(flat), 1), "eval_tokens": len(flat),
-            "per_position": [a / n if n else 0.0 for a, n in zip(accepts, attempts)],
-            "acceptance_rate": sum(accepts) / max(proposed, 1), "mean_accepted_len": tokens / max(passes, 1)}
+    return {"greedy_agreement": ratio(sum(flat), len(flat)) or 0.0, "eval_tokens": len(flat),
+            "per_position": positions.rates(), "acceptance_rate": ratio(accepted, proposed) or 0.0,
+            "mean_accepted_len": ratio(tokens, passes) or 0.0}
 
 
 def measure_cost_ratio(target, draft_loaded, steps: int = 40) -> dict:
@@ -485,12 +406,6 @@ def measure_cost_ratio(target, draft_loaded, steps: int = 40) -> dict:
         return sorted(times)[len(times) // 2] * 1e3
     target_ms, draft_ms = step_ms(target), step_ms(draft_loaded)
     return {"target_step_ms": target_ms, "draft_step_ms": draft_ms, "cost_ratio": draft_ms / target_ms}
-
-
-def predicted_speedup(alpha: float, k: int, c: float) -> float:
-    """As engine.bench: tau(alpha, k) / (k c + 1), with i.i.d. acceptance alpha."""
-    tau = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
-    return tau / (k * c + 1)
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -559,13 +474,12 @@ def _run(recipe, out, threads, time_budget_min, data_cache, log, target) -> dict
 
 def evaluate(target, loaded, held_ex: list[Example], k: int, log=print) -> dict:
     """Held-out greedy agreement, simulated greedy speculation at k, measured cost ratio and
-    the predicted speedup (alpha = per-token agreement; and from the simulated tau)."""
+    the predicted speedup (alpha = per-token agreement)."""
     evaluation = simulate_greedy_spec(agreement_vectors(loaded.model, held_ex), k)
     evaluation["k"] = k
     costs = measure_cost_ratio(target, loaded)
     evaluation.update(costs)
     evaluation["predicted_speedup"] = predicted_speedup(evaluation["greedy_agreement"], k, costs["cost_ratio"])
-    evaluation["predicted_speedup_from_tau"] = evaluation["mean_accepted_len"] / (k * costs["cost_ratio"] + 1)
     log(f"held-out: agreement {evaluation['greedy_agreement']:.3f}, per-position "
         f"{[round(x, 3) for x in evaluation['per_position']]}, tau {evaluation['mean_accepted_len']:.2f}, "
         f"cost ratio {costs['cost_ratio']:.3f}, predicted speedup {evaluation['predicted_speedup']:.2f}x")
@@ -627,11 +541,10 @@ def _data_summary(train_ex, held_ex, head_ids) -> dict:
 
 
 def main(argv=None) -> int:
-    from engine.loader import RESOURCES
     d = Recipe()
     ap = argparse.ArgumentParser(prog="python -m engine.distill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=RESOURCES / "drafts" / DRAFT_FOLDER_NAME)
+    ap.add_argument("--out", type=Path, default=SHIPPED_DRAFT_FOLDER)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--layers", default=",".join(map(str, d.layers)), help="target layers that initialise the draft's")
     ap.add_argument("--head-vocab", type=int, default=d.head_vocab, help="tokens the draft's head scores")

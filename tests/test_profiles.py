@@ -26,7 +26,7 @@ def test_every_setting_survives_save_and_load(store):
     assert path == store.profiles_dir / "mine.json"
     assert store.load("mine") == CUSTOM
     data = json.loads(path.read_text())
-    assert data["format"] == FORMAT and data["version"] == VERSION == 1
+    assert data["format"] == FORMAT and data["version"] == VERSION == 2
 
 
 def test_save_as_writes_a_second_name_and_both_are_listed(store):
@@ -39,21 +39,36 @@ def test_save_as_writes_a_second_name_and_both_are_listed(store):
 def test_profile_maps_onto_engine_config_and_sampling():
     config = CUSTOM.engine_config()
     assert (config.kv_cache_dtype, config.block_size, config.enable_prefix_caching) == ("fp8_e4m3", 32, False)
-    assert (config.spec.proposer, config.spec.num_speculative_tokens, config.spec.draft_model) == ("draft", 7, "self")
+    assert (config.proposer, config.num_speculative_tokens, config.draft_model) == ("draft", 7, "self")
     params = CUSTOM.sampling_params()
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed) == (64, 0.7, 0.9, 40, 123)
     assert CUSTOM.engine_settings() == {"kv_cache_dtype": "fp8_e4m3", "block_size": 32, "enable_prefix_caching": False,
-                                        "proposer": "draft", "num_speculative_tokens": 7}
+                                        "proposer": "draft", "num_speculative_tokens": 7, "draft_model": "self",
+                                        "ngram_min": 1, "ngram_max": 4, "kv_cache_bytes": 512 * 2**20,
+                                        "num_blocks": None, "attention_backend": "auto"}
+
+
+def test_a_version_1_profile_reads_with_the_newer_settings_at_their_defaults(tmp_path):
+    v1 = {"format": FORMAT, "version": 1, "name": "old", "model": "default", "draft_model": None,
+          "proposer": "ngram", "num_speculative_tokens": 3, "kv_cache_dtype": "fp8_e4m3",
+          "enable_prefix_caching": False, "block_size": 16, "max_tokens": 64, "temperature": 0.5, "top_p": 1,
+          "top_k": 0, "seed": None, "system_prompt": "Hi."}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(v1))
+    profile = read_profile(path)
+    assert (profile.proposer, profile.num_speculative_tokens, profile.top_p) == ("ngram", 3, 1.0)
+    assert (profile.ngram_min, profile.ngram_max, profile.attention_backend) == (1, 4, "auto")
+    assert profile.to_json_dict()["version"] == 2
 
 
 @pytest.mark.parametrize("content, message", [
     ("{not json", "not valid JSON"),
     ('{"format": "something-else", "version": 1}', "not an inference-workbench profile"),
-    (json.dumps({"format": FORMAT, "version": 2}), "newer workbench"),
+    (json.dumps({"format": FORMAT, "version": VERSION + 1}), "newer workbench"),
     (json.dumps({"format": FORMAT, "version": 1, "num_speculative_tokens": 99}), "1..16"),
     (json.dumps({"format": FORMAT, "version": 1, "temprature": 0.5}), "unknown settings ['temprature']"),
-    (json.dumps({"format": FORMAT, "version": 1, "enable_prefix_caching": "yes"}), "must be bool"),
-    (json.dumps({"format": FORMAT, "version": 1, "max_tokens": True}), "must be int"),
+    (json.dumps({"format": FORMAT, "version": 1, "enable_prefix_caching": "yes"}), "enable_prefix_caching must be bool"),
+    (json.dumps({"format": FORMAT, "version": 1, "max_tokens": True}), "max_tokens must be int"),
 ])
 def test_a_bad_file_raises_a_clear_error_and_changes_nothing(store, content, message):
     store.save(CUSTOM)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.config import MAX_SPEC_TOKENS
 from engine.kernels import interpreting
 from engine.kv_cache import LayerCache
 
@@ -19,9 +20,9 @@ try:
 except ImportError as error:    # triton missing (macOS, Windows, a CPU-only install)
     _IMPORT_ERROR = error
 
-# Up to this many new tokens (one decode token, or k + 1 <= 17 verification tokens) take
-# the decode configuration: all of a KV group's query rows in one program, split-K.
-MAX_DECODE_TOKENS = 17
+# Up to this many new tokens (one decode token, or k + 1 verification tokens) take the
+# decode configuration: all of a KV group's query rows in one program, split-K.
+MAX_DECODE_TOKENS = MAX_SPEC_TOKENS + 1
 
 
 def kernels_available(device: torch.device | str) -> bool:
