@@ -14,7 +14,9 @@ from app.engine_worker import EngineHost
 from app.main_thread_gc import MainThreadGarbageCollector
 from app.main_window import MainWindow
 from app.metrics_history import MetricsHistory
+from app.platform_check import platform_problem
 from app.theme import APP_ICON, style_sheet
+from app.window_geometry import LAYOUT_FILE
 from engine.profiles import ProfileStore
 
 
@@ -45,7 +47,7 @@ def build(profile_path: str | None = None, store: ProfileStore | None = None, st
     store = store or ProfileStore()
     profile, warning = store.startup_profile(profile_path)
     history = MetricsHistory()
-    window = MainWindow(history)
+    window = MainWindow(history, layout_file=store.root / LAYOUT_FILE)
     host = EngineHost()
     controller = Controller(window, host.worker, store, history, profile)
     if warning:
@@ -64,6 +66,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # Qt aborts with a generic message when its platform plugin cannot load; say why first.
+    problem = None if QApplication.instance() else platform_problem()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("Inference Workbench")
     app.setWindowIcon(QIcon(str(APP_ICON)))

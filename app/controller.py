@@ -6,11 +6,12 @@ methods are safe to call from this (the GUI) thread.
 """
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from PySide6.QtCore import QObject, QTimer
 
-from app.engine_worker import GENERATING, IDLE, LOADING, LOADING_DRAFT, EngineWorker
+from app.engine_worker import (GENERATE, GENERATING, IDLE, LOAD_DRAFT, LOAD_MODEL, LOADING, LOADING_DRAFT,
+                               EngineWorker)
 from app.formatting import describe_deferred, describe_settings, message_stats
 from app.main_window import MainWindow
 from app.metrics_history import MetricsHistory
@@ -30,6 +31,7 @@ class Controller(QObject):
         self.window, self.worker, self.store, self.history = window, worker, store, history
         self.chat, self.panel = window.chat, window.settings
         self.profile_name = profile.name
+        self.profile = profile                  # keeps the settings the panel does not show
         self.model_reference = profile.model
         self.conversation: list[dict] = []
         self.request_id: int | None = None      # the reply being generated
@@ -120,12 +122,14 @@ class Controller(QObject):
         self._refresh_state()
 
     def _on_step(self, event: dict) -> None:
+        """Per token: append the text and store the numbers; the plots redraw on their timer."""
         if event["request_id"] != self.request_id:
             return
-        self.chat.append_segments(event["segments"])
+        self.chat.append_segments(event["pieces"])
         self.reply_parts.append(event["text_delta"])
         self.history.record_step(event)
-        self._show_effective(event["settings"])
+        if event["settings"] is not None:         # only when a setting changed
+            self._show_effective(event["settings"])
 
     def _on_request_done(self, done: dict) -> None:
         if done["request_id"] != self.request_id:
@@ -157,8 +161,6 @@ class Controller(QObject):
 
     def choose_draft_model(self, reference: str | None) -> None:
         self.worker.set_draft_model(reference)
-        if self.request_id is not None:
-            self._defer({"draft_model": reference})
         self._settings_edited()
 
     def _on_settings_changed(self, settings: dict, applied: dict, deferred: dict) -> None:
@@ -189,15 +191,15 @@ class Controller(QObject):
         self._settings_edited()
         self._refresh_state()
 
-    def _on_failed(self, doing: str, message: str) -> None:
+    def _on_failed(self, kind: str, doing: str, message: str) -> None:
         self.window.show_error(f"{doing} failed: {message}")
-        if doing.startswith("Loading draft"):
+        if kind == LOAD_DRAFT:
             self.panel.show_draft(self.effective.get("draft_model"))    # the draft did not change
-        if doing.startswith("Loading"):
+        if kind in (LOAD_MODEL, LOAD_DRAFT):
             self.window.hide_progress()
             if not self.model_ready:
                 self.panel.show_model("no model loaded: pick one below")
-        if doing == "Generating" and self.request_id is not None:
+        if kind == GENERATE and self.request_id is not None:
             self.chat.add_error(message)
 
     def _on_busy(self, state: str) -> None:
@@ -213,9 +215,10 @@ class Controller(QObject):
 
     # ---- profiles ------------------------------------------------------------------
     def current_profile(self, **overrides) -> SessionProfile:
+        """The last profile shown, with what the user changed since (panel, system prompt)."""
         values = dict(name=self.profile_name, model=self.model_reference,
                       system_prompt=self.chat.system_prompt(), **self.panel.values())
-        return SessionProfile(**(values | overrides))
+        return replace(self.profile, **(values | overrides))
 
     def save_profile(self) -> None:
         """Ctrl+S: save under the current name; ask for one if the session has none yet."""
@@ -250,13 +253,11 @@ class Controller(QObject):
         if profile.model != self.model_reference:
             self.load_model(profile.model)
         else:
-            self.worker.reconfigure(**profile.engine_settings())
-            if profile.draft_model != self.effective.get("draft_model"):
-                self.choose_draft_model(profile.draft_model)
+            self.worker.reconfigure(**profile.engine_settings())     # the draft too, if it differs
         self._settings_edited()
 
     def _show_profile(self, profile: SessionProfile) -> None:
-        self.profile_name = profile.name
+        self.profile_name, self.profile = profile.name, profile
         self.panel.set_values(asdict(profile))
         self.chat.set_system_prompt(profile.system_prompt)
         self._show_title()

@@ -1,26 +1,18 @@
 """The engine on its own thread: the ONLY module in app/ that imports both Qt and engine.
 
-EngineWorker is a QObject moved to a QThread (not a QThread subclass). Requests come in
-through public methods that are safe to call from the GUI thread:
-  - load_model / generate / set_draft_model emit queued signals, so the work runs on the
-    worker thread, in order;
-  - reconfigure puts changes on a thread-safe queue that the worker drains between
-    generation steps (a queued signal cannot arrive while generate() loops) and, when
-    idle, on a queued wake-up;
-  - cancel only sets flags (LLMEngine.cancel is thread-safe and runs no forward pass),
-    so Stop takes effect at the next step.
-Results go out as signals carrying plain data (dicts, lists, str), never engine objects.
-The GUI thread never runs a forward pass.
+EngineWorker is a QObject moved to a QThread (not a QThread subclass). Every request
+(load, generate, reconfigure, draft change, cancel) is an ordinary queued call: the public
+methods emit a signal and the slot runs on the worker thread, in order. A reply runs ONE
+engine step per turn of the worker's event loop (each step queues the next), so a change
+or a Stop queued during a reply is handled before the next step, with no extra locks,
+queues or flags. Results go out as signals carrying plain data (dicts, lists, str), never
+engine objects. The GUI thread never runs a forward pass.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import os
-import queue
-import threading
-from collections import Counter
-from dataclasses import fields
 
 from PySide6.QtCore import QObject, QThread, Qt, Signal, Slot
 
@@ -29,44 +21,46 @@ import torch
 from engine import LLMEngine
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import WorkbenchError
-from engine.metrics import TARGET, StepEvent
+from engine.request import Request
 
 log = logging.getLogger(__name__)
 IDLE, LOADING, GENERATING, LOADING_DRAFT = "", "loading", "generating", "loading draft"
-DETOKENIZE_CONTEXT = 4     # tokens of left context when decoding per token (as the engine does)
+# What failed (the first argument of `failed`): the controller reacts by kind, not by text.
+LOAD_MODEL, LOAD_DRAFT, CHANGE_SETTINGS, GENERATE = "load model", "load draft", "change settings", "generate"
 
 
 class EngineWorker(QObject):
     # ---- out (plain data) -------------------------------------------------------
     loadProgress = Signal(str, float)           # message, fraction 0..1
     modelLoaded = Signal(dict)                  # {"name", "reference", "settings"}
-    stepReady = Signal(dict)                    # one StepEvent as a dict + "request_id", "segments"
+    stepReady = Signal(dict)                    # StepEvent.as_dict() + "request_id"
     requestDone = Signal(dict)                  # {"request_id", "finish_reason", "summary", "settings"}
     settingsChanged = Signal(dict, dict, dict)  # settings in effect, applied, deferred to the request's end
-    failed = Signal(str, str)                   # what was being done, a readable message
+    failed = Signal(str, str, str)              # kind (LOAD_MODEL, ...), what was being done, a readable message
     busyChanged = Signal(str)                   # IDLE, LOADING, GENERATING or LOADING_DRAFT
 
     # ---- in (queued to the worker thread) ------------------------------------------
     _loadRequested = Signal(str, object)
     _generateRequested = Signal(int, object, object)
+    _reconfigureRequested = Signal(object)
     _draftRequested = Signal(object)
-    _wakeRequested = Signal()
+    _cancelRequested = Signal()
+    _stepRequested = Signal()
 
     def __init__(self):
         super().__init__()
         self.engine: LLMEngine | None = None
-        self._reconfigure_queue: queue.SimpleQueue[dict] = queue.SimpleQueue()
+        self.request: Request | None = None
+        self.request_id: int | None = None
+        self.pending_draft: tuple[str | None] | None = None    # a draft chosen during a reply
         self._request_ids = itertools.count(1)
-        self._ids_lock = threading.Lock()
-        self._last_submitted = 0
-        self._cancelled_upto = 0      # every request id <= this one is cancelled
-        self._recent_ids: list[int] = []
-        self._closing = threading.Event()     # set on exit: queued requests are dropped
         queued = Qt.ConnectionType.QueuedConnection
         self._loadRequested.connect(self._load, queued)
         self._generateRequested.connect(self._generate, queued)
+        self._reconfigureRequested.connect(self._reconfigure, queued)
         self._draftRequested.connect(self._set_draft, queued)
-        self._wakeRequested.connect(self._drain_reconfigure, queued)
+        self._cancelRequested.connect(self._cancel, queued)
+        self._stepRequested.connect(self._step, queued)
 
     # ---- public API: safe from any thread ---------------------------------------
     def load_model(self, reference: str, config: EngineConfig) -> None:
@@ -74,175 +68,145 @@ class EngineWorker(QObject):
         self._loadRequested.emit(reference or "default", config)
 
     def generate(self, messages: list[dict], params: SamplingParams) -> int:
-        with self._ids_lock:
-            request_id = next(self._request_ids)
-            self._last_submitted = request_id
+        request_id = next(self._request_ids)      # itertools.count is atomic under the GIL
         self._generateRequested.emit(request_id, [dict(m) for m in messages], params)
         return request_id
 
     def reconfigure(self, **changes) -> None:
-        self._reconfigure_queue.put(changes)
-        self._wakeRequested.emit()
+        self._reconfigureRequested.emit(changes)
 
     def set_draft_model(self, reference: str | None) -> None:
-        """Runs between requests: queued behind a running generation."""
+        """Now if idle; a draft chosen during a reply loads when the reply ends."""
         self._draftRequested.emit(reference)
 
-    def close(self) -> None:
-        """On exit: stop the running request and drop every request still queued."""
-        self._closing.set()
-        self.cancel()
-
     def cancel(self) -> None:
-        """Stop the running request and any already submitted, at their next step."""
-        with self._ids_lock:
-            self._cancelled_upto = self._last_submitted
-        engine = self.engine
-        if engine is not None:
-            engine.cancel()
+        """Stop the running reply at its next step (queued behind what was asked before)."""
+        self._cancelRequested.emit()
 
-    # ---- worker thread -----------------------------------------------------------
+    # ---- worker thread: loading ----------------------------------------------------
     @Slot(str, object)
     def _load(self, reference: str, config: EngineConfig) -> None:
-        if self._closing.is_set():
-            return
+        if self.request is not None:
+            self._close_request("cancelled")
         self.busyChanged.emit(LOADING)
         leave_a_core_for_the_gui()
-        draft = config.spec.draft_model
         try:
             # The draft loads separately so a bad draft never costs the user the target.
             engine = LLMEngine.load(reference, config.with_changes(draft_model=None), progress=self.loadProgress.emit)
         except Exception as exc:                  # noqa: BLE001 - any failure becomes a message
-            self._fail(f"Loading model {reference!r}", exc)
+            self._fail(LOAD_MODEL, f"Loading model {reference!r}", exc)
         else:
             self.engine = engine
             self.modelLoaded.emit({"name": engine.target_model.display_name, "reference": reference,
                                    "settings": engine.settings()})
-            if draft:
-                self._set_draft(draft)
+            if config.draft_model:
+                self._load_draft(config.draft_model)
         self.busyChanged.emit(IDLE)
 
     @Slot(object)
     def _set_draft(self, reference: str | None) -> None:
-        if self._closing.is_set() or not self._need_engine("Setting the draft model"):
+        if not self._need_engine(LOAD_DRAFT, "Setting the draft model"):
+            return
+        if self.request is not None:
+            self.pending_draft = (reference,)
+            self.settingsChanged.emit(self.engine.settings(), {}, {"draft_model": reference})
             return
         self.busyChanged.emit(LOADING_DRAFT)
+        self._load_draft(reference)
+        self.busyChanged.emit(IDLE)
+
+    def _load_draft(self, reference: str | None) -> None:
         try:
             self.engine.set_draft_model(reference, progress=self.loadProgress.emit)
         except Exception as exc:                  # noqa: BLE001
-            self._fail(f"Loading draft model {reference!r}", exc)
+            self._fail(LOAD_DRAFT, f"Loading draft model {reference!r}", exc)
         self.settingsChanged.emit(self.engine.settings(), {"draft_model": self.engine.draft_name}, {})
-        self.busyChanged.emit(IDLE)
+
+    # ---- worker thread: settings and cancel ------------------------------------------
+    @Slot(object)
+    def _reconfigure(self, changes: dict) -> None:
+        if not self._need_engine(CHANGE_SETTINGS, "Changing settings"):
+            return
+        changes = dict(changes)
+        if "draft_model" in changes:
+            draft = changes.pop("draft_model")
+            if draft != self.engine.draft_name:
+                self._set_draft(draft)
+        if not changes:
+            return
+        try:
+            result = self.engine.reconfigure(**changes)
+        except Exception as exc:                  # noqa: BLE001
+            self._fail(CHANGE_SETTINGS, "Changing settings", exc)
+            self.settingsChanged.emit(self.engine.settings(), {}, {})
+        else:
+            self.settingsChanged.emit(self.engine.settings(), result.applied, result.deferred)
 
     @Slot()
-    def _drain_reconfigure(self) -> None:
-        if self.engine is None or self._closing.is_set():
-            return        # changes wait in the queue for the first model to load
-        while True:
-            try:
-                changes = self._reconfigure_queue.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                result = self.engine.reconfigure(**changes)
-            except Exception as exc:              # noqa: BLE001
-                self._fail("Changing settings", exc)
-                self.settingsChanged.emit(self.engine.settings(), {}, {})
-            else:
-                self.settingsChanged.emit(self.engine.settings(), result.applied, result.deferred)
+    def _cancel(self) -> None:
+        if self.request is not None:
+            self.request.cancel()
 
+    # ---- worker thread: a reply, one step per turn ---------------------------------------
     @Slot(int, object, object)
     def _generate(self, request_id: int, messages: list[dict], params: SamplingParams) -> None:
-        done = {"request_id": request_id, "finish_reason": "error", "summary": None, "settings": {}}
-        if self._closing.is_set():
+        if not self._need_engine(GENERATE, "Generating"):
+            self.requestDone.emit({"request_id": request_id, "finish_reason": "error", "summary": None, "settings": {}})
             return
-        if self._is_cancelled(request_id):
-            done["finish_reason"] = "cancelled"
-        elif self._need_engine("Generating"):
-            self.busyChanged.emit(GENERATING)
-            done.update(self._run_request(request_id, messages, params))
-            self.busyChanged.emit(IDLE)
-        if self.engine is not None:
-            self._drain_reconfigure()
-            done["settings"] = self.engine.settings()    # deferred settings are in effect now
-        self.requestDone.emit(done)
-
-    def _run_request(self, request_id: int, messages: list[dict], params: SamplingParams) -> dict:
-        result = {}
-        self._recent_ids = []
         try:
-            for event in self.engine.generate(messages, params):
-                self._drain_reconfigure()     # live changes apply at the next step
-                if self._is_cancelled(request_id):
-                    self.engine.cancel()
-                self.stepReady.emit(self._event_data(event, request_id))
-                if event.finished:
-                    result = {"finish_reason": event.finish_reason, "summary": event.summary.as_dict()}
+            self.request = self.engine.start(messages, params)
         except Exception as exc:                  # noqa: BLE001
-            self._fail("Generating", exc)
-        return result
+            self._fail(GENERATE, "Generating", exc)
+            self.requestDone.emit({"request_id": request_id, "finish_reason": "error", "summary": None,
+                                   "settings": self.engine.settings()})
+            return
+        self.request_id = request_id
+        self.busyChanged.emit(GENERATING)
+        self._stepRequested.emit()
+
+    @Slot()
+    def _step(self) -> None:
+        if self.request is None:
+            return
+        try:
+            event = self.request.step()
+        except Exception as exc:                  # noqa: BLE001
+            self._fail(GENERATE, "Generating", exc)
+            self._close_request("error")
+            return
+        self.stepReady.emit(event.as_dict() | {"request_id": self.request_id})
+        if event.finished:
+            self._close_request(event.finish_reason, event.summary.as_dict())
+        else:
+            self._stepRequested.emit()            # behind anything queued meanwhile
+
+    def _close_request(self, finish_reason: str, summary: dict | None = None) -> None:
+        request_id, request = self.request_id, self.request
+        self.request, self.request_id = None, None
+        try:
+            request.close()                       # deferred settings apply here
+        except Exception as exc:                  # noqa: BLE001
+            self._fail(CHANGE_SETTINGS, "Applying the deferred settings", exc)
+        if self.pending_draft is not None:
+            (draft,), self.pending_draft = self.pending_draft, None
+            self._load_draft(draft)
+        self.requestDone.emit({"request_id": request_id, "finish_reason": finish_reason, "summary": summary,
+                               "settings": self.engine.settings()})
+        self.busyChanged.emit(IDLE)
 
     # ---- helpers ---------------------------------------------------------------
-    def _is_cancelled(self, request_id: int) -> bool:
-        with self._ids_lock:
-            return request_id <= self._cancelled_upto
-
-    def _need_engine(self, doing: str) -> bool:
+    def _need_engine(self, kind: str, doing: str) -> bool:
         if self.engine is None:
-            self.failed.emit(doing, "no model is loaded yet: wait for loading to finish, or pick a model")
+            self.failed.emit(kind, doing, "no model is loaded yet: wait for loading to finish, or pick a model")
         return self.engine is not None
 
-    def _fail(self, doing: str, exc: Exception) -> None:
+    def _fail(self, kind: str, doing: str, exc: Exception) -> None:
         if isinstance(exc, WorkbenchError):
             message = str(exc)
         else:
             log.exception("%s failed", doing)
             message = f"unexpected {type(exc).__name__}: {exc} (details are in the log)"
-        self.failed.emit(doing, message)
-
-    def _event_data(self, event: StepEvent, request_id: int) -> dict:
-        data = {f.name: getattr(event, f.name) for f in fields(event) if f.name != "summary"}
-        data["summary"] = event.summary.as_dict() if event.summary is not None else None
-        data["request_id"] = request_id
-        data["segments"] = self._segments(event)
-        self._recent_ids = (self._recent_ids + list(event.token_ids))[-DETOKENIZE_CONTEXT:]
-        return data
-
-    def _segments(self, event: StepEvent) -> list[tuple[str, str]]:
-        """The step's text split into (text, kind) runs, exact per token where the text allows."""
-        kinds = event.token_kinds
-        if not event.text_delta:
-            return []
-        if len(set(kinds)) <= 1:
-            return [(event.text_delta, kinds[0] if kinds else TARGET)]
-        pieces = per_token_text(self.engine.tokenizer, self._recent_ids, event.token_ids)
-        if "".join(pieces) != event.text_delta:
-            # A character split across steps: colour the step by its most common kind.
-            return [(event.text_delta, Counter(kinds).most_common(1)[0][0])]
-        return merge_runs(zip(pieces, kinds))
-
-
-def per_token_text(tokenizer, context_ids: list[int], token_ids: list[int]) -> list[str]:
-    """Text each token adds, decoded after some left context (tokenizers that drop a leading
-    space at the start of a decode would otherwise lose it)."""
-    def decode(ids):
-        return tokenizer.decode(ids, skip_special_tokens=True)
-    pieces, previous = [], decode(context_ids)
-    for i in range(1, len(token_ids) + 1):
-        text = decode(context_ids + token_ids[:i])
-        pieces.append(text[len(previous):] if text.startswith(previous) else "\ufffd")
-        previous = text
-    return pieces
-
-
-def merge_runs(pieces) -> list[tuple[str, str]]:
-    runs: list[list] = []
-    for text, kind in pieces:
-        if runs and runs[-1][1] == kind:
-            runs[-1][0] += text
-        elif text:
-            runs.append([text, kind])
-    return [(text, kind) for text, kind in runs]
+        self.failed.emit(kind, doing, message)
 
 
 def leave_a_core_for_the_gui() -> None:
@@ -251,7 +215,8 @@ def leave_a_core_for_the_gui() -> None:
     it slows the forward pass itself many times over (measured on 2 shared cores: 0.7 s per
     step with 2 threads, 0.035 s with 1). Keep one core for the window, unless the user
     already chose fewer threads (OMP_NUM_THREADS / torch.set_num_threads). Called on the
-    worker thread: the setting is per thread (OpenMP), so it touches nothing else."""
+    worker thread: the setting is per thread (OpenMP), so it touches nothing else. The
+    count in use is shown under "In effect"."""
     cores = os.cpu_count() or 1
     if cores > 1 and torch.get_num_threads() >= cores:
         torch.set_num_threads(cores - 1)
@@ -268,9 +233,8 @@ class EngineHost:
         self.thread.start()
 
     def stop(self) -> None:
-        """Cancel any generation (it ends within a step), drop queued requests, end the
-        thread's event loop and wait for it. No time limit: a QThread destroyed while it
-        runs aborts the process, so a model half-way through loading is let finish."""
-        self.worker.close()
+        """End the worker's event loop after the step (or load) it is running, and wait.
+        No time limit: a QThread destroyed while it runs aborts the process, so a model
+        half-way through loading is let finish."""
         self.thread.quit()
         self.thread.wait()

@@ -22,6 +22,8 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
         f"<b>Prefix cache</b>: {'on' if settings.get('enable_prefix_caching') else 'off'}",
         f"<b>Speculation</b>: {speculation}",
         f"<b>Draft model</b>: {escape(_short(draft)) if draft else 'none'}",
+        f"<b>Runs on</b>: {escape(str(settings.get('device')))}, {escape(str(settings.get('dtype')))} weights, "
+        f"{settings.get('threads')} torch thread{'s' if settings.get('threads') != 1 else ''}",
     ]
     return "<br>".join(lines)
 

@@ -17,8 +17,12 @@ from app.metrics_history import MetricsHistory
 from app.plots_panel import PlotsPanel
 from app.settings_panel import SettingsPanel
 from app.theme import APP_ICON
+from app.window_geometry import initial_geometry, restore_layout, save_layout
 
 PROFILE_FILTER = "Workbench profiles (*.json)"
+SETTINGS_MIN_WIDTH = 340        # the settings' labels and spin boxes stay readable
+SETTINGS_WIDTH_SHARE = 0.22
+PLOTS_HEIGHT_SHARE = 0.45
 
 
 class MainWindow(QMainWindow):
@@ -28,11 +32,14 @@ class MainWindow(QMainWindow):
     deleteProfileRequested = Signal(str)
     closing = Signal()
 
-    def __init__(self, history: MetricsHistory, parent=None):
+    def __init__(self, history: MetricsHistory, parent=None, layout_file: Path | None = None):
+        """`layout_file`: where the window's geometry and docks are kept between runs
+        (app.window_geometry); None keeps nothing."""
         super().__init__(parent)
         self.setWindowTitle("Inference Workbench")
         self.setWindowIcon(QIcon(str(APP_ICON)))
-        self.resize(1600, 1100)
+        self._layout_file = layout_file
+        self.setGeometry(initial_geometry(self.screen().availableGeometry()))
         self.chat = ChatView()
         self.settings = SettingsPanel()
         self.plots = PlotsPanel(history)
@@ -40,6 +47,8 @@ class MainWindow(QMainWindow):
         self._build_docks()
         self._build_status_bar()
         self._build_menus()
+        if layout_file is not None:
+            restore_layout(self, layout_file)
         QShortcut(QKeySequence(Qt.Key.Key_Escape), self, self.chat.stopRequested.emit)
         # Ctrl+Enter sends from anywhere in the window, not only from the message box.
         for keys in ("Ctrl+Return", "Ctrl+Enter"):
@@ -74,11 +83,14 @@ class MainWindow(QMainWindow):
         scroll = QScrollArea()
         scroll.setWidgetResizable(True)
         scroll.setWidget(self.settings)
-        scroll.setMinimumWidth(340)
+        scroll.setMinimumWidth(SETTINGS_MIN_WIDTH)
         self.settings_dock = self._dock("Settings", scroll, Qt.DockWidgetArea.RightDockWidgetArea)
         self.plots_dock = self._dock("Live metrics", self.plots, Qt.DockWidgetArea.BottomDockWidgetArea)
-        self.resizeDocks([self.plots_dock], [520], Qt.Orientation.Vertical)
-        self.resizeDocks([self.settings_dock], [350], Qt.Orientation.Horizontal)
+        # Shares of the window, not pixels, so a laptop screen still leaves the chat room.
+        size = self.size()
+        self.resizeDocks([self.plots_dock], [int(size.height() * PLOTS_HEIGHT_SHARE)], Qt.Orientation.Vertical)
+        settings_width = max(SETTINGS_MIN_WIDTH, int(size.width() * SETTINGS_WIDTH_SHARE))
+        self.resizeDocks([self.settings_dock], [settings_width], Qt.Orientation.Horizontal)
 
     def _dock(self, title: str, widget: QWidget, area) -> QDockWidget:
         dock = QDockWidget(title, self)
@@ -181,6 +193,8 @@ class MainWindow(QMainWindow):
             self.deleteProfileRequested.emit(name)
 
     def closeEvent(self, event) -> None:
+        if self._layout_file is not None:
+            save_layout(self, self._layout_file)
         self.closing.emit()
         super().closeEvent(event)
 

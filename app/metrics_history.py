@@ -1,8 +1,9 @@
 """The session's metrics as numpy ring buffers: what the plots draw and the CSV export writes.
 
-Plain Python and numpy (no Qt, no engine): it takes the plain step/request dicts the
-engine worker emits. Step series are indexed by the session step (x axis of the step
-plots); request series by the request number. Metric definitions: DESIGN.md.
+Plain Python and numpy (no Qt, no forward pass): it stores the plain step/request dicts the
+engine worker emits, whose ratios the engine computed (engine.metrics holds every formula).
+Step series are indexed by the session step (x axis of the step plots); request series by
+the request number.
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.metrics import PositionCounts
+
 MIB = 2**20
 STEP_CAPACITY = 8192          # steps kept for plots and CSV; older ones scroll out
 REQUEST_CAPACITY = 1024
-MAX_POSITIONS = 16
 # Settings whose change gets a marker on the plots, with a short label for each.
 MARKED_SETTINGS = ("kv_cache_dtype", "enable_prefix_caching", "proposer", "num_speculative_tokens",
                    "draft_model", "block_size")
@@ -85,23 +87,20 @@ class MetricsHistory:
         self.step_labels: deque[dict] = deque(maxlen=STEP_CAPACITY)       # text columns for the CSV
         self.request_labels: deque[dict] = deque(maxlen=REQUEST_CAPACITY)
         self.markers: deque[tuple[float, float, str]] = deque(maxlen=256)  # (session step, request, label)
-        self.position_attempts = np.zeros(MAX_POSITIONS)
-        self.position_accepts = np.zeros(MAX_POSITIONS)
+        self.positions = PositionCounts()      # this speculation set-up, across replies
         self.markers_added = 0     # total ever added (the deque drops old ones)
         self.kv_dtype = ""
         self._session_step = 0
         self._request_count = 0
         self._last_settings: dict | None = None
-        self._request: dict = {}
 
     # ---- recording -------------------------------------------------------------
     def record_step(self, event: dict) -> None:
-        self._note_setting_changes(event.get("settings") or {}, mid_request=event["step"] > 0)
+        if event["settings"] is not None:         # sent on a request's first step and on a change
+            self._note_setting_changes(event["settings"], mid_request=event["step"] > 0)
         if event["step"] == 0:
             self._request_count += 1
-            self._request = {"proposed": 0, "accepted": 0, "decode_tokens": 0, "decode_time": 0.0}
-        self._accumulate_request(event)
-        self._accumulate_positions(event.get("accepted_per_position") or [])
+        self.positions.add(event["accepted_per_position"])
         self._append_step(event)
         self.kv_dtype = event["kv_dtype"]
         self._session_step += 1
@@ -140,39 +139,24 @@ class MetricsHistory:
         self.markers.append((self._session_step - 0.5, request, label))
         self.markers_added += 1
         if any(k in SPECULATION_SETTINGS for k in changed):
-            self.position_attempts[:] = 0     # per-position acceptance describes the current set-up
-            self.position_accepts[:] = 0
-
-    def _accumulate_request(self, event: dict) -> None:
-        r = self._request
-        r["proposed"] += event["proposed"]
-        r["accepted"] += event["accepted"]
-        if event.get("ttft_s") is None:
-            r["decode_tokens"] += len(event["token_ids"])
-            r["decode_time"] += event["step_time_s"]
-
-    def _accumulate_positions(self, positions: list[bool]) -> None:
-        for i, accepted in enumerate(positions[:MAX_POSITIONS]):
-            self.position_attempts[i] += 1
-            self.position_accepts[i] += bool(accepted)
+            self.positions = PositionCounts()     # per-position acceptance describes the current set-up
 
     def _append_step(self, event: dict) -> None:
-        r = self._request
-        decode = event.get("ttft_s") is None and event["step_time_s"] > 0 and event["token_ids"]
+        running = event["running"]
         row = {"session_step": self._session_step, "request": self._request_count, "step": event["step"],
                "time_s": event["time_s"], "step_time_s": event["step_time_s"], "tokens": len(event["token_ids"]),
                "proposed": event["proposed"], "accepted": event["accepted"],
-               "acceptance": event["accepted"] / event["proposed"] if event["proposed"] else np.nan,
-               "running_acceptance": r["accepted"] / r["proposed"] if r["proposed"] else np.nan,
-               "tok_s": len(event["token_ids"]) / event["step_time_s"] if decode else np.nan,
-               "running_tok_s": r["decode_tokens"] / r["decode_time"] if r["decode_time"] > 0 else np.nan,
+               "acceptance": _nan_if_none(event["step_acceptance"]),
+               "running_acceptance": _nan_if_none(running["acceptance_rate"]),
+               "tok_s": _nan_if_none(event["step_tok_s"]),
+               "running_tok_s": running["decode_tok_s"] if running["decode_tokens"] else np.nan,
                "kv_used_mib": event["kv_bytes_used"] / MIB, "kv_capacity_mib": event["kv_bytes_capacity"] / MIB,
                "is_fp8": float(event["kv_dtype"].startswith("fp8")),
                "prefix_hit_tokens": event["prefix_hit_tokens"], "prompt_tokens": event["prompt_tokens"],
                "generated_tokens": event["generated_tokens"], "ttft_s": _nan_if_none(event.get("ttft_s"))}
         for name, value in row.items():
             self.steps[name].append(value)
-        settings = event.get("settings") or {}
+        settings = self._last_settings or {}
         self.step_labels.append({"kv_dtype": event["kv_dtype"], "proposer": settings.get("proposer"),
                                  "k": settings.get("num_speculative_tokens"),
                                  "prefix_caching": settings.get("enable_prefix_caching"),
@@ -187,8 +171,7 @@ class MetricsHistory:
 
     def per_position_acceptance(self) -> np.ndarray:
         """P(draft token i accepted | tokens < i accepted), for positions tried so far."""
-        tried = int(np.count_nonzero(self.position_attempts))
-        return self.position_accepts[:tried] / np.maximum(self.position_attempts[:tried], 1)
+        return np.array(self.positions.rates())
 
     @property
     def num_steps(self) -> int:

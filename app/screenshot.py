@@ -40,10 +40,8 @@ def wait_until(predicate, timeout_s: float = 300) -> None:
 
 
 def apply(panel, changes: dict) -> None:
-    combos = {"proposer": panel.proposer_combo, "kv_cache_dtype": panel.kv_dtype_combo,
-              "draft_model": panel.draft_combo}
     for key, value in changes.items():
-        combo = combos[key]
+        combo = panel.widget(key)
         combo.setCurrentIndex(combo.findData(value))
 
 
@@ -64,7 +62,7 @@ def warm_up(workbench) -> None:
     """One unshown reply first: the first forward passes of a process are slow (allocation,
     kernel selection) and would make the first plotted request look worse than it is."""
     window, controller = workbench.window, workbench.controller
-    window.settings.max_tokens_spin.setValue(4)
+    window.settings.widget("max_tokens").setValue(4)
     controller.send("Hi!")
     wait_until(lambda: controller.request_id is None)
     controller.new_chat()
@@ -76,11 +74,11 @@ def chat_and_grab(workbench, out: Path) -> None:
     window.show()
     wait_until(lambda: controller.model_ready)
     warm_up(workbench)
-    window.settings.max_tokens_spin.setValue(48)
+    window.settings.widget("max_tokens").setValue(48)
     for number, (changes, message) in enumerate(SCRIPT, start=1):
         apply(window.settings, changes)
         if number == len(SCRIPT):
-            window.settings.max_tokens_spin.setValue(LAST_REPLY_MAX_TOKENS)
+            window.settings.widget("max_tokens").setValue(LAST_REPLY_MAX_TOKENS)
         controller.send(message)
         if number < len(SCRIPT):
             wait_until(lambda: controller.request_id is None)

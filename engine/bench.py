@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from engine.metrics import combined, predicted_speedup, ratio
+
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Explain what a hash table is in two sentences.",
@@ -50,10 +52,6 @@ def held_out_text() -> str:
 
 def chat(text: str, system: str | None = None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-
-
-def median_of(fn, repeats: int) -> float:
-    return statistics.median(fn() for _ in range(repeats))
 
 
 def _engine(**config):
@@ -198,21 +196,26 @@ def bench_memory(args) -> dict:
     from engine.kv_cache import FP8_DTYPE, CacheShape, KVCache
     layers, heads, kv_heads, head_dim, name = _shape_for(args.config)
     gqa_heads = kv_heads if kv_heads < heads else 8
-    per_seq = {}
+    per_seq, allocation_matches = {}, True
     for label, h in (("mha", heads), (f"gqa{gqa_heads}", gqa_heads)):
         shape = CacheShape(layers, h, head_dim)
         for dtype_label, dtype in (("fp16", torch.float16), ("fp8_e4m3", FP8_DTYPE)):
-            analytic = shape.bytes_per_token(dtype) * args.context
-            # checked against a real allocation (on the meta device: no memory is used)
+            # Checked against a real allocation (on the meta device: no memory is used).
             blocks = -(-args.context // 16)
-            allocated = KVCache(shape, blocks, 16, dtype, torch.device("meta"))
-            assert allocated.bytes_allocated - blocks * 16 * shape.scale_bytes_per_token(dtype) == blocks * 16 * shape.bytes_per_token(dtype)
-            per_seq[f"{label}_{dtype_label}"] = analytic
+            allocated = KVCache(shape, blocks, 16, dtype, torch.device("meta")).bytes_allocated
+            per_token = shape.bytes_per_token(dtype) + shape.scale_bytes_per_token(dtype)
+            allocation_matches &= allocated == blocks * 16 * per_token
+            per_seq[f"{label}_{dtype_label}"] = shape.bytes_per_token(dtype) * args.context
             per_seq[f"{label}_{dtype_label}_scales"] = shape.scale_bytes_per_token(dtype) * args.context
+    gqa = f"gqa{gqa_heads}"
     return {"config": name, "context": args.context, "num_layers": layers, "num_attention_heads": heads,
             "num_kv_heads": kv_heads, "head_dim": head_dim, "bytes_per_sequence": per_seq,
             "human": {k: _human(v) for k, v in per_seq.items() if not k.endswith("_scales")},
-            "gqa_reduction": heads / gqa_heads, "fp8_reduction": 2.0}
+            "gqa_reduction": per_seq["mha_fp16"] / per_seq[f"{gqa}_fp16"],
+            "fp8_reduction": per_seq[f"{gqa}_fp16"] / per_seq[f"{gqa}_fp8_e4m3"],
+            "fp8_reduction_with_scales": per_seq[f"{gqa}_fp16"] / (per_seq[f"{gqa}_fp8_e4m3"]
+                                                                  + per_seq[f"{gqa}_fp8_e4m3_scales"]),
+            "allocation_matches": allocation_matches}
 
 
 def _shape_for(config: str):
@@ -277,52 +280,31 @@ def bench_speculative(args) -> dict:
 
     def run(proposer):
         eng.reconfigure(proposer=proposer, num_speculative_tokens=args.k)
-        outs, stats, t = [], [], 0.0
+        outs, stats = [], []
         for ids in encoded:
             _, out, s = eng.generate_text(ids, params)
             outs.append(out)
             stats.append(s)
-            t += s.decode_time_s
-        return outs, stats, sum(s.decode_tokens for s in stats) / t
+        return outs, stats, combined(stats).decode_tok_s
 
     run("off")                                         # warm-up
     base_out, base_stats, base_tok_s = run("off")
     spec_out, spec_stats, spec_tok_s = run(args.proposer)
-    proposed = sum(s.proposed for s in spec_stats)
-    accepted = sum(s.accepted for s in spec_stats)
-    attempts, accepts = _positions(spec_stats)
-    alpha = accepted / proposed if proposed else 0.0
-    passes = sum(s.target_passes for s in spec_stats)
-    tau = sum(s.decode_tokens for s in spec_stats) / passes
-    base_step = sum(s.decode_time_s for s in base_stats) / sum(s.target_passes for s in base_stats)
-    draft_per_token = sum(s.draft_time_s for s in spec_stats) / max(proposed, 1)
-    verify_step = sum(s.target_time_s for s in spec_stats) / passes
-    c = draft_per_token / base_step
+    base, spec = combined(base_stats), combined(spec_stats)
     k = args.k
-    # The i.i.d. model's alpha is P(accept | attempted): drafts after a rejection are never
-    # attempted, so accepted / proposed (the reported acceptance rate) would understate it.
-    alpha_attempted = sum(accepts) / max(sum(attempts), 1)
-    a = alpha_attempted
-    predicted = ((1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1) / (k * c + 1)
-    predicted_measured_costs = tau * base_step / (sum(s.decode_time_s for s in spec_stats) / passes)
+    base_step = base.decode_time_s / base.target_passes
+    draft_cost = (ratio(spec.draft_time_s, spec.proposed) or 0.0) / base_step     # per drafted token
+    verify_cost = spec.target_time_s / spec.target_passes / base_step           # per (k+1)-token pass
+    alpha = spec.positions.alpha() or 0.0
     return {"k": k, "proposer": args.proposer, "draft": draft if args.proposer == "draft" else "n-gram prompt lookup",
-            "prompt_set": prompt_set, "prompts": len(prompts), "acceptance_rate": alpha, "mean_accepted_len": tau,
-            "alpha_per_attempted_token": alpha_attempted,
-            "per_position": [a / n if n else 0.0 for a, n in zip(accepts, attempts)],
+            "prompt_set": prompt_set, "prompts": len(prompts), "acceptance_rate": spec.acceptance_rate,
+            "mean_accepted_len": spec.mean_accepted_len, "alpha_per_attempted_token": alpha,
+            "per_position": spec.per_position,
             "baseline_tok_s": base_tok_s, "spec_tok_s": spec_tok_s, "speedup": spec_tok_s / base_tok_s,
-            "predicted_speedup": predicted, "predicted_speedup_from_tau_and_step_times": predicted_measured_costs,
-            "draft_target_cost_ratio": c, "verify_vs_decode_step": verify_step / base_step,
+            # The i.i.d. model with the measured costs, each relative to a plain decode step.
+            "predicted_speedup": predicted_speedup(alpha, k, draft_cost, verify_cost),
+            "draft_target_cost_ratio": draft_cost, "verify_vs_decode_step": verify_cost,
             "greedy_identical": spec_out == base_out}
-
-
-def _positions(stats):
-    k = max((len(s.position_attempts) for s in stats), default=0)
-    attempts, accepts = [0] * k, [0] * k
-    for s in stats:
-        for i, (n, a) in enumerate(zip(s.position_attempts, s.position_accepts)):
-            attempts[i] += n
-            accepts[i] += a
-    return attempts, accepts
 
 
 def bench_kernels(args) -> dict:

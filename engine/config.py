@@ -36,6 +36,7 @@ class Setting:
     high: float | None = None
     optional: bool = False       # None is allowed (and means "not set")
     step: float | None = None    # the UI's increment for floats
+    off_text: str | None = None  # what the UI shows for None (optional) or the lowest value ("off")
     help: str = ""
 
     def validate(self, value):
@@ -91,7 +92,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("enable_prefix_caching", bool, True, ENGINE, LIVE, "Prefix caching"),
     Setting("kv_cache_bytes", int, 512 * 2**20, ENGINE, NEXT_REQUEST, "KV pool bytes", low=1),
     Setting("num_blocks", int, None, ENGINE, NEXT_REQUEST, "KV pool blocks", low=1, optional=True,
-            help="overrides kv_cache_bytes when set"),
+            off_text="from bytes", help="overrides kv_cache_bytes when set"),
     Setting("attention_backend", str, "auto", ENGINE, NEXT_REQUEST, "Attention",
             choices={"auto": "auto", "torch": "torch (reference)", "triton": "Triton kernels"}),
     # ---- load time ----
@@ -100,15 +101,15 @@ SETTINGS: tuple[Setting, ...] = (
             choices={"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"},
             help="auto = bf16 on CUDA, fp32 on the CPU"),
     Setting("max_model_len", int, None, ENGINE, LOAD, "Context length", low=1, optional=True,
-            help="None: the model's max_position_embeddings"),
+            off_text="the model's", help="None: the model's max_position_embeddings"),
     # ---- sampling (the next message) ----
     Setting("temperature", float, 0.0, SAMPLING, NEXT_REQUEST, "Temperature", low=0.0, high=5.0, step=0.05,
             help="0 = greedy"),
     Setting("top_p", float, 1.0, SAMPLING, NEXT_REQUEST, "Top-p", low=0.01, high=1.0, step=0.05),
-    Setting("top_k", int, 0, SAMPLING, NEXT_REQUEST, "Top-k", low=0, high=100_000, help="0 = off"),
+    Setting("top_k", int, 0, SAMPLING, NEXT_REQUEST, "Top-k", low=0, high=100_000, off_text="off"),
     Setting("max_tokens", int, 256, SAMPLING, NEXT_REQUEST, "Max tokens", low=1, high=131_072),
     Setting("seed", int, None, SAMPLING, NEXT_REQUEST, "Seed", low=0, high=2**31 - 1, optional=True,
-            help="None = a random seed per reply"),
+            off_text="random", help="not set: a new random seed for every reply"),
     Setting("stop_on_eos", bool, True, SAMPLING, NEXT_REQUEST, "Stop at end of sequence"),
 )
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}

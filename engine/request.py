@@ -48,11 +48,11 @@ class Request:
     def step(self) -> StepEvent:
         if self.finished:
             raise RuntimeError("this request has finished")
+        if self.cancelled.is_set():
+            return self._emit([], [], time.perf_counter(), target_passes=0, cancelled=True)
         if self.step_index == 0:
             return self._prefill()
         self.engine.apply_pending(live_only=True)
-        if self.cancelled.is_set():
-            return self._emit([], [], time.perf_counter(), target_passes=0, cancelled=True)
         proposer = self._proposer()
         k = min(self.engine.config.num_speculative_tokens, self.max_new - self.stats.generated_tokens - 1)
         if proposer is not None and k >= 1:
@@ -130,7 +130,7 @@ class Request:
         reason = "cancelled" if cancelled else reason
         self.token_ids.extend(tokens)
         now = time.perf_counter()
-        first = self.step_index == 0
+        first = self.step_index == 0 and bool(tokens)      # the first token: TTFT
         used, capacity = eng.kv_bytes()
         event = StepEvent(
             step=self.step_index, token_ids=tokens, token_kinds=kinds,
