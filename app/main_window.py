@@ -84,9 +84,13 @@ class MainWindow(QMainWindow):
         scroll.setWidgetResizable(True)
         scroll.setWidget(self.settings)
         scroll.setMinimumWidth(SETTINGS_MIN_WIDTH)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)   # it scrolls down only
         self.settings_dock = self._dock("Settings", scroll, Qt.DockWidgetArea.RightDockWidgetArea)
         self.plots_dock = self._dock("Live metrics", self.plots, Qt.DockWidgetArea.BottomDockWidgetArea)
-        # Shares of the window, not pixels, so a laptop screen still leaves the chat room.
+        self.size_docks()
+
+    def size_docks(self) -> None:
+        """Shares of the window, not pixels, so a laptop screen still leaves the chat room."""
         size = self.size()
         self.resizeDocks([self.plots_dock], [int(size.height() * PLOTS_HEIGHT_SHARE)], Qt.Orientation.Vertical)
         settings_width = max(SETTINGS_MIN_WIDTH, int(size.width() * SETTINGS_WIDTH_SHARE))

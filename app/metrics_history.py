@@ -13,15 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
+from engine import config
 from engine.metrics import PositionCounts
 
 MIB = 2**20
 STEP_CAPACITY = 8192          # steps kept for plots and CSV; older ones scroll out
 REQUEST_CAPACITY = 1024
-# Settings whose change gets a marker on the plots, with a short label for each.
-MARKED_SETTINGS = ("kv_cache_dtype", "enable_prefix_caching", "proposer", "num_speculative_tokens",
-                   "draft_model", "block_size")
-SPECULATION_SETTINGS = ("proposer", "num_speculative_tokens", "draft_model")
+# Settings whose change gets a marker on the plots: the engine's, from the settings panel.
+MARKED_SETTINGS = config.groups()[config.SPECULATION_GROUP] + config.groups()[config.CACHE_GROUP]
+SPECULATION_SETTINGS = config.groups()[config.SPECULATION_GROUP]
 
 
 class RingBuffer:

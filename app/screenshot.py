@@ -71,6 +71,8 @@ def warm_up(workbench) -> None:
 
 def chat_and_grab(workbench, out: Path) -> None:
     window, controller = workbench.window, workbench.controller
+    window.resize(1600, 1000)     # the README picture: a desktop-sized window
+    window.size_docks()
     window.show()
     wait_until(lambda: controller.model_ready)
     warm_up(workbench)

@@ -63,7 +63,7 @@ class SettingControl(QObject):
 
 def _make_widget(setting: Setting) -> QWidget:
     if setting.choices is not None:
-        combo = QComboBox()
+        combo = shrinkable_combo()
         for value, label in setting.choices.items():
             combo.addItem(label, value)
         return combo
@@ -91,6 +91,14 @@ def _unset_value(setting: Setting):
     if setting.optional and setting.type in (int, float) and setting.low is not None:
         return setting.low - 1
     return None
+
+
+def shrinkable_combo() -> QComboBox:
+    """A combo box that fits a narrow side panel (long choices are elided, the list shows them)."""
+    combo = QComboBox()
+    combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+    combo.setMinimumContentsLength(12)
+    return combo
 
 
 def select(combo: QComboBox, data) -> None:

@@ -6,18 +6,16 @@ applies it live and tells the panel what is actually in effect.
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QPushButton,
+from PySide6.QtWidgets import (QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QPushButton,
                                QVBoxLayout, QWidget)
 
-from app.setting_controls import SettingControl, select
+from app.setting_controls import SettingControl, select, shrinkable_combo
 from engine import config
 
-# Which rows of engine.config.SETTINGS the panel shows, grouped; names, limits and choices
-# come from the table.
-GROUPS = (("Speculative decoding", ("proposer", "num_speculative_tokens", "draft_model")),
-          ("KV cache", ("kv_cache_dtype", "block_size", "enable_prefix_caching")),
-          ("Sampling (next message)", ("temperature", "top_p", "top_k", "max_tokens", "seed")))
-PANEL_KEYS = tuple(key for _, keys in GROUPS for key in keys)
+# The rows of engine.config.SETTINGS that have a group, grouped; names, limits and choices
+# all come from the table.
+GROUPS = config.groups()
+PANEL_KEYS = tuple(key for keys in GROUPS.values() for key in keys)
 # Draft model presets (any folder or .gguf can be browsed for, too).
 DRAFTS = (("None", ""), ("Shipped draft (distilled, default model)", "default-draft"),
           ("Self (target drafts for itself)", "self"))
@@ -35,7 +33,7 @@ class SettingsPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 8, 8, 8)
         layout.addWidget(self._model_group())
-        for title, keys in GROUPS:
+        for title, keys in GROUPS.items():
             layout.addWidget(self._group(title, keys))
         layout.addWidget(self._effect_group())
         layout.addStretch(1)
@@ -50,7 +48,7 @@ class SettingsPanel(QWidget):
         self.model_folder_button = QPushButton("Folder…")
         self.model_gguf_button = QPushButton("GGUF…")
         self.controls = {key: SettingControl(config.BY_KEY[key], self) for key in PANEL_KEYS if key != "draft_model"}
-        self.draft_combo = QComboBox()
+        self.draft_combo = shrinkable_combo()
         for label, data in DRAFTS:
             self.draft_combo.addItem(label, data)
         self.draft_folder_button = QPushButton("Folder…")

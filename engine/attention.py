@@ -4,30 +4,10 @@ process runs the engine on a worker thread while other threads exist.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from engine.attention_metadata import AttentionMetadata, causal_mask  # noqa: F401 (re-exported)
 from engine.kv_cache import LayerCache, dequantize_fp8, quantize_fp8
-
-
-@dataclass
-class AttentionMetadata:
-    """One sequence's view of the pool for one forward pass over N new tokens."""
-    positions: torch.Tensor        # [N] int64, absolute positions of the new tokens
-    slot_mapping: torch.Tensor     # [N] int64, block_id * block_size + offset for each new token
-    block_table: torch.Tensor      # [num_seq_blocks] int64 (int32 for kernels)
-    context_len: int               # tokens in the cache once the new ones are written
-    use_kernels: bool = False      # Triton on CUDA; False forces the torch reference
-    causal_mask: torch.Tensor | None = None   # [N, T] bool, key j visible to query i; None: all visible
-
-
-def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor | None:
-    """[N, T] bool, key j visible to query i iff j <= positions[i]. The new tokens are the
-    last N of the context, so a single one sees every key: None (no mask)."""
-    if positions.numel() == 1:
-        return None
-    return torch.arange(context_len, device=positions.device)[None, :] <= positions[:, None]
 
 
 def store_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

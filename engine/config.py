@@ -17,6 +17,9 @@ LIVE = "live"                   # at the next step, even in the middle of a repl
 NEXT_REQUEST = "next request"   # when the running reply ends (reallocates the cache, loads a draft)
 LOAD = "load"                   # when a model is loaded
 
+# The settings panel's groups, in order.
+SPECULATION_GROUP, CACHE_GROUP, SAMPLING_GROUP = "Speculative decoding", "KV cache", "Sampling (next message)"
+
 # Which object holds a setting.
 ENGINE = "engine"               # EngineConfig: the engine's own settings
 SAMPLING = "sampling"           # SamplingParams: per request
@@ -37,6 +40,7 @@ class Setting:
     optional: bool = False       # None is allowed (and means "not set")
     step: float | None = None    # the UI's increment for floats
     off_text: str | None = None  # what the UI shows for None (optional) or the lowest value ("off")
+    group: str | None = None     # the settings panel's group for it (None: not in the panel)
     help: str = ""
 
     def validate(self, value):
@@ -76,20 +80,21 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("system_prompt", str, "You are a helpful assistant.", SESSION, NEXT_REQUEST, "System prompt"),
     # ---- speculative decoding ----
     Setting("proposer", str, "off", ENGINE, LIVE, "Proposer",
-            choices={"off": "Off", "draft": "Draft model", "ngram": "N-gram (prompt lookup)"}),
+            choices={"off": "Off", "draft": "Draft model", "ngram": "N-gram (prompt lookup)"}, group=SPECULATION_GROUP),
     Setting("num_speculative_tokens", int, 4, ENGINE, LIVE, "k (draft tokens)", low=1, high=MAX_SPEC_TOKENS,
-            help="draft tokens proposed per step, verified in one target pass"),
+            help="draft tokens proposed per step, verified in one target pass", group=SPECULATION_GROUP),
     Setting("draft_model", str, None, ENGINE, NEXT_REQUEST, "Draft model", optional=True,
-            help="'default-draft' (shipped), 'self', 'self:N' (the target's first N layers), a folder or a .gguf"),
-    Setting("ngram_min", int, 1, ENGINE, LIVE, "N-gram min", low=1, high=16),
-    Setting("ngram_max", int, 4, ENGINE, LIVE, "N-gram max", low=1, high=16),
+            help="'default-draft' (shipped), 'self', 'self:N' (the target's first N layers), a folder or a .gguf",
+            group=SPECULATION_GROUP),
+    Setting("ngram_min", int, 1, ENGINE, LIVE, "N-gram min", low=1, high=16, group=SPECULATION_GROUP),
+    Setting("ngram_max", int, 4, ENGINE, LIVE, "N-gram max", low=1, high=16, group=SPECULATION_GROUP),
     # ---- KV cache ----
     Setting("kv_cache_dtype", str, "auto", ENGINE, NEXT_REQUEST, "Cache dtype",
             choices={"auto": "Model dtype (auto)", "fp8_e4m3": "FP8 E4M3", "bfloat16": "bfloat16",
-                     "float16": "float16", "float32": "float32"}),
+                     "float16": "float16", "float32": "float32"}, group=CACHE_GROUP),
     Setting("block_size", int, 16, ENGINE, NEXT_REQUEST, "Block size", choices={b: str(b) for b in BLOCK_SIZES},
-            help="tokens per KV block; prefix caching reuses whole blocks"),
-    Setting("enable_prefix_caching", bool, True, ENGINE, LIVE, "Prefix caching"),
+            help="tokens per KV block; prefix caching reuses whole blocks", group=CACHE_GROUP),
+    Setting("enable_prefix_caching", bool, True, ENGINE, LIVE, "Prefix caching", group=CACHE_GROUP),
     Setting("kv_cache_bytes", int, 512 * 2**20, ENGINE, NEXT_REQUEST, "KV pool bytes", low=1),
     Setting("num_blocks", int, None, ENGINE, NEXT_REQUEST, "KV pool blocks", low=1, optional=True,
             off_text="from bytes", help="overrides kv_cache_bytes when set"),
@@ -104,12 +109,12 @@ SETTINGS: tuple[Setting, ...] = (
             off_text="the model's", help="None: the model's max_position_embeddings"),
     # ---- sampling (the next message) ----
     Setting("temperature", float, 0.0, SAMPLING, NEXT_REQUEST, "Temperature", low=0.0, high=5.0, step=0.05,
-            help="0 = greedy"),
-    Setting("top_p", float, 1.0, SAMPLING, NEXT_REQUEST, "Top-p", low=0.01, high=1.0, step=0.05),
-    Setting("top_k", int, 0, SAMPLING, NEXT_REQUEST, "Top-k", low=0, high=100_000, off_text="off"),
-    Setting("max_tokens", int, 256, SAMPLING, NEXT_REQUEST, "Max tokens", low=1, high=131_072),
+            help="0 = greedy", group=SAMPLING_GROUP),
+    Setting("top_p", float, 1.0, SAMPLING, NEXT_REQUEST, "Top-p", low=0.01, high=1.0, step=0.05, group=SAMPLING_GROUP),
+    Setting("top_k", int, 0, SAMPLING, NEXT_REQUEST, "Top-k", low=0, high=100_000, off_text="off", group=SAMPLING_GROUP),
+    Setting("max_tokens", int, 256, SAMPLING, NEXT_REQUEST, "Max tokens", low=1, high=131_072, group=SAMPLING_GROUP),
     Setting("seed", int, None, SAMPLING, NEXT_REQUEST, "Seed", low=0, high=2**31 - 1, optional=True,
-            off_text="random", help="not set: a new random seed for every reply"),
+            off_text="random", help="not set: a new random seed for every reply", group=SAMPLING_GROUP),
     Setting("stop_on_eos", bool, True, SAMPLING, NEXT_REQUEST, "Stop at end of sequence"),
 )
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
@@ -119,6 +124,15 @@ def keys(section: str | None = None, applies: tuple[str, ...] | None = None) -> 
     """Setting keys, in table order, filtered by section and/or when they apply."""
     return tuple(s.key for s in SETTINGS
                  if (section is None or s.section == section) and (applies is None or s.applies in applies))
+
+
+def groups() -> dict[str, tuple[str, ...]]:
+    """The settings panel's groups: title -> keys, in table order."""
+    out: dict[str, tuple[str, ...]] = {}
+    for s in SETTINGS:
+        if s.group is not None:
+            out[s.group] = out.get(s.group, ()) + (s.key,)
+    return out
 
 
 def validate(key: str, value):

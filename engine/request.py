@@ -13,20 +13,33 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from engine.config import SamplingParams
+from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import Detokenizer
 from engine.metrics import TARGET, RequestStats, StepEvent
+from engine.model_runner import ModelRunner
 from engine.sampler import make_generator, probabilities, sample
 from engine.spec_decode import Proposer, greedy_verify, rejection_sample
 
-if TYPE_CHECKING:
-    from engine.engine import LLMEngine
+
+class RequestHost(Protocol):
+    """What a request uses of its engine (LLMEngine), and nothing more."""
+    config: EngineConfig
+    runner: ModelRunner
+    tokenizer: object
+    eos_ids: set[int]
+
+    def apply_pending(self, live_only: bool) -> None: ...
+    def proposer_in_effect(self) -> str: ...
+    def make_proposer(self, name: str) -> Proposer: ...
+    def kv_bytes(self) -> tuple[int, int]: ...
+    def settings(self) -> dict: ...
+    def request_closed(self, request: "Request") -> None: ...
 
 
 class Request:
-    def __init__(self, engine: "LLMEngine", token_ids: list[int], max_new: int, params: SamplingParams):
+    def __init__(self, engine: RequestHost, token_ids: list[int], max_new: int, params: SamplingParams):
         self.engine, self.params, self.max_new = engine, params, max_new
         self.prompt_len = len(token_ids)
         self.token_ids = list(token_ids)

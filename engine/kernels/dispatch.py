@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention_metadata import AttentionMetadata
 from engine.config import MAX_SPEC_TOKENS
 from engine.kernels import interpreting
 from engine.kv_cache import LayerCache
