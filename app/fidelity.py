@@ -13,19 +13,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
+
+from app.screenshot import wait_until
 
 PROMPT = "Write a long story about a dragon who learns to cook."
-
-
-def wait_until(predicate, timeout_s: float = 600.0) -> None:
-    from PySide6.QtWidgets import QApplication
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the app did not finish in time")
-        QApplication.processEvents()
-        time.sleep(0.002)
 
 
 class AppRunner:

@@ -30,13 +30,14 @@ CHARACTERS_BEFORE_GRAB = 120      # of the last reply
 LAST_REPLY_MAX_TOKENS = 200
 
 
-def wait_until(predicate, timeout_s: float = 300) -> None:
+def wait_until(predicate, timeout_s: float = 600) -> None:
+    """Run the app's event loop until predicate() holds, as a user waiting would."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError("the app did not get there in time")
         QApplication.processEvents()
-        time.sleep(0.01)
+        time.sleep(0.002)
 
 
 def apply(panel, changes: dict) -> None:
