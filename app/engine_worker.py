@@ -45,7 +45,7 @@ class EngineWorker(QObject):
     _reconfigureRequested = Signal(object)
     _draftRequested = Signal(object)
     _cancelRequested = Signal()
-    _stepRequested = Signal()
+    _stepRequested = Signal(int)                # the request id the step is for
 
     def __init__(self):
         super().__init__()
@@ -150,6 +150,9 @@ class EngineWorker(QObject):
     # ---- worker thread: a reply, one step per turn ---------------------------------------
     @Slot(int, object, object)
     def _generate(self, request_id: int, messages: list[dict], params: SamplingParams) -> None:
+        if self.request is not None:              # "New chat" during a reply, then a message
+            self.request.cancel()
+            self._close_request("cancelled")
         if not self._need_engine(GENERATE, "Generating"):
             self.requestDone.emit({"request_id": request_id, "finish_reason": "error", "summary": None, "settings": {}})
             return
@@ -162,12 +165,12 @@ class EngineWorker(QObject):
             return
         self.request_id = request_id
         self.busyChanged.emit(GENERATING)
-        self._stepRequested.emit()
+        self._stepRequested.emit(request_id)
 
-    @Slot()
-    def _step(self) -> None:
-        if self.request is None:
-            return
+    @Slot(int)
+    def _step(self, request_id: int) -> None:
+        if self.request is None or request_id != self.request_id:
+            return                                # a step queued for a reply that has ended
         try:
             event = self.request.step()
         except Exception as exc:                  # noqa: BLE001
@@ -178,7 +181,7 @@ class EngineWorker(QObject):
         if event.finished:
             self._close_request(event.finish_reason, event.summary.as_dict())
         else:
-            self._stepRequested.emit()            # behind anything queued meanwhile
+            self._stepRequested.emit(request_id)  # behind anything queued meanwhile
 
     def _close_request(self, finish_reason: str, summary: dict | None = None) -> None:
         request_id, request = self.request_id, self.request

@@ -1,33 +1,36 @@
-"""The desktop app, driven like a user would (pytest-qt, offscreen) with the real engine
-on the embedded default model. One window and one engine for the whole module; each test
-sets the settings it relies on."""
+"""The desktop app, driven like a user would (pytest-qt, offscreen) with the real engine.
+
+Every test opens its own workbench (window, worker thread, tmp profile store) and closes
+it after, so no test depends on another. The wiring tests run on a tiny random model
+(conftest's `tiny_model`; its replies are gibberish, which is all they need); one test,
+marked slow, loads the embedded default model and checks that it actually answers. Tests
+that act in the middle of a reply hold the worker with a StepGate, because a tiny model
+finishes a reply before the window has handled its first step.
+"""
 import csv
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
-from PySide6.QtCore import QObject, Qt, Signal, Slot
+from PySide6.QtCore import QEvent, QObject, Qt, Signal, Slot
 from PySide6.QtGui import QImage, QTextCharFormat
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QApplication, QCheckBox, QComboBox
 
 from app.__main__ import build, parse_args
+from app.engine_worker import GENERATE, LOAD_DRAFT, LOAD_MODEL
 from app.theme import style_sheet
-from engine.profiles import ProfileStore
+from engine.profiles import VERSION, ProfileStore, SessionProfile
 
-pytestmark = pytest.mark.slow
-REPLY_TIMEOUT_MS = 120_000     # a shared 2-core CI box can be slow; no test depends on speed
-
-
-def wait_until(predicate, timeout_s: float) -> None:
-    """Like qtbot.waitUntil, for the module fixture (which cannot use the function-scoped qtbot)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        QApplication.processEvents()
-        time.sleep(0.01)
+LOAD_TIMEOUT_MS = 180_000           # the first run converts the default model's GGUF
+REPLY_TIMEOUT_MS = 120_000          # a shared 2-core CI box can be slow; no test depends on speed
+SETTLE_TIMEOUT_MS = 30_000
+TINY_POOL_BYTES = 16 * 2**20        # a profile setting the panel does not show; the default 512 MiB
+                                    # pool would take longer to allocate than the tiny model to load
+GATE_TIMEOUT_S = 120
 
 
 class Probe(QObject):
@@ -37,7 +40,7 @@ class Probe(QObject):
     stepReady = Signal(dict)
     requestDone = Signal(dict)
     settingsChanged = Signal(dict, dict, dict)
-    failed = Signal(str, str)
+    failed = Signal(str, str, str)
 
     def __init__(self, worker):
         super().__init__()
@@ -63,71 +66,152 @@ class Probe(QObject):
     def _settings(self, settings, applied, deferred):
         self.settingsChanged.emit(settings, applied, deferred)
 
-    @Slot(str, str)
-    def _failed(self, doing, message):
-        self.failed.emit(doing, message)
+    @Slot(str, str, str)
+    def _failed(self, kind, doing, message):
+        self.failed.emit(kind, doing, message)
 
 
-@pytest.fixture(scope="module")
-def bench(qapp, tmp_path_factory):
-    qapp.setStyleSheet(style_sheet())
-    store = ProfileStore(tmp_path_factory.mktemp("config"))
-    workbench = build(store=store, start=False)
-    workbench.probe = Probe(workbench.host.worker)
-    workbench.progress_log = []
-    workbench.probe.loadProgress.connect(lambda m, f: workbench.progress_log.append((m, f)))
-    workbench.window.show()
-    workbench.controller.start()
-    wait_until(lambda: workbench.controller.model_ready, 180)
-    yield workbench
-    workbench.window.close()
-    workbench.shutdown()
-
-
+# ---- fixtures ------------------------------------------------------------------------
 @pytest.fixture
-def second_window(qapp):
-    """Another workbench on a given store, without loading a model: start-up settings only."""
+def open_workbench(qapp, qtbot, tmp_path):
+    """Open a workbench on its own profile store (tmp_path/config unless given), with a Probe
+    on its worker; start=True loads the profile's model and waits until it is ready.
+    `profile` is saved as the store's last session first, so the workbench starts from it.
+    Every workbench opened is closed and shut down after the test."""
+    if qapp.styleSheet() != style_sheet():
+        qapp.setStyleSheet(style_sheet())      # setting it again would restyle every widget alive
     opened = []
 
-    def open_window(**kwargs):
-        opened.append(build(start=False, **kwargs))
-        return opened[-1]
-    yield open_window
+    def open_one(profile=None, *, profile_path=None, store=None, start=True, show=True):
+        store = store or ProfileStore(tmp_path / "config")
+        if profile is not None:
+            store.save_last_session(profile)
+        workbench = build(profile_path=profile_path, store=store, start=False)
+        opened.append(workbench)
+        workbench.probe = Probe(workbench.host.worker)      # before loading starts: it logs the progress
+        workbench.progress_log = []
+        workbench.probe.loadProgress.connect(lambda message, fraction:
+                                             workbench.progress_log.append((message, fraction)))
+        if show:
+            workbench.window.show()
+        if start:
+            workbench.controller.start()
+            qtbot.waitUntil(lambda: workbench.controller.model_ready and workbench.controller.busy == "",
+                            timeout=LOAD_TIMEOUT_MS)
+        return workbench
+    yield open_one
     for workbench in reversed(opened):
         workbench.window.close()
         workbench.shutdown(save_session=False)
+        workbench.window.deleteLater()          # now, not whenever Python's collector gets to it
+    QApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
 
 
 @pytest.fixture
-def steps(bench):
-    """Every step event the worker emits during the test, as the window receives them."""
+def tiny_profile(tiny_model):
+    """A session profile on the tiny model, short replies, a small KV pool."""
+    def make(**settings):
+        return SessionProfile(**{"model": str(tiny_model.folder), "kv_cache_bytes": TINY_POOL_BYTES,
+                                 "max_tokens": 8} | settings)
+    return make
+
+
+@pytest.fixture
+def tiny_bench(open_workbench, tiny_profile):
+    """A fresh workbench with the tiny model loaded."""
+    return open_workbench(tiny_profile())
+
+
+class StepGate:
+    """Holds the worker before each engine step until the test lets it go. A tiny model
+    steps far faster than the window handles events, so a reply would end before a
+    click made on its first step arrived; the gate lets the worker run exactly the steps
+    allowed, as a real model does while the user clicks."""
+
+    def __init__(self):
+        self._permits = threading.Semaphore(0)
+        self._open = threading.Event()
+
+    def allow(self, steps: int) -> None:
+        for _ in range(steps):
+            self._permits.release()
+
+    def open(self) -> None:
+        self._open.set()
+
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def wait(self) -> None:
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        while not self._open.is_set():
+            if self._permits.acquire(timeout=0.02):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test never let this step run")
+
+
+@pytest.fixture
+def step_gate(open_workbench, monkeypatch):
+    """A StepGate on Request.step (closed: no step runs until allowed). It opens before the
+    workbenches shut down (it depends on open_workbench), so no worker is left waiting."""
+    from engine.request import Request
+    gate = StepGate()
+    original = Request.step
+
+    def gated_step(self):
+        gate.wait()
+        return original(self)
+    monkeypatch.setattr(Request, "step", gated_step)
+    yield gate
+    gate.open()
+
+
+# ---- helpers -------------------------------------------------------------------------
+def collect(signal) -> list:
+    """Every value the (one-argument) signal carries from now on."""
     received = []
-    bench.probe.stepReady.connect(received.append)
-    yield received
-    bench.probe.stepReady.disconnect(received.append)
+    signal.connect(received.append)
+    return received
 
 
-def set_options(bench, qtbot, proposer="off", draft="", kv="auto", prefix=True, max_tokens=8, k=4):
-    """Set the side panel like a user would, then wait until the engine reports it in effect."""
-    panel = bench.window.settings
-    panel.proposer_combo.setCurrentIndex(panel.proposer_combo.findData(proposer))
-    panel.k_spin.setValue(k)
-    panel.draft_combo.setCurrentIndex(panel.draft_combo.findData(draft))
-    panel.kv_dtype_combo.setCurrentIndex(panel.kv_dtype_combo.findData(kv))
-    panel.prefix_check.setChecked(prefix)
-    panel.max_tokens_spin.setValue(max_tokens)
-    want = {"kv_cache_dtype": "float32" if kv == "auto" else kv, "enable_prefix_caching": prefix,
-            "num_speculative_tokens": k, "draft_model": draft or None,
-            "proposer": "off" if proposer == "draft" and not draft else proposer}
-    qtbot.waitUntil(lambda: all(bench.controller.effective.get(key) == v for key, v in want.items())
-                    and bench.controller.busy == "", timeout=30_000)
+def set_widget(widget, value) -> None:
+    """Change a settings control like a user would (this emits its change signal)."""
+    if isinstance(widget, QComboBox):
+        index = widget.findData("" if value is None else value)
+        assert index >= 0, f"{value!r} is not offered"
+        widget.setCurrentIndex(index)
+    elif isinstance(widget, QCheckBox):
+        widget.setChecked(value)
+    else:
+        widget.setValue(widget.minimum() if value is None else value)     # "not set" is shown below the range
 
 
-def send(bench, qtbot, text: str) -> dict:
+ENGINE_KEYS = ("proposer", "num_speculative_tokens", "draft_model", "kv_cache_dtype", "enable_prefix_caching")
+
+
+def set_options(workbench, qtbot, **values) -> None:
+    """Set side-panel controls (keys as in engine.config.SETTINGS), then wait until the
+    engine reports the engine settings among them in effect."""
+    panel = workbench.window.settings
+    for key, value in values.items():
+        set_widget(panel.widget(key), value)
+    controller = workbench.controller
+    want = {key: values[key] for key in ENGINE_KEYS if key in values}
+    if want.get("kv_cache_dtype") == "auto":
+        want["kv_cache_dtype"] = controller.effective["dtype"]     # the model's dtype
+    if "proposer" in want or "draft_model" in want:
+        chosen = panel.values()
+        want["proposer"] = "off" if chosen["proposer"] == "draft" and not chosen["draft_model"] else chosen["proposer"]
+    qtbot.waitUntil(lambda: all(controller.effective.get(k) == v for k, v in want.items()) and controller.busy == "",
+                    timeout=SETTLE_TIMEOUT_MS)
+
+
+def send(workbench, qtbot, text: str) -> dict:
     """Type a message, press Ctrl+Enter, wait for the reply to finish; returns requestDone's data."""
-    chat = bench.window.chat
+    chat = workbench.window.chat
     chat.input.setPlainText(text)
-    with qtbot.waitSignal(bench.probe.requestDone, timeout=REPLY_TIMEOUT_MS) as done:
+    with qtbot.waitSignal(workbench.probe.requestDone, timeout=REPLY_TIMEOUT_MS) as done:
         qtbot.keyClick(chat.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
     return done.args[0]
 
@@ -153,15 +237,42 @@ def _blocks(document):
         block = block.next()
 
 
-# ---- start-up ---------------------------------------------------------------------
-def test_loading_reports_progress_then_enables_chat(bench):
+# ---- the default model: start-up and a real answer ---------------------------------------
+@pytest.mark.slow
+def test_the_default_model_loads_with_progress_then_streams_an_answer(open_workbench, qtbot):
+    bench = open_workbench()            # a new store: default settings, the embedded default model
     messages = [m for m, _ in bench.progress_log]
     fractions = [f for _, f in bench.progress_log]
     assert any("loading weights" in m for m in messages) and fractions[-1] == 1.0
     assert fractions == sorted(fractions)
     assert not bench.window.progress.isVisible()
-    assert "SmolLM2" in bench.window.settings.model_label.text()
-    assert bench.window.chat.send_button.isEnabled() and not bench.window.chat.stop_button.isEnabled()
+    panel, chat = bench.window.settings, bench.window.chat
+    assert "SmolLM2" in panel.model_label.text()
+    assert chat.send_button.isEnabled() and not chat.stop_button.isEnabled()
+    # "In effect" says what the engine runs with, down to the torch threads (one core is
+    # left for the window).
+    settings = bench.controller.effective
+    assert 1 <= settings["threads"] <= max(1, (os.cpu_count() or 1) - 1)
+    effective = panel.effective_label.text()
+    assert f"<b>Runs on</b>: {settings['device']}, {settings['dtype']} weights, {settings['threads']} torch thread" \
+        in effective
+
+    set_options(bench, qtbot, max_tokens=8)
+    steps = collect(bench.probe.stepReady)
+    done = send(bench, qtbot, "What is the capital of France?")
+    reply = "".join(e["text_delta"] for e in steps)
+    assert len(steps) == done["summary"]["generated_tokens"] > 1          # streamed, one event per token
+    assert done["summary"]["generated_tokens"] <= 8
+    assert done["finish_reason"] in ("stop", "length")
+    assert "Paris" in reply
+    transcript = chat.transcript.toPlainText()
+    assert reply in transcript and "TTFT" in transcript and "tok/s" in transcript
+    assert bench.controller.conversation[-1] == {"role": "assistant", "content": reply}
+    assert bench.history.num_steps == len(steps) and bench.history.num_requests == 1
+    plots = bench.window.plots
+    qtbot.waitUntil(lambda: points(plots.kv_capacity_curve) == bench.history.num_steps, timeout=SETTLE_TIMEOUT_MS)
+    assert points(plots.decode_points) >= len(steps) - 1                # every step after the first
+    assert plots.ttft_bars.opts["height"][-1] == pytest.approx(done["summary"]["ttft_s"] * 1000)
 
 
 def test_command_line_takes_a_profile_path():
@@ -172,34 +283,34 @@ def test_command_line_takes_a_profile_path():
 
 
 # ---- chat ---------------------------------------------------------------------------
-def test_a_message_streams_a_reply_with_stats_and_fills_the_plots(bench, qtbot, steps):
-    set_options(bench, qtbot, max_tokens=8)
-    bench.controller.new_chat()
-    steps_before, requests_before = bench.history.num_steps, bench.history.num_requests
-    done = send(bench, qtbot, "What is the capital of France?")
+def test_a_model_from_a_profile_loads_and_its_replies_stream_into_the_chat(open_workbench, tiny_profile, tiny_model,
+                                                                          qtbot):
+    bench = open_workbench(tiny_profile(max_tokens=6))
+    assert bench.window.settings.model_label.text() == tiny_model.display_name
+    assert any("loading weights" in m for m, _ in bench.progress_log) and bench.progress_log[-1][1] == 1.0
+    assert not bench.window.progress.isVisible()
+    steps = collect(bench.probe.stepReady)
+    done = send(bench, qtbot, "Hello!")
     reply = "".join(e["text_delta"] for e in steps)
-    assert len(steps) == done["summary"]["generated_tokens"] > 1          # streamed, one event per token
-    assert done["finish_reason"] in ("stop", "length")
-    assert "Paris" in reply
-    transcript = bench.window.chat.transcript.toPlainText()
-    assert reply in transcript and "TTFT" in transcript and "tok/s" in transcript
-    assert bench.controller.conversation[-1] == {"role": "assistant", "content": reply}
-    assert bench.history.num_steps == steps_before + len(steps) and bench.history.num_requests == requests_before + 1
-    plots = bench.window.plots
-    qtbot.waitUntil(lambda: points(plots.kv_capacity_curve) == bench.history.num_steps, timeout=5000)
-    assert points(plots.decode_points) >= len(steps) - 1                # every step after the first
-    assert plots.ttft_bars.opts["height"][-1] == pytest.approx(done["summary"]["ttft_s"] * 1000)
+    assert [e["step"] for e in steps] == list(range(done["summary"]["generated_tokens"]))
+    assert done["summary"]["generated_tokens"] <= 6
+    assert "".join(text for e in steps for text, _ in e["pieces"]) == reply
+    assert reply and reply in bench.window.chat.transcript.toPlainText()
+    assert bench.controller.conversation == [{"role": "user", "content": "Hello!"},
+                                             {"role": "assistant", "content": reply}]
+    assert bench.history.num_steps == len(steps) and bench.history.num_requests == 1
 
 
-def test_accepted_draft_tokens_are_coloured_apart_from_target_tokens(bench, qtbot, steps):
-    set_options(bench, qtbot, proposer="draft", draft="self", max_tokens=10)
-    bench.controller.new_chat()
+def test_accepted_draft_tokens_are_coloured_apart_from_target_tokens(tiny_bench, tiny_model, qtbot):
+    bench = tiny_bench
+    set_options(bench, qtbot, proposer="draft", draft_model="self", max_tokens=10)
+    steps = collect(bench.probe.stepReady)
     done = send(bench, qtbot, "Name three colours.")
     assert done["summary"]["acceptance_rate"] == 1.0                     # the target drafting for itself
     kinds = {kind for _, kind in transcript_fragments(bench.window.chat) if kind}
     assert "accepted" in kinds and kinds & {"bonus", "target", "resampled"}
     # Exact per token: the accepted-coloured text is exactly the accepted tokens' text.
-    tokenizer = bench.host.worker.engine.tokenizer
+    tokenizer = tiny_model.tokenizer
     for kind in ("accepted", "bonus"):
         coloured = "".join(t for t, k in transcript_fragments(bench.window.chat) if k == kind)
         expected = "".join(tokenizer.decode([t], skip_special_tokens=True) for e in steps
@@ -208,202 +319,240 @@ def test_accepted_draft_tokens_are_coloured_apart_from_target_tokens(bench, qtbo
     assert "accepted draft token" in bench.window.chat.legend.text()
     assert "acceptance 100%" in bench.window.chat.transcript.toPlainText()
     plots = bench.window.plots
-    qtbot.waitUntil(lambda: len(plots.positions_bars.opts["height"]) == 4, timeout=5000)
+    qtbot.waitUntil(lambda: len(plots.positions_bars.opts["height"]) == 4, timeout=SETTLE_TIMEOUT_MS)
     assert list(plots.positions_bars.opts["height"]) == [100.0] * 4
-    set_options(bench, qtbot)
 
 
-def test_fp8_and_prefix_toggles_mid_reply_apply_live_or_at_the_next_request(bench, qtbot, steps):
-    set_options(bench, qtbot, kv="auto", prefix=True, max_tokens=12)
+def test_fp8_and_prefix_toggles_mid_reply_apply_live_or_at_the_next_request(tiny_bench, qtbot, step_gate):
+    bench = tiny_bench
+    set_options(bench, qtbot, kv_cache_dtype="auto", enable_prefix_caching=True, max_tokens=12)
     panel = bench.window.settings
     deferred_seen = []
-    markers_before = bench.history.markers_added
 
     def toggle_on_first_step(event):
         if event["step"] == 0:
-            panel.kv_dtype_combo.setCurrentIndex(panel.kv_dtype_combo.findData("fp8_e4m3"))
-            panel.prefix_check.setChecked(False)
+            set_widget(panel.widget("kv_cache_dtype"), "fp8_e4m3")
+            set_widget(panel.widget("enable_prefix_caching"), False)
+            step_gate.open()
 
     def note_deferred(settings, applied, deferred):
         deferred_seen.append((dict(deferred), panel.deferred_label.isVisibleTo(panel), panel.deferred_label.text()))
+    steps = collect(bench.probe.stepReady)
     bench.probe.stepReady.connect(toggle_on_first_step)
     bench.probe.settingsChanged.connect(note_deferred)
-    try:
-        send(bench, qtbot, "Tell me a fact about the sea.")
-    finally:
-        bench.probe.stepReady.disconnect(toggle_on_first_step)
-        bench.probe.settingsChanged.disconnect(note_deferred)
+    step_gate.allow(1)          # the reply cannot end before the toggles arrive
+    send(bench, qtbot, "Tell me a fact about the sea.")
+    bench.probe.stepReady.disconnect(toggle_on_first_step)
     # The cache dtype waits for the reply to end (and the UI says so); prefix caching is live.
     assert ({"kv_cache_dtype": "fp8_e4m3"}, True) in [(d, shown) for d, shown, _ in deferred_seen]
     assert any("Applies when the current reply ends" in text and "KV fp8_e4m3" in text for _, _, text in deferred_seen)
-    assert {e["kv_dtype"] for e in steps} == {"float32"}
-    assert steps[0]["settings"]["enable_prefix_caching"] is True
-    assert steps[-1]["settings"]["enable_prefix_caching"] is False
+    assert {e["kv_dtype"] for e in steps} == {bench.controller.effective["dtype"]}      # "auto": the model's
+    # Steps carry the settings on the first step and when they change: prefix caching went
+    # off at the next step (step 1 may already be under way when the toggle arrives).
+    prefix_reported = [(e["step"], e["settings"]["enable_prefix_caching"]) for e in steps if e["settings"]]
+    assert prefix_reported in ([(0, True), (1, False)], [(0, True), (2, False)]) and len(steps) > 3
     assert not panel.deferred_label.isVisibleTo(panel)
     assert "fp8_e4m3" in panel.effective_label.text() and "<b>Prefix cache</b>: off" in panel.effective_label.text()
     steps.clear()
     done = send(bench, qtbot, "And one about the moon?")
     assert {e["kv_dtype"] for e in steps} == {"fp8_e4m3"}
-    assert all(e["settings"]["enable_prefix_caching"] is False for e in steps)
+    assert steps[0]["settings"]["enable_prefix_caching"] is False
+    assert all(e["settings"] is None or e["settings"]["enable_prefix_caching"] is False for e in steps)
     assert done["summary"]["prefix_hit_tokens"] == 0
-    labels = [label for _, _, label in list(bench.history.markers)[-2:]]
-    assert bench.history.markers_added >= markers_before + 2
-    assert "prefix cache off" in labels[0] and "KV fp8_e4m3" in labels[1]
-    set_options(bench, qtbot)
+    # On the request axis: the prefix change during request 1, the dtype between 1 and 2.
+    assert [(request, label) for _, request, label in bench.history.markers] == [
+        (1, "prefix cache off"), (1.5, "KV fp8_e4m3")]
+    assert bench.history.markers_added == 2
 
 
-def test_stop_ends_the_reply_within_a_step_and_keeps_what_was_said(bench, qtbot, steps):
+def test_stop_ends_the_reply_within_a_step_and_keeps_what_was_said(tiny_bench, qtbot, step_gate):
+    bench = tiny_bench
     set_options(bench, qtbot, max_tokens=200)
-    bench.controller.new_chat()
     chat = bench.window.chat
+    steps = collect(bench.probe.stepReady)
     stopped_after = []
 
     def stop_on_second_step(event):
         if event["step"] == 1 and not stopped_after:
             qtbot.keyClick(chat.input, Qt.Key.Key_Escape)
             stopped_after.append(len(steps))
+            step_gate.open()
     bench.probe.stepReady.connect(stop_on_second_step)
-    try:
-        done = send(bench, qtbot, "Write a long story about a dragon.")
-    finally:
-        bench.probe.stepReady.disconnect(stop_on_second_step)
+    step_gate.allow(2)
+    done = send(bench, qtbot, "Write a long story about a dragon.")
     assert done["finish_reason"] == "cancelled"
-    # The step running when Esc arrived finishes, then the cancel is seen (events in flight aside).
-    assert len(steps) - stopped_after[0] <= 3 and done["summary"]["generated_tokens"] < 10
+    # The step running when Esc arrived may finish; the one after it does not start.
+    assert len(steps) - stopped_after[0] <= 2 and done["summary"]["generated_tokens"] < 10
+    assert steps[-1]["finish_reason"] == "cancelled"
     partial = "".join(e["text_delta"] for e in steps)
     assert partial and bench.controller.conversation[-1] == {"role": "assistant", "content": partial}
     assert "stopped" in chat.transcript.toPlainText()
     assert chat.send_button.isEnabled() and not chat.stop_button.isEnabled()
 
 
-def test_an_engine_error_is_shown_and_the_conversation_is_kept(bench, qtbot):
-    set_options(bench, qtbot, max_tokens=4)
+def test_a_message_sent_right_after_new_chat_mid_reply_is_answered(tiny_bench, qtbot, step_gate):
+    bench = tiny_bench
     chat, window = bench.window.chat, bench.window
+    set_options(bench, qtbot, max_tokens=50)
+    errors_after_new_chat = []
+
+    def new_chat_and_send_on_second_step(event):
+        if event["step"] == 1 and not step_gate.is_open():
+            chat.new_chat_button.click()
+            chat.input.setPlainText("Second question")
+            qtbot.keyClick(chat.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)   # if Send allows
+            step_gate.open()
+    bench.probe.stepReady.connect(new_chat_and_send_on_second_step)
+    bench.probe.failed.connect(lambda kind, doing, message: errors_after_new_chat.append(message))
+    step_gate.allow(2)
+    chat.input.setPlainText("First question")
+    qtbot.keyClick(chat.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
+    qtbot.waitUntil(lambda: step_gate.is_open() and bench.controller.busy == ""
+                    and bench.controller.request_id is None, timeout=REPLY_TIMEOUT_MS)
+    assert errors_after_new_chat == [] and not window.error_text()
+    if chat.input_text():                   # Send was held back until the old reply ended: send now
+        send(bench, qtbot, chat.input_text())
+    assert [m["content"] for m in bench.controller.conversation][:1] == ["Second question"]
+    assert len(bench.controller.conversation) == 2
+
+
+def test_an_engine_error_is_shown_and_the_conversation_is_kept(tiny_bench, qtbot):
+    bench = tiny_bench
+    chat, window = bench.window.chat, bench.window
+    send(bench, qtbot, "Hello!")
     conversation = list(bench.controller.conversation)
     too_long = "hello " * 9000                        # more tokens than the model's context
-    with qtbot.waitSignal(bench.probe.failed, timeout=REPLY_TIMEOUT_MS):
+    with qtbot.waitSignal(bench.probe.failed, timeout=REPLY_TIMEOUT_MS) as failed:
         send(bench, qtbot, too_long)
+    assert failed.args[0] == GENERATE
     assert "context holds" in window.error_text() and "start a new chat" in window.error_text()
     assert "context holds" in chat.transcript.toPlainText()
-    assert bench.controller.conversation == conversation
+    assert bench.controller.conversation == conversation and len(conversation) == 2
     assert chat.input_text() == too_long.strip()      # given back for a retry
     assert chat.send_button.isEnabled()
-    chat.set_input_text("")
-    window.clear_error()
 
 
-def test_a_model_that_cannot_load_leaves_the_current_one(bench, qtbot):
+def test_a_model_that_cannot_load_leaves_the_current_one(tiny_bench, qtbot):
+    bench = tiny_bench
     name = bench.window.settings.model_label.text()
-    with qtbot.waitSignal(bench.probe.failed, timeout=30_000) as failed:
+    with qtbot.waitSignal(bench.probe.failed, timeout=SETTLE_TIMEOUT_MS) as failed:
         bench.window.settings.modelRequested.emit("/no/such/model")
-    assert "model not found: /no/such/model" in failed.args[1]
+    assert failed.args[0] == LOAD_MODEL and "model not found: /no/such/model" in failed.args[2]
     assert "/no/such/model" in bench.window.error_text()
-    qtbot.waitUntil(lambda: bench.controller.busy == "", timeout=5000)
+    qtbot.waitUntil(lambda: bench.controller.busy == "", timeout=SETTLE_TIMEOUT_MS)
     assert bench.controller.model_ready and bench.window.settings.model_label.text() == name
     assert bench.window.chat.send_button.isEnabled() and not bench.window.progress.isVisible()
-    bench.window.clear_error()
 
 
-def test_a_draft_that_cannot_load_is_reported_and_the_choice_reverts(bench, qtbot):
+def test_a_draft_that_cannot_load_is_reported_and_the_choice_reverts(tiny_bench, qtbot):
+    bench = tiny_bench
     panel = bench.window.settings
-    with qtbot.waitSignal(bench.probe.failed, timeout=30_000) as failed:
+    with qtbot.waitSignal(bench.probe.failed, timeout=SETTLE_TIMEOUT_MS) as failed:
         panel.choose_draft("/no/such/draft")
-    assert failed.args[0] == "Loading draft model '/no/such/draft'" and "model not found" in failed.args[1]
+    kind, doing, message = failed.args
+    assert kind == LOAD_DRAFT and doing == "Loading draft model '/no/such/draft'" and "model not found" in message
     assert "/no/such/draft" in bench.window.error_text()
     assert panel.values()["draft_model"] is None and bench.controller.effective["draft_model"] is None
-    qtbot.waitUntil(lambda: bench.controller.busy == "", timeout=5000)
-    bench.window.clear_error()
+    qtbot.waitUntil(lambda: bench.controller.busy == "", timeout=SETTLE_TIMEOUT_MS)
 
 
 # ---- profiles -------------------------------------------------------------------------
-def test_ctrl_s_saves_a_profile_that_loads_back_every_setting(bench, qtbot, monkeypatch):
+def test_ctrl_s_saves_a_profile_that_loads_back_every_setting(tiny_bench, tiny_model, qtbot, monkeypatch):
+    bench = tiny_bench
     window, panel = bench.window, bench.window.settings
-    set_options(bench, qtbot, proposer="ngram", kv="fp8_e4m3", prefix=False, k=6, max_tokens=32)
-    panel.temperature_spin.setValue(0.5)
-    panel.seed_spin.setValue(7)
+    set_options(bench, qtbot, proposer="ngram", kv_cache_dtype="fp8_e4m3", enable_prefix_caching=False,
+                num_speculative_tokens=6, max_tokens=32, temperature=0.5, seed=7)
     window.chat.set_system_prompt("Be brief.")
     saved_values = panel.values()
     monkeypatch.setattr(window, "ask_profile_name", lambda suggestion="": "mine")
     window.activateWindow()
-    qtbot.waitUntil(window.isActiveWindow, timeout=5000)
+    qtbot.waitUntil(window.isActiveWindow, timeout=SETTLE_TIMEOUT_MS)
     qtbot.keyClick(window, Qt.Key.Key_S, Qt.KeyboardModifier.ControlModifier)
     path = bench.store.path_for("mine")
-    assert path.is_file() and json.loads(path.read_text())["num_speculative_tokens"] == 6
+    assert path.is_file()
+    saved = json.loads(path.read_text())
+    assert saved["num_speculative_tokens"] == 6 and saved["version"] == VERSION
+    # The settings the panel does not show are kept too.
+    assert saved["kv_cache_bytes"] == TINY_POOL_BYTES and saved["model"] == str(tiny_model.folder)
     assert "mine" in window.windowTitle()
 
-    set_options(bench, qtbot)                                        # change everything back
-    panel.temperature_spin.setValue(0.0)
+    set_options(bench, qtbot, proposer="off", kv_cache_dtype="auto", enable_prefix_caching=True,   # change back
+                num_speculative_tokens=4, max_tokens=8, temperature=0.0, seed=None)
     window.chat.set_system_prompt("Something else.")
     window.loadProfileRequested.emit("mine")
     assert panel.values() == saved_values and window.chat.system_prompt() == "Be brief."
     want = {"kv_cache_dtype": "fp8_e4m3", "enable_prefix_caching": False, "proposer": "ngram",
             "num_speculative_tokens": 6}
-    qtbot.waitUntil(lambda: all(bench.controller.effective.get(k) == v for k, v in want.items()), timeout=30_000)
-    set_options(bench, qtbot)
-    panel.temperature_spin.setValue(0.0)
-    panel.seed_spin.setValue(-1)
+    qtbot.waitUntil(lambda: all(bench.controller.effective.get(k) == v for k, v in want.items()),
+                    timeout=SETTLE_TIMEOUT_MS)
+    assert bench.controller.current_profile().kv_cache_bytes == TINY_POOL_BYTES
 
 
 @pytest.mark.parametrize("content, message", [
     ("{ this is not json", "not valid JSON"),
     (json.dumps({"format": "inference-workbench-profile", "version": 99}), "newer workbench"),
 ])
-def test_a_corrupt_profile_changes_nothing_and_says_why(bench, qtbot, tmp_path, content, message):
+def test_a_corrupt_profile_changes_nothing_and_says_why(tiny_bench, qtbot, monkeypatch, tmp_path, content, message):
+    bench = tiny_bench
     window, panel = bench.window, bench.window.settings
-    set_options(bench, qtbot, kv="fp8_e4m3", prefix=False)
+    set_options(bench, qtbot, kv_cache_dtype="fp8_e4m3", enable_prefix_caching=False)
     values, effective = panel.values(), dict(bench.controller.effective)
+    sent = []                                        # what the controller asks of the worker
+    for request in ("load_model", "reconfigure", "set_draft_model", "generate"):
+        monkeypatch.setattr(bench.host.worker, request, lambda *args, _name=request, **kwargs: sent.append(_name))
     bad = tmp_path / "broken.json"
     bad.write_text(content)
     window.loadProfileRequested.emit(str(bad))
     assert message in window.error_text() and str(bad) in window.error_text()
     assert "nothing was changed" in window.error_text()
     assert panel.values() == values
-    assert bench.host.worker._reconfigure_queue.empty()             # no change was sent to the engine
+    assert sent == []                                # no change was sent to the engine
     assert bench.controller.effective == effective
-    window.clear_error()
-    set_options(bench, qtbot)
 
 
-def test_settings_are_saved_as_the_last_session(bench, qtbot):
-    bench.window.settings.top_k_spin.setValue(40)
-    qtbot.waitUntil(lambda: getattr(bench.store.load_last_session(), "top_k", None) == 40, timeout=5000)
-    bench.window.settings.top_k_spin.setValue(0)
+def test_settings_are_saved_as_the_last_session(open_workbench, tiny_profile, tiny_model, qtbot):
+    bench = open_workbench(tiny_profile(ngram_max=3), start=False)
+    set_widget(bench.window.settings.widget("top_k"), 40)
+    qtbot.waitUntil(lambda: getattr(bench.store.load_last_session(), "top_k", None) == 40, timeout=SETTLE_TIMEOUT_MS)
+    session = bench.store.load_last_session()
+    assert (session.model, session.kv_cache_bytes, session.ngram_max) == (str(tiny_model.folder), TINY_POOL_BYTES, 3)
 
 
-def test_the_next_start_restores_the_last_session(bench, qtbot, second_window):
-    panel = bench.window.settings
-    panel.k_spin.setValue(9)
-    panel.kv_dtype_combo.setCurrentIndex(panel.kv_dtype_combo.findData("fp8_e4m3"))
+def test_the_next_start_restores_the_last_session(open_workbench, tiny_profile, tiny_model, qtbot):
+    bench = open_workbench(tiny_profile())
+    set_options(bench, qtbot, num_speculative_tokens=9, kv_cache_dtype="fp8_e4m3")
     bench.window.chat.set_system_prompt("Restored prompt.")
     bench.window.close()                      # closing saves the session
-    reopened = second_window(store=bench.store)
+    reopened = open_workbench(store=bench.store, start=False, show=False)
     values = reopened.window.settings.values()
     assert values["num_speculative_tokens"] == 9 and values["kv_cache_dtype"] == "fp8_e4m3"
     assert reopened.window.chat.system_prompt() == "Restored prompt."
-    bench.window.show()
-    bench.window.chat.set_system_prompt("You are a helpful assistant.")
-    set_options(bench, qtbot)
+    profile = reopened.controller.current_profile()
+    assert profile.model == str(tiny_model.folder) and profile.kv_cache_bytes == TINY_POOL_BYTES
 
 
-def test_profile_option_starts_from_that_profile(bench, second_window, tmp_path):
-    from engine.profiles import SessionProfile
-    path = ProfileStore(tmp_path).save(SessionProfile(name="fast", proposer="ngram", num_speculative_tokens=5))
-    started = second_window(profile_path=str(path), store=bench.store)
+def test_profile_option_starts_from_that_profile(open_workbench, tmp_path):
+    path = ProfileStore(tmp_path / "elsewhere").save(SessionProfile(name="fast", proposer="ngram",
+                                                                    num_speculative_tokens=5))
+    started = open_workbench(profile_path=str(path), start=False, show=False)
     assert started.window.settings.values()["proposer"] == "ngram"
     assert started.window.settings.values()["num_speculative_tokens"] == 5
     assert "fast" in started.window.windowTitle()
 
 
-def test_a_broken_profile_option_starts_with_defaults_and_says_why(bench, second_window, tmp_path):
+def test_a_broken_profile_option_starts_with_defaults_and_says_why(open_workbench, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{")
-    started = second_window(profile_path=str(bad), store=bench.store)
+    started = open_workbench(profile_path=str(bad), start=False, show=False)
     assert "not valid JSON" in started.window.error_text() and "default settings" in started.window.error_text()
     assert started.window.settings.values()["proposer"] == "off"
 
 
 # ---- exports --------------------------------------------------------------------------
-def test_plots_export_as_png_and_metrics_as_csv(bench, tmp_path):
+def test_plots_export_as_png_and_metrics_as_csv(tiny_bench, qtbot, tmp_path):
+    bench = tiny_bench
+    send(bench, qtbot, "Hello!")
+    send(bench, qtbot, "Again!")
     png, table = tmp_path / "plots.png", tmp_path / "metrics.csv"
     bench.window.plots.exportPngRequested.emit(str(png))
     bench.window.plots.exportCsvRequested.emit(str(table))
@@ -415,15 +564,17 @@ def test_plots_export_as_png_and_metrics_as_csv(bench, tmp_path):
     assert {"session_step", "acceptance", "kv_used_mib", "tok_s", "kv_dtype"} <= set(rows[0])
     with open(tmp_path / "metrics-requests.csv") as f:
         requests = list(csv.DictReader(f))
-    assert len(requests) == bench.history.num_requests and float(requests[0]["ttft_ms"]) > 0
+    assert len(requests) == bench.history.num_requests == 2 and float(requests[0]["ttft_ms"]) > 0
 
 
 # ---- threads ----------------------------------------------------------------------------
-def test_the_gui_thread_never_runs_the_engine(bench, qtbot, monkeypatch):
+def test_the_gui_thread_never_runs_the_engine(tiny_bench, qtbot, monkeypatch, step_gate):
     """Forward passes, reconfiguring and draft loading all happen on the worker thread,
     even when the user toggles settings and stops mid-reply."""
     from engine.engine import LLMEngine
     from engine.model_runner import ModelRunner
+    from engine.request import Request
+    bench = tiny_bench
     threads = []
 
     def record(original):
@@ -432,7 +583,7 @@ def test_the_gui_thread_never_runs_the_engine(bench, qtbot, monkeypatch):
             return original(*args, **kwargs)
         return wrapper
     for cls, name in ((ModelRunner, "forward"), (LLMEngine, "reconfigure"), (LLMEngine, "set_draft_model"),
-                      (LLMEngine, "generate"), (LLMEngine, "settings")):
+                      (LLMEngine, "start"), (LLMEngine, "settings"), (Request, "step")):
         monkeypatch.setattr(cls, name, record(getattr(cls, name)))
     gui_updates = []      # and the other way round: widgets are only touched on the GUI thread
     chat = bench.window.chat
@@ -443,32 +594,48 @@ def test_the_gui_thread_never_runs_the_engine(bench, qtbot, monkeypatch):
 
     def meddle(event):
         if event["step"] == 1:
-            panel.prefix_check.toggle()
-            panel.k_spin.setValue(3)
-            panel.draft_combo.setCurrentIndex(panel.draft_combo.findData("self"))
+            panel.widget("enable_prefix_caching").toggle()
+            set_widget(panel.widget("num_speculative_tokens"), 3)
+            set_widget(panel.widget("draft_model"), "self")
             bench.controller.stop()
+            step_gate.open()
     bench.probe.stepReady.connect(meddle)
-    try:
-        set_options(bench, qtbot, max_tokens=16)
-        send(bench, qtbot, "Hello!")
-    finally:
-        bench.probe.stepReady.disconnect(meddle)
-    qtbot.waitUntil(lambda: bench.controller.busy == "", timeout=30_000)
+    set_options(bench, qtbot, max_tokens=16)
+    step_gate.allow(2)
+    send(bench, qtbot, "Hello!")
+    qtbot.waitUntil(lambda: bench.controller.busy == "" and bench.controller.effective.get("draft_model") == "self",
+                    timeout=SETTLE_TIMEOUT_MS)
     assert len(threads) > 5
     assert threading.main_thread() not in threads
     assert {t.name for t in threads} and all(t is threads[0] for t in threads)     # one worker thread
     assert gui_updates and set(gui_updates) == {threading.main_thread()}
-    set_options(bench, qtbot)
 
 
 # ---- the metrics history behind the plots (no Qt needed) -----------------------------------
-def _event(step, settings, proposed=0, accepted=0, tokens=1):
-    return {"step": step, "token_ids": [1] * tokens, "token_kinds": ["target"] * tokens, "time_s": 0.1,
-            "step_time_s": 0.05, "proposed": proposed, "accepted": accepted,
-            "accepted_per_position": [True] * accepted + ([False] if accepted < proposed else []),
-            "kv_bytes_used": 2**20, "kv_bytes_capacity": 2**29, "kv_dtype": settings["kv_cache_dtype"],
-            "prefix_hit_tokens": 0, "prompt_tokens": 10, "generated_tokens": step + 1,
-            "ttft_s": 0.2 if step == 0 else None, "settings": settings}
+class FakeRequest:
+    """Step events as the worker emits them, without a model: real StepEvents with their
+    request's aggregates (engine.metrics.RequestStats), as_dict()."""
+
+    def __init__(self):
+        from engine.metrics import RequestStats
+        self.stats = RequestStats(prompt_tokens=10)
+        self.kv_dtype = None        # from the settings last sent (a step sends them only on a change)
+
+    def step(self, step: int, settings: dict | None = None, proposed: int = 0, accepted: int = 0) -> dict:
+        from engine.metrics import ACCEPTED, BONUS, RESAMPLED, TARGET, StepEvent
+        kinds = [ACCEPTED] * accepted + [BONUS if accepted == proposed else RESAMPLED] if proposed else [TARGET]
+        self.kv_dtype = settings["kv_cache_dtype"] if settings else self.kv_dtype
+        event = StepEvent(
+            step=step, token_ids=[1] * len(kinds), token_kinds=kinds, pieces=[("x" * len(kinds), TARGET)],
+            time_s=0.1 * (step + 1), step_time_s=0.05, target_time_s=0.04, draft_time_s=0.01 if proposed else 0.0,
+            target_passes=1, proposed=proposed, accepted=accepted,
+            accepted_per_position=[True] * accepted + ([False] if accepted < proposed else []),
+            kv_bytes_used=2**20, kv_bytes_capacity=2**29, kv_bytes_per_token=2**10, kv_dtype=self.kv_dtype,
+            prefix_hit_tokens=0, prompt_tokens=10, generated_tokens=self.stats.generated_tokens + len(kinds),
+            ttft_s=0.2 if step == 0 else None, settings=settings)
+        self.stats.record_step(event)
+        event.running = self.stats.as_dict()
+        return event.as_dict()
 
 
 def test_history_marks_setting_changes_and_resets_per_position_on_new_speculation():
@@ -477,17 +644,19 @@ def test_history_marks_setting_changes_and_resets_per_position_on_new_speculatio
     plain = {"kv_cache_dtype": "float32", "enable_prefix_caching": True, "proposer": "off",
              "num_speculative_tokens": 4, "draft_model": None}
     spec = plain | {"proposer": "ngram"}
-    history.record_step(_event(0, plain))
-    history.record_step(_event(1, plain))
-    history.record_step(_event(2, spec, proposed=4, accepted=2, tokens=3))
-    history.record_step(_event(3, spec | {"kv_cache_dtype": "fp8_e4m3"}, proposed=4, accepted=4, tokens=5))
+    first = FakeRequest()
+    history.record_step(first.step(0, plain))
+    history.record_step(first.step(1))                          # no change: no settings sent
+    history.record_step(first.step(2, spec, proposed=4, accepted=2))
+    history.record_step(first.step(3, spec | {"kv_cache_dtype": "fp8_e4m3"}, proposed=4, accepted=4))
     assert [(x, label) for x, _, label in history.markers] == [(1.5, "spec ngram"), (2.5, "KV fp8_e4m3")]
     assert list(history.per_position_acceptance()) == [1.0, 1.0, 0.5, 1.0]
     acceptance = history.step_series("acceptance")
     assert list(acceptance[2:]) == [0.5, 1.0] and all(a != a for a in acceptance[:2])    # NaN: nothing proposed
     assert list(history.step_series("running_acceptance")[2:]) == [0.5, 0.75]
     assert list(history.step_series("is_fp8")) == [0, 0, 0, 1]
-    history.record_step(_event(0, spec | {"num_speculative_tokens": 2, "kv_cache_dtype": "fp8_e4m3"}))
+    assert [label["proposer"] for label in history.step_labels] == ["off", "off", "ngram", "ngram"]
+    history.record_step(FakeRequest().step(0, spec | {"num_speculative_tokens": 2, "kv_cache_dtype": "fp8_e4m3"}))
     assert history.markers[-1][1:] == (1.5, "k=2")       # between request 1 and request 2
     assert len(history.per_position_acceptance()) == 0      # a new set-up starts a new tally
 
@@ -503,7 +672,6 @@ def test_ring_buffer_keeps_the_newest_values_in_order():
 def test_void_qt_calls_keep_none_referenced():
     """PySide6 6.12.0 on Python 3.11 loses a reference to None per void call, which aborts a
     long session ("none_dealloc"); pyproject pins below it. This fails on such bindings."""
-    from PySide6.QtCore import QObject
     probe = QObject()
     before = sys.getrefcount(None)
     for _ in range(5_000):
@@ -513,8 +681,6 @@ def test_void_qt_calls_keep_none_referenced():
 
 def test_signals_carrying_true_keep_it_referenced():
     """The same bindings lose a reference to True per bool a signal delivers."""
-    from PySide6.QtCore import QObject, Signal
-
     class Emitter(QObject):
         flag = Signal(bool)
     emitter, received = Emitter(), []
@@ -523,3 +689,4 @@ def test_signals_carrying_true_keep_it_referenced():
     for _ in range(5_000):
         emitter.flag.emit(True)
     assert len(received) == 5_000 and before - sys.getrefcount(True) < 100
+
