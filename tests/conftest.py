@@ -26,6 +26,32 @@ def make_engine(default_model):
     return make
 
 
+TINY_SEED = 0     # the spec-decode tests' prompts were checked against this seed's model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A 2-layer random-weight Llama with the default model's tokenizer (engine.synthetic
+    "tiny"): real code paths at a fraction of the cost. Its head is untied, so greedy
+    output wanders instead of repeating one token, and an early-exit draft "self:1" agrees
+    with it only sometimes: speculation sees both accepted and rejected drafts."""
+    from engine.loader import load_model
+    from engine.synthetic import write_checkpoint
+    return load_model(str(write_checkpoint(tmp_path_factory.mktemp("tiny"), "tiny", seed=TINY_SEED)))
+
+
+@pytest.fixture
+def make_tiny_engine(tiny_model):
+    """A fresh engine (own cache and settings) around the shared tiny model."""
+    from engine import EngineConfig
+    from engine.engine import LLMEngine
+
+    def make(**config):
+        config.setdefault("kv_cache_bytes", 8 * 2**20)
+        return LLMEngine(tiny_model, EngineConfig(**config), torch.device("cpu"))
+    return make
+
+
 def chat(text: str, system: str | None = None) -> list[dict]:
     msgs = [{"role": "system", "content": system}] if system else []
     return msgs + [{"role": "user", "content": text}]
