@@ -1,10 +1,12 @@
-"""`python -m app` / `workbench`: open the main window on the default model (or a profile's)."""
+"""`python -m app` / `workbench`: open the main window on the default model, a profile's, or
+the model (and draft) named on the command line."""
 from __future__ import annotations
 
 import argparse
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
@@ -38,14 +40,17 @@ class Workbench:
         self.collector.stop()
 
 
-def build(profile_path: str | None = None, store: ProfileStore | None = None, start: bool = True) -> Workbench:
+def build(profile_path: str | None = None, store: ProfileStore | None = None, start: bool = True,
+          model: str | None = None, draft: str | None = None) -> Workbench:
     """Create the window, the worker thread and the controller; start loading the model
-    (or leave that to the caller, who may want to connect to the worker first)."""
+    (or leave that to the caller, who may want to connect to the worker first). `model` and
+    `draft` override the start-up profile's; a draft also turns draft speculation on."""
     # Before the worker thread starts; the module says why.
     collector = MainThreadGarbageCollector()
     collector.start()
     store = store or ProfileStore()
     profile, warning = store.startup_profile(profile_path)
+    profile = with_models(profile, model, draft)
     history = MetricsHistory()
     window = MainWindow(history, layout_file=store.root / LAYOUT_FILE)
     host = EngineHost()
@@ -57,10 +62,30 @@ def build(profile_path: str | None = None, store: ProfileStore | None = None, st
     return Workbench(window, controller, host, store, history, collector)
 
 
+def with_models(profile, model: str | None, draft: str | None):
+    """The profile with the command line's model and draft (paths made absolute, so the
+    saved session finds them from any folder)."""
+    changes = {}
+    if model:
+        changes["model"] = _reference(model)
+    if draft:
+        changes |= {"draft_model": _reference(draft), "proposer": "draft"}
+    return replace(profile, **changes) if changes else profile
+
+
+def _reference(reference: str) -> str:
+    path = Path(reference).expanduser()
+    return str(path.resolve()) if path.exists() else reference
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="workbench", description="Inference Workbench: chat with a model and "
                                      "watch speculative decoding, the FP8 KV cache and prefix caching live.")
     parser.add_argument("--profile", metavar="PATH", help="start from a saved session profile (.json)")
+    parser.add_argument("--model", metavar="MODEL", help="open this model: a Hugging Face folder or a .gguf file "
+                        "(instead of the profile's)")
+    parser.add_argument("--draft", metavar="DRAFT", help="load this draft model and speculate with it: a folder, "
+                        "a .gguf, 'default-draft', 'self' or 'self:N'")
     return parser.parse_args(argv)
 
 
@@ -75,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     app.setApplicationName("Inference Workbench")
     app.setWindowIcon(QIcon(str(APP_ICON)))
     app.setStyleSheet(style_sheet())
-    workbench = build(args.profile)
+    workbench = build(args.profile, model=args.model, draft=args.draft)
     # Ctrl+C in the terminal closes the window properly (the session is saved, the worker
     # stopped). The plots' timer lets Python see the signal while Qt's loop runs.
     signal.signal(signal.SIGINT, lambda *_: workbench.window.close())

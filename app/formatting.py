@@ -25,7 +25,24 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
         f"<b>Runs on</b>: {escape(str(settings.get('device')))}, {escape(str(settings.get('dtype')))} weights, "
         f"{settings.get('threads')} torch thread{'s' if settings.get('threads') != 1 else ''}",
     ]
+    if settings.get("memory_plan"):
+        lines.append(describe_memory_plan(settings["memory_plan"]))
+    if settings.get("chat_template") is False:
+        lines.append("<b>Chat template</b>: none in the model folder; messages are sent as plain text")
     return "<br>".join(lines)
+
+
+def describe_memory_plan(plan: dict) -> str:
+    """engine.memory_plan.MemoryPlan.as_dict() as one line."""
+    draft = f" (draft {_size(plan['draft_weights_bytes'])})" if plan.get("draft_weights_bytes") else ""
+    return (f"<b>Memory plan</b>: weights {_size(plan['weights_bytes'])}{draft}, "
+            f"KV pool {_size(plan['kv_pool_bytes'])} = {plan['tokens_that_fit']:,} tokens, "
+            f"reserve {_size(plan['reserve_bytes'])} for a {plan['reserve_tokens']:,}-token prompt "
+            f"({escape(str(plan['device']))}, {escape(str(plan['budget']))})")
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.0f} MiB"
 
 
 def describe_deferred(deferred: dict) -> str:

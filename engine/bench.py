@@ -1,9 +1,10 @@
 """Headless measurements: `python -m engine.bench SCENARIO [--json]`.
 
-Scenarios: parity, prefix, kv, memory, decode, speculative, kernels, all. Each prints one
-JSON object with --json (field names are a contract: scripts read them) and exits 0 when
+Scenarios: parity, prefix, kv, memory, decode, speculative, kernels, load, all. Each prints
+one JSON object with --json (field names are a contract: scripts read them) and exits 0 when
 it ran. Timings are medians; comparisons are ratios measured in the same run, since the
-machine may be shared and noisy.
+machine may be shared and noisy. Every scenario with a model runs on --model (a HF folder
+or a .gguf; default: the embedded model), with --draft, --device and --dtype where given.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import time
 
 import torch
 
+from engine.bench_peer import bench_peer
 from engine.metrics import combined, predicted_speedup, ratio
+from engine.synthetic import PRESETS
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -38,6 +41,10 @@ REPEAT_PROMPTS = [f"Repeat the following passage exactly, word for word:\n\n{PAS
                   f"Please write out this passage again without changes:\n\n{PASSAGE}",
                   f"Echo back the text below verbatim.\n\n{PASSAGE}"]
 
+# Where transformers' copy of the model shares the device (parity, decode), the engine's pool
+# is this fixed budget rather than what the memory plan would give it (most of a GPU).
+HF_BESIDE_POOL_BYTES = 512 * 2**20
+
 BUILTIN_SHAPES = {   # (layers, attention heads, kv heads, head_dim)
     "llama-2-7b": (32, 32, 32, 128),
     "llama-2-7b-gqa8": (32, 32, 8, 128),
@@ -54,18 +61,23 @@ def chat(text: str, system: str | None = None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
 
 
-def _engine(**config):
+def _engine(args, **config):
+    """The scenario's engine on --model; --device and --dtype, when given, win over the
+    scenario's own choice."""
     from engine import EngineConfig, LLMEngine
-    return LLMEngine.load(config.pop("model", None), EngineConfig(**config), progress=_progress)
+    config.update({key: value for key, value in (("device", args.device), ("dtype", args.dtype)) if value})
+    return LLMEngine.load(args.model, EngineConfig(**config), progress=_progress)
 
 
 def _progress(message: str, fraction: float) -> None:
     print(f"[{fraction:4.0%}] {message}", file=sys.stderr)
 
 
-def _hf_model(folder):
+def _hf_model(eng):
+    """transformers' model on the engine's folder, device and dtype: the reference."""
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(eng.target_model.folder, dtype=eng.runner.model_dtype).eval()
+    hf = hf.to(eng.device)
     hf.generation_config.eos_token_id = None      # compare fixed-length continuations
     hf.generation_config.pad_token_id = 0
     return hf
@@ -74,21 +86,26 @@ def _hf_model(folder):
 # ---- parity --------------------------------------------------------------------
 def bench_parity(args) -> dict:
     from engine import SamplingParams
-    eng = _engine(dtype="float32", device="cpu")
-    hf = _hf_model(eng.target_model.folder)
+    eng = _engine(args, dtype="float32", device="cpu", kv_cache_bytes=HF_BESIDE_POOL_BYTES)
+    hf = _hf_model(eng)
     prompts, tokens = CHAT_PROMPTS[:args.prompts], args.tokens
     identical, max_diff = True, 0.0
     for text in prompts:
         ids = eng.encode(chat(text))
         _, ours, _ = eng.generate_text(ids, SamplingParams(max_tokens=tokens, stop_on_eos=False))
         with torch.inference_mode():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
+            out = hf.generate(torch.tensor([ids], device=eng.device), max_new_tokens=tokens, do_sample=False,
                               output_logits=True, return_dict_in_generate=True)
         theirs = out.sequences[0, len(ids):].tolist()
         identical &= ours == theirs
         max_diff = max(max_diff, _teacher_forced_diff(eng, ids, theirs, torch.cat(out.logits)))
-    return {"prompts": len(prompts), "tokens_per_prompt": tokens, "greedy_identical": identical,
+    return {"model": eng.target_model.display_name, "device": str(eng.device), "dtype": _dtype(eng),
+            "prompts": len(prompts), "tokens_per_prompt": tokens, "greedy_identical": identical,
             "max_abs_logit_diff": max_diff}
+
+
+def _dtype(eng) -> str:
+    return str(eng.runner.model_dtype).removeprefix("torch.")
 
 
 def _teacher_forced_diff(eng, prompt_ids, continuation, hf_logits) -> float:
@@ -101,13 +118,13 @@ def _teacher_forced_diff(eng, prompt_ids, continuation, hf_logits) -> float:
             ours.append(runner.forward(seq, [t]))
     finally:
         runner.end(seq)
-    return float((torch.cat(ours) - hf_logits.float()).abs().max())
+    return float((torch.cat(ours) - hf_logits.float().to(eng.device)).abs().max())
 
 
 # ---- prefix caching --------------------------------------------------------------
 def bench_prefix(args) -> dict:
     from engine import SamplingParams
-    eng = _engine(enable_prefix_caching=True)
+    eng = _engine(args, enable_prefix_caching=True)
     system = _system_prompt(eng.tokenizer, args.system_tokens)
     msgs = chat("Summarise the rules above in one sentence.", system=system)
     one = SamplingParams(max_tokens=1)
@@ -151,11 +168,11 @@ def bench_kv(args) -> dict:
     from engine import EngineConfig
     from engine.kv_cache import FP8_DTYPE
     from engine.model_runner import ModelRunner
-    eng = _engine(dtype="float32", device="cpu")
+    eng = _engine(args, dtype="float32", device="cpu", num_blocks=1)    # runners below hold the caches
     ids = eng.tokenizer.encode(held_out_text(), add_special_tokens=False)[:args.eval_tokens + 1]
     shape = eng.runner.kv.shape
-    result = {"model": eng.target_model.display_name, "model_dtype_name": "float32",
-              "bytes_per_token": {"model_dtype": shape.bytes_per_token(torch.float32),
+    result = {"model": eng.target_model.display_name, "model_dtype_name": _dtype(eng), "device": str(eng.device),
+              "bytes_per_token": {"model_dtype": shape.bytes_per_token(eng.runner.model_dtype),
                                   "bfloat16": shape.bytes_per_token(torch.bfloat16),
                                   "fp8_e4m3": shape.bytes_per_token(FP8_DTYPE)},
               "scale_bytes_per_token": shape.scale_bytes_per_token(FP8_DTYPE),
@@ -163,7 +180,7 @@ def bench_kv(args) -> dict:
     ppl = {}
     for name in ("auto", "bfloat16", "fp8_e4m3"):
         runner = ModelRunner(eng.target_model, EngineConfig(kv_cache_dtype=name, num_blocks=args.window // 16 + 2),
-                             torch.device("cpu"))
+                             eng.device)
         ppl[name] = _perplexity(runner, ids, args.window)
     result.update({"ppl_model_dtype": ppl["auto"], "ppl_bf16": ppl["bfloat16"], "ppl_fp8": ppl["fp8_e4m3"],
                    "ppl_increase_pct": 100 * (ppl["fp8_e4m3"] / ppl["auto"] - 1),
@@ -184,7 +201,8 @@ def _perplexity(runner, ids: list[int], window: int) -> float:
             for c in range(0, len(chunk) - 1, 256):
                 piece = chunk[c:c + 256 + 1]
                 logits = runner.forward(seq, piece[:-1], logits_for="all")
-                nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(piece[1:]), reduction="sum"))
+                targets = torch.tensor(piece[1:], device=logits.device)
+                nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
                 count += len(piece) - 1
         finally:
             runner.end(seq)
@@ -193,22 +211,32 @@ def _perplexity(runner, ids: list[int], window: int) -> float:
 
 # ---- analytic memory ---------------------------------------------------------------
 def bench_memory(args) -> dict:
+    """Bytes per sequence from a config's shapes (analytic), and the memory plan of --model
+    (with --draft) on --device as the engine makes it."""
+    result = cache_bytes(args.model if args.config == "default" and args.model else args.config, args.context)
+    eng = _engine(args)
+    if args.draft:
+        eng.set_draft_model(args.draft, progress=_progress)
+    return result | {"plan": {"model": eng.target_model.display_name, "draft": eng.draft_name, **eng.plan.as_dict()}}
+
+
+def cache_bytes(config: str, context: int) -> dict:
     from engine.kv_cache import FP8_DTYPE, CacheShape, KVCache
-    layers, heads, kv_heads, head_dim, name = _shape_for(args.config)
+    layers, heads, kv_heads, head_dim, name = _shape_for(config)
     gqa_heads = kv_heads if kv_heads < heads else 8
     per_seq, allocation_matches = {}, True
     for label, h in (("mha", heads), (f"gqa{gqa_heads}", gqa_heads)):
         shape = CacheShape(layers, h, head_dim)
         for dtype_label, dtype in (("fp16", torch.float16), ("fp8_e4m3", FP8_DTYPE)):
             # Checked against a real allocation (on the meta device: no memory is used).
-            blocks = -(-args.context // 16)
+            blocks = -(-context // 16)
             allocated = KVCache(shape, blocks, 16, dtype, torch.device("meta")).bytes_allocated
             per_token = shape.bytes_per_token(dtype) + shape.scale_bytes_per_token(dtype)
             allocation_matches &= allocated == blocks * 16 * per_token
-            per_seq[f"{label}_{dtype_label}"] = shape.bytes_per_token(dtype) * args.context
-            per_seq[f"{label}_{dtype_label}_scales"] = shape.scale_bytes_per_token(dtype) * args.context
+            per_seq[f"{label}_{dtype_label}"] = shape.bytes_per_token(dtype) * context
+            per_seq[f"{label}_{dtype_label}_scales"] = shape.scale_bytes_per_token(dtype) * context
     gqa = f"gqa{gqa_heads}"
-    return {"config": name, "context": args.context, "num_layers": layers, "num_attention_heads": heads,
+    return {"config": name, "context": context, "num_layers": layers, "num_attention_heads": heads,
             "num_kv_heads": kv_heads, "head_dim": head_dim, "bytes_per_sequence": per_seq,
             "human": {k: _human(v) for k, v in per_seq.items() if not k.endswith("_scales")},
             "gqa_reduction": per_seq["mha_fp16"] / per_seq[f"{gqa}_fp16"],
@@ -238,8 +266,8 @@ def _human(n: int) -> str:
 # ---- decode speed ------------------------------------------------------------------
 def bench_decode(args) -> dict:
     from engine import SamplingParams
-    eng = _engine(enable_prefix_caching=False)
-    hf = _hf_model(eng.target_model.folder)
+    eng = _engine(args, enable_prefix_caching=False, kv_cache_bytes=HF_BESIDE_POOL_BYTES)
+    hf = _hf_model(eng)
     ids = eng.encode(chat(CHAT_PROMPTS[1]))
     n = args.tokens
 
@@ -251,7 +279,8 @@ def bench_decode(args) -> dict:
     def theirs(tokens):
         t0 = time.perf_counter()
         with torch.inference_mode():
-            hf.generate(torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+            hf.generate(torch.tensor([ids], device=eng.device), max_new_tokens=tokens, min_new_tokens=tokens,
+                        do_sample=False)
         return time.perf_counter() - t0
 
     ours(4), theirs(4)                                # warm-up
@@ -262,14 +291,14 @@ def bench_decode(args) -> dict:
         hf_s.append((theirs(n) - theirs(1)) / (n - 1))
     a, b = 1 / statistics.median(ours_s), 1 / statistics.median(hf_s)
     return {"ours_tok_s": a, "hf_tok_s": b, "ratio": a / b, "tokens": n, "repeats": args.repeats,
-            "threads": torch.get_num_threads(), "device": str(eng.device), "dtype": "float32" if eng.device.type == "cpu" else "bfloat16"}
+            "threads": torch.get_num_threads(), "device": str(eng.device), "dtype": _dtype(eng)}
 
 
 # ---- speculative decoding ------------------------------------------------------------
 def bench_speculative(args) -> dict:
     from engine import SamplingParams
     from engine.loader import DEFAULT_DRAFT
-    eng = _engine(enable_prefix_caching=False)
+    eng = _engine(args, enable_prefix_caching=False)
     draft = args.draft or DEFAULT_DRAFT
     prompt_set = args.prompts_set or ("repeat" if args.proposer == "ngram" else "chat")
     prompts = REPEAT_PROMPTS * 2 if prompt_set == "repeat" else CHAT_PROMPTS[:8]
@@ -312,8 +341,13 @@ def bench_kernels(args) -> dict:
     return run_kernel_bench()
 
 
+def bench_load(args) -> dict:
+    from engine.bench_load import run_load_bench
+    return run_load_bench(args.model, args.synthetic, args.device, args.dtype)
+
+
 SCENARIOS = {"parity": bench_parity, "prefix": bench_prefix, "kv": bench_kv, "memory": bench_memory,
-             "decode": bench_decode, "speculative": bench_speculative, "kernels": bench_kernels}
+             "decode": bench_decode, "speculative": bench_speculative, "kernels": bench_kernels, "load": bench_load, "peer": bench_peer}
 
 
 def main(argv=None) -> int:
@@ -321,6 +355,12 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("scenario", choices=[*SCENARIOS, "all"])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--model", default=None, help="a HF model folder or a .gguf file (default: the embedded model)")
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: each scenario's own)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="weights dtype (default: each scenario's own)")
+    ap.add_argument("--synthetic", default=None, choices=sorted(PRESETS),
+                    help="load: a random-weight checkpoint of this architecture, written once to the user cache")
     ap.add_argument("--prompts", type=int, default=8, help="parity: number of prompts")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per prompt (parity, decode, speculative)")
     ap.add_argument("--repeats", type=int, default=5)
@@ -331,7 +371,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=4096, help="memory: tokens per sequence")
     ap.add_argument("--k", type=int, default=4, help="speculative: draft tokens per step")
     ap.add_argument("--proposer", choices=["draft", "ngram"], default="draft")
-    ap.add_argument("--draft", default=None, help="speculative: draft model reference (default: the shipped draft)")
+    ap.add_argument("--draft", default=None,
+                    help="draft model reference (speculative: default the shipped draft; memory: counted in the plan)")
     ap.add_argument("--prompt-set", dest="prompts_set", choices=["chat", "repeat"], default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)

@@ -95,13 +95,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("block_size", int, 16, ENGINE, NEXT_REQUEST, "Block size", choices={b: str(b) for b in BLOCK_SIZES},
             help="tokens per KV block; prefix caching reuses whole blocks", group=CACHE_GROUP),
     Setting("enable_prefix_caching", bool, True, ENGINE, LIVE, "Prefix caching", group=CACHE_GROUP),
-    Setting("kv_cache_bytes", int, 512 * 2**20, ENGINE, NEXT_REQUEST, "KV pool bytes", low=1),
+    Setting("kv_cache_bytes", int, None, ENGINE, NEXT_REQUEST, "KV pool bytes", low=1, optional=True,
+            off_text="auto", help="auto: the memory plan sizes the pool (CUDA: what gpu_memory_fraction leaves "
+            "after the weights and an activation reserve; CPU: RAM/32)"),
     Setting("num_blocks", int, None, ENGINE, NEXT_REQUEST, "KV pool blocks", low=1, optional=True,
             off_text="from bytes", help="overrides kv_cache_bytes when set"),
     Setting("attention_backend", str, "auto", ENGINE, NEXT_REQUEST, "Attention",
             choices={"auto": "auto", "torch": "torch (reference)", "triton": "Triton kernels"}),
     # ---- load time ----
     Setting("device", str, "auto", ENGINE, LOAD, "Device", help="auto = CUDA when present, else the CPU"),
+    Setting("gpu_memory_fraction", float, 0.9, ENGINE, LOAD, "GPU memory fraction", low=0.05, high=1.0, step=0.05,
+            help="the share of the GPU's memory the engine may use (weights, KV pool, activations), "
+            "as vLLM's gpu_memory_utilization"),
     Setting("dtype", str, "auto", ENGINE, LOAD, "Weights dtype",
             choices={"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"},
             help="auto = bf16 on CUDA, fp32 on the CPU"),

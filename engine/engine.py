@@ -18,6 +18,7 @@ import torch
 from engine import loader
 from engine.config import BY_KEY, ENGINE, LIVE, NEXT_REQUEST, EngineConfig, SamplingParams, keys
 from engine.errors import ConfigError, PromptTooLongError, WorkbenchError
+from engine.memory_plan import MemoryPlan, plan_memory
 from engine.metrics import RequestStats, StepEvent
 from engine.model_runner import ModelRunner
 from engine.request import Request
@@ -54,7 +55,8 @@ class LLMEngine:
         self.target_model = target
         self.tokenizer = target.tokenizer
         self.max_model_len = min(config.max_model_len or target.model.max_positions, target.model.max_positions)
-        self.runner = ModelRunner(target, config, device)
+        self.plan: MemoryPlan = plan_memory(config, device, target.model)
+        self.runner = ModelRunner(target, config, device, num_blocks=self.plan.num_blocks)
         self.draft_runner: ModelRunner | None = None
         self.draft_name: str | None = None
         self.progress = progress
@@ -78,16 +80,39 @@ class LLMEngine:
 
     def set_draft_model(self, reference: str | None, progress=None) -> None:
         """Load (or clear) the draft model now. Checks tokenizer compatibility first; a
-        draft that fails to load leaves the previous one in place."""
+        draft that fails to load leaves the previous one in place. Both pools are planned
+        again (the draft's weights and cache share the memory plan); the prefix cache goes."""
         if self.active is not None:
             raise ConfigError("the draft model can change only between requests")
-        if reference in (None, ""):
-            self.draft_runner, self.draft_name = None, None
-        else:
-            draft = self._load_draft(reference, progress or self.progress)
-            self.draft_runner = ModelRunner(draft, self.config, self.device, num_blocks=self.runner.kv.num_blocks)
-            self.draft_name = reference
+        for runner in self.runners():
+            runner.release_cache()          # room for the draft's weights
+        try:
+            draft = None if reference in (None, "") else self._load_draft(reference, progress or self.progress)
+            self.build_pools(draft)
+        except BaseException:
+            self.build_pools(self._draft())
+            raise
+        self.draft_name = reference or None
         self.config = self.config.with_changes(draft_model=self.draft_name)
+
+    def build_pools(self, draft: loader.LoadedModel | None) -> None:
+        """Plan memory for the target and the draft, then (re)allocate both KV pools with the
+        plan's number of blocks. The old pools are freed first: on CUDA the plan measures
+        what is free without them."""
+        for runner in self.runners():
+            runner.release_cache()
+        plan = plan_memory(self.config, self.device, self.target_model.model, draft.model if draft else None)
+        self.runner.build_cache(self.config, plan.num_blocks)
+        if draft is None:
+            self.draft_runner = None
+        elif self.draft_runner is not None and self.draft_runner.loaded is draft:
+            self.draft_runner.build_cache(self.config, plan.num_blocks)
+        else:
+            self.draft_runner = ModelRunner(draft, self.config, self.device, num_blocks=plan.num_blocks)
+        self.plan = plan
+
+    def _draft(self) -> loader.LoadedModel | None:
+        return self.draft_runner.loaded if self.draft_runner is not None else None
 
     def _load_draft(self, reference: str, progress) -> loader.LoadedModel:
         if reference == SELF_DRAFT:
@@ -126,13 +151,19 @@ class LLMEngine:
         draft = now.pop("draft_model", self.draft_name)
         old, self.config = self.config, self.config.with_changes(**now)
         if any(getattr(old, k) != getattr(self.config, k) for k in POOL_SETTINGS):
-            self.runner.build_cache(self.config)
-            if self.draft_runner is not None:
-                self.draft_runner.build_cache(self.config, num_blocks=self.runner.kv.num_blocks)
+            self._rebuild_pools_or_revert(old)
         for runner in self.runners():
             runner.set_prefix_caching(self.config.enable_prefix_caching)
         if draft != self.draft_name:
             self.set_draft_model(draft)
+
+    def _rebuild_pools_or_revert(self, old: EngineConfig) -> None:
+        try:
+            self.build_pools(self._draft())
+        except WorkbenchError:                  # e.g. no room for one block: keep the old pools
+            self.config = old
+            self.build_pools(self._draft())
+            raise
 
     def settings(self) -> dict:
         """The settings in effect (what the UI shows)."""
@@ -142,7 +173,8 @@ class LLMEngine:
                 "num_speculative_tokens": c.num_speculative_tokens, "draft_model": self.draft_name,
                 "kv_pool_blocks": self.runner.kv.num_blocks, "kernels": self.runner.use_kernels,
                 "threads": torch.get_num_threads(), "device": str(self.device),
-                "dtype": str(self.runner.model_dtype).removeprefix("torch.")}
+                "dtype": str(self.runner.model_dtype).removeprefix("torch."),
+                "memory_plan": self.plan.as_dict(), "chat_template": self.has_chat_template}
 
     def proposer_in_effect(self) -> str:
         p = self.config.proposer
@@ -173,10 +205,17 @@ class LLMEngine:
             runner.blocks.reset_prefix_cache()
 
     # ---- prompts ---------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def encode(self, prompt: str | list[dict]) -> list[int]:
-        """A string is tokenized as is; a list of chat messages goes through the chat template."""
+        """A string is tokenized as is; a list of chat messages goes through the chat template,
+        or, for a model folder without one, becomes plain "Role: text" lines (settings() says so)."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not self.has_chat_template:
+            return self.tokenizer.encode(plain_chat_text(prompt), add_special_tokens=True)
         text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -224,6 +263,12 @@ class LLMEngine:
 def reconfigurable() -> tuple[str, ...]:
     """Keys LLMEngine.reconfigure takes."""
     return keys(ENGINE, applies=(LIVE, NEXT_REQUEST))
+
+
+def plain_chat_text(messages: list[dict]) -> str:
+    """Chat messages as plain text, for a model without a chat template."""
+    turns = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n\n".join(turns + ["Assistant:"])
 
 
 def _is_token_list(prompt) -> bool:

@@ -27,3 +27,45 @@ class DraftIncompatibleError(WorkbenchError):
 
 class ConfigError(WorkbenchError, ValueError):
     pass
+
+
+class CheckpointError(WorkbenchError):
+    """A model file or folder that cannot be used as it is (a config that does not parse, a
+    truncated shard, a tensor of the wrong shape, ...). The message names the file."""
+
+
+# ---- remote servers (engine/remote.py) ------------------------------------------------
+class ServerError(WorkbenchError):
+    """Something about an OpenAI-compatible server the workbench is attached to."""
+
+
+class ServerUnreachableError(ServerError):
+    pass
+
+
+class NotOpenAIServerError(ServerError):
+    pass
+
+
+class ServerAuthError(ServerError):
+    pass
+
+
+class UnknownServedModelError(ServerError):
+    pass
+
+
+class ServerDiedError(ServerError):
+    """The server stopped in the middle of a reply; the events before it were delivered."""
+
+
+class ServerRequestError(ServerError):
+    """The server refused or failed one request (its own message is quoted)."""
+
+
+class ServerSettingFixedError(ConfigError):
+    """A setting the server fixes at launch; the message names the launch flag."""
+
+
+class LlamaServerMissingError(WorkbenchError):
+    """llama.cpp's llama-server has not been built (scripts/build_llama_server.sh)."""

@@ -79,11 +79,6 @@ class KVCache:
             self.k_scale = self.v_scale = None
         self._layers = [self._make_layer(i) for i in range(shape.num_layers)]
 
-    @classmethod
-    def blocks_for_budget(cls, shape: CacheShape, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
-        per_block = (shape.bytes_per_token(dtype) + shape.scale_bytes_per_token(dtype)) * block_size
-        return budget_bytes // per_block
-
     def layer(self, i: int) -> "LayerCache":
         return self._layers[i]
 

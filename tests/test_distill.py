@@ -45,7 +45,11 @@ def test_tiny_distill_writes_a_compatible_draft_with_its_recipe(tiny_draft, defa
     folder = resources / "drafts" / DRAFT_FOLDER_NAME
     saved = json.loads((folder / "distill_report.json").read_text())
     assert saved["recipe"]["seed"] == 0 and saved["steps_done"] == 3
-    assert saved["heldout"]["eval_tokens"] > 0 and len(saved["heldout"]["per_position"]) == 4
+    # Rates for the positions the simulated speculation reached (a position is tried only
+    # after every earlier draft token was accepted), at most k = 4 of them.
+    per_position = saved["heldout"]["per_position"]
+    assert saved["heldout"]["eval_tokens"] > 0 and 1 <= len(per_position) <= 4
+    assert all(0.0 <= rate <= 1.0 for rate in per_position)
     draft = load_draft_folder(folder, default_model)
     check_draft_compatible(default_model.tokenizer, draft.tokenizer)
     assert draft.hf_config.model_type == "llama" and len(draft.model.layers) == 2
