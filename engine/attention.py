@@ -10,21 +10,43 @@ from engine.attention_metadata import AttentionMetadata, causal_mask  # noqa: F4
 from engine.kv_cache import LayerCache, dequantize_fp8, quantize_fp8
 
 
-def store_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write k, v [N, num_kv_heads, head_dim] into their slots, quantizing if the cache is FP8."""
-    k_flat = cache.k.view(-1, *cache.k.shape[2:])   # [num_blocks * block_size, H_kv, D]
-    v_flat = cache.v.view(-1, *cache.v.shape[2:])
+def encode_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """k, v [N, H_kv, D] as the cache stores them: (k, v, k_scale, v_scale), scales None
+    unless the cache is FP8 (then the values are quantized)."""
     if cache.k_scale is None:
-        k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
-        return
+        return k.to(cache.k.dtype), v.to(cache.v.dtype), None, None
     kq, ks = quantize_fp8(k)
     vq, vs = quantize_fp8(v)
+    return kq, vq, ks, vs
+
+
+def write_kv(cache: LayerCache, encoded: tuple, slot_mapping: torch.Tensor) -> None:
+    """Write encode_kv's output into the given slots."""
+    k, v, ks, vs = encoded
+    k_flat = cache.k.view(-1, *cache.k.shape[2:])   # [num_blocks * block_size, H_kv, D]
+    v_flat = cache.v.view(-1, *cache.v.shape[2:])
+    if ks is None:
+        k_flat.index_copy_(0, slot_mapping, k)
+        v_flat.index_copy_(0, slot_mapping, v)
+        return
     # index_copy_ has no FP8 kernel on CPU; copy the raw bytes instead.
-    k_flat.view(torch.uint8).index_copy_(0, slot_mapping, kq.view(torch.uint8))
-    v_flat.view(torch.uint8).index_copy_(0, slot_mapping, vq.view(torch.uint8))
+    k_flat.view(torch.uint8).index_copy_(0, slot_mapping, k.view(torch.uint8))
+    v_flat.view(torch.uint8).index_copy_(0, slot_mapping, v.view(torch.uint8))
     cache.k_scale.view(-1, cache.k_scale.shape[-1]).index_copy_(0, slot_mapping, ks)
     cache.v_scale.view(-1, cache.v_scale.shape[-1]).index_copy_(0, slot_mapping, vs)
+
+
+def store_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k, v [N, num_kv_heads, head_dim] into their slots, quantizing if the cache is FP8."""
+    write_kv(cache, encode_kv(cache, k, v), slot_mapping)
+
+
+def _decode(cache: LayerCache, encoded: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """encode_kv's output read back as the cache would give it."""
+    k, v, ks, vs = encoded
+    if ks is None:
+        return k.to(dtype), v.to(dtype)
+    return dequantize_fp8(k, ks, dtype), dequantize_fp8(v, vs, dtype)
 
 
 def gather_kv(cache: LayerCache, block_table: torch.Tensor, context_len: int, dtype: torch.dtype):
@@ -38,13 +60,16 @@ def gather_kv(cache: LayerCache, block_table: torch.Tensor, context_len: int, dt
     return read(cache.k, cache.k_scale), read(cache.v, cache.v_scale)
 
 
-def paged_attention_ref(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention_ref(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float,
+                        k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H_q, D] -> [N, H_q, D]. Query i sees keys at positions <= positions[i].
+    k, v [T, H_kv, D]: the sequence's keys and values if already read, else from the cache.
 
     GQA without copying KV heads: the G query heads of a group are folded into the
     query-length axis, so each KV head is read once for all of them."""
     n, num_q_heads, head_dim = q.shape
-    k, v = gather_kv(cache, meta.block_table, meta.context_len, q.dtype)    # [T, H_kv, D]
+    if k is None:
+        k, v = gather_kv(cache, meta.block_table, meta.context_len, q.dtype)    # [T, H_kv, D]
     num_kv_heads = k.shape[1]
     group = num_q_heads // num_kv_heads
     qg = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
@@ -65,5 +90,21 @@ def attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float)
     if meta.use_kernels:
         from engine.kernels import dispatch
         return dispatch.attention(q, k, v, cache, meta, scale)
+    if meta.pending_kv is not None:
+        return _attention_without_store(q, k, v, cache, meta, scale)
     store_kv(cache, k, v, meta.slot_mapping)
     return paged_attention_ref(q, cache, meta, scale)
+
+
+def _attention_without_store(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The compiled step's attention: the cache is only read (a pure function of it). The
+    new k, v are encoded as the cache stores them, placed at their positions in what was
+    read, and handed back in meta.pending_kv for the caller to write after the pass: the
+    same numbers as storing first and reading back."""
+    encoded = encode_kv(cache, k, v)
+    meta.pending_kv.append(encoded)
+    k_new, v_new = _decode(cache, encoded, q.dtype)
+    k_all, v_all = gather_kv(cache, meta.block_table, meta.context_len, q.dtype)     # [T, H_kv, D]
+    k_all = k_all.index_copy(0, meta.positions, k_new)
+    v_all = v_all.index_copy(0, meta.positions, v_new)
+    return paged_attention_ref(q, cache, meta, scale, k_all, v_all)

@@ -17,6 +17,9 @@ class AttentionMetadata:
     context_len: int               # tokens in the cache once the new ones are written
     use_kernels: bool = False      # Triton on CUDA; False forces the torch reference
     causal_mask: torch.Tensor | None = None   # [N, T] bool, key j visible to query i; None: all visible
+    # Set by the compiled step: attention leaves the cache untouched and appends each
+    # layer's encoded (k, v, k_scale, v_scale) here, to be written after the pass.
+    pending_kv: list | None = None
 
 
 def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor | None:

@@ -19,6 +19,7 @@ LOAD = "load"                   # when a model is loaded
 
 # The settings panel's groups, in order.
 SPECULATION_GROUP, CACHE_GROUP, SAMPLING_GROUP = "Speculative decoding", "KV cache", "Sampling (next message)"
+RUNTIME_GROUP = "Runtime"
 
 # Which object holds a setting.
 ENGINE = "engine"               # EngineConfig: the engine's own settings
@@ -102,6 +103,11 @@ SETTINGS: tuple[Setting, ...] = (
             off_text="from bytes", help="overrides kv_cache_bytes when set"),
     Setting("attention_backend", str, "auto", ENGINE, NEXT_REQUEST, "Attention",
             choices={"auto": "auto", "torch": "torch (reference)", "triton": "Triton kernels"}),
+    Setting("compile", str, "off", ENGINE, NEXT_REQUEST, "Compiled step",
+            choices={"off": "off (eager)", "on": "on (torch.compile)", "auto": "auto"},
+            help="compile the decode and verify step with torch.compile (about a minute per token count "
+            "on a 2-core CPU, at the first step that needs it); auto: off for now (see engine.compiled_step)",
+            group=RUNTIME_GROUP),
     # ---- load time ----
     Setting("device", str, "auto", ENGINE, LOAD, "Device", help="auto = CUDA when present, else the CPU"),
     Setting("gpu_memory_fraction", float, 0.9, ENGINE, LOAD, "GPU memory fraction", low=0.05, high=1.0, step=0.05,

@@ -154,6 +154,7 @@ class LLMEngine:
             self._rebuild_pools_or_revert(old)
         for runner in self.runners():
             runner.set_prefix_caching(self.config.enable_prefix_caching)
+            runner.set_compile(self.config.compile, self.progress)
         if draft != self.draft_name:
             self.set_draft_model(draft)
 
@@ -174,7 +175,8 @@ class LLMEngine:
                 "kv_pool_blocks": self.runner.kv.num_blocks, "kernels": self.runner.use_kernels,
                 "threads": torch.get_num_threads(), "device": str(self.device),
                 "dtype": str(self.runner.model_dtype).removeprefix("torch."),
-                "memory_plan": self.plan.as_dict(), "chat_template": self.has_chat_template}
+                "memory_plan": self.plan.as_dict(), "chat_template": self.has_chat_template,
+                "compile": self.runner.compile_state}
 
     def proposer_in_effect(self) -> str:
         p = self.config.proposer

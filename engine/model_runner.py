@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import compiled_step
 from engine.attention import AttentionMetadata, causal_mask
 from engine.block_manager import BlockManager, SeqBlocks
 from engine.config import EngineConfig
@@ -46,6 +47,18 @@ class ModelRunner:
                         rope_identity(self.loaded.hf_config))
         self.blocks = BlockManager(self.kv.num_blocks, config.block_size, root, config.enable_prefix_caching)
         self.use_kernels = self._want_kernels(config)
+        self.compiled = getattr(self, "compiled", None)
+        self.set_compile(config.compile)
+
+    def set_compile(self, mode: str, progress=None) -> None:
+        """Use the compiled decode/verify step (engine.compiled_step) or the eager reference."""
+        on, self.compile_state = compiled_step.wanted(mode, self.device, self.use_kernels)
+        if not on:
+            self.compiled = None
+        elif self.compiled is None or self.compiled.block_size != self.kv.block_size:
+            self.compiled = compiled_step.CompiledStep(self.model, self.kv.block_size, self.device, progress)
+        elif progress is not None:
+            self.compiled.progress = progress
 
     def release_cache(self) -> None:
         self.kv = None
@@ -91,6 +104,10 @@ class ModelRunner:
         knows which tokens are final (speculative tokens may be rolled back)."""
         start, n = seq.num_computed, len(new_tokens)
         self.blocks.ensure_capacity(seq, start + n)
+        if self.compiled is not None and n <= compiled_step.MAX_COMPILED_TOKENS and logits_for != "all":
+            logits = self.compiled(new_tokens, self.kv, start, seq.block_table, logits_for)
+            seq.num_computed = start + n
+            return logits
         bs = self.kv.block_size
         positions = torch.arange(start, start + n, device=self.device)
         table = torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)

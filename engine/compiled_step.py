@@ -1,0 +1,101 @@
+"""The decode and verify step, compiled: torch.compile over the paged cache (gpt-fast's way).
+
+One graph per new-token count N (1 for decode, k + 1 for verify); the context is a dynamic
+dimension (the block table and the mask grow with the chat), so a growing context never
+recompiles. Whatever the compiler needs is arranged outside the compiled function: the
+block table is padded to at least MIN_TABLE_BLOCKS (a size-1 dimension would be
+specialised), the mask hides padding and the future, and the slots are computed on the
+host. Prefill (many tokens, run once per reply) stays eager.
+
+Compiled artifacts are cached on disk (inductor's FX graph cache, in the user cache
+folder), so the cost is paid once per token count and machine. The eager path is the
+reference; the `compile` setting (off / on / auto) picks between them.
+
+Measured on the 2-core CPU (SmolLM2-135M, 1 thread): fp32 1.07x eager; bf16 with inductor's
+freezing and weight prepacking (AMX) 1.8x bf16 eager at 1 token and 2.3x at 5, where a
+5-token verify pass costs less than a 1-token pass. But freezing folds the weights into the
+graph, so inductor's disk cache does not help: every process compiles again (50-80 s per
+token count here). Until the compiled step is saved ahead of time (AOTInductor), `auto`
+means off.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from engine.attention import write_kv
+from engine.attention_metadata import AttentionMetadata
+from engine.config import MAX_SPEC_TOKENS
+
+MAX_COMPILED_TOKENS = MAX_SPEC_TOKENS + 1
+MIN_TABLE_BLOCKS = 2
+
+
+def wanted(mode: str, device: torch.device, use_kernels: bool) -> tuple[bool, str]:
+    """(compile?, why) for the `compile` setting."""
+    if mode == "off":
+        return False, "off"
+    if use_kernels:
+        return False, "off: the Triton kernels run eagerly"
+    if mode == "auto":
+        return False, "off (auto: compiling costs about a minute per token count in every process)"
+    return True, "on"
+
+
+def configure_compiler(cache_dir: Path) -> None:
+    """Inductor settings for inference, and its on-disk cache in our cache folder."""
+    import torch._dynamo
+    import torch._inductor.config as inductor
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))
+    inductor.fx_graph_cache = True
+    # Weights are constants at inference: fold them into the graph and let the CPU backend
+    # prepack them for oneDNN (AMX / AVX512-BF16 kernels for bf16).
+    inductor.freezing = True
+    inductor.cpp.weight_prepack = True
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * MAX_COMPILED_TOKENS)
+
+
+class CompiledStep:
+    """Calls the model's forward through torch.compile for N <= MAX_COMPILED_TOKENS tokens."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, progress=None):
+        self.model, self.block_size, self.device = model, block_size, device
+        self.progress = progress or (lambda message, fraction: None)
+        from engine.loader import cache_dir
+        configure_compiler(cache_dir())
+        mode = "reduce-overhead" if device.type == "cuda" else None     # CUDA graphs on CUDA
+        self._compiled = torch.compile(self._forward, mode=mode, fullgraph=True)
+        self.compiled_counts: set[int] = set()      # token counts already compiled (this process)
+        self.compile_seconds: dict[int, float] = {}
+
+    def _forward(self, ids, kv, positions, slots, table, mask, logits_for):
+        """A pure function of the cache: it reads the pool and returns the new K/V (writing the
+        pool inside the graph made inductor copy the whole pool every step)."""
+        meta = AttentionMetadata(positions, slots, table, table.shape[0] * self.block_size, False, mask, [])
+        return self.model(ids, kv, meta, logits_for), meta.pending_kv
+
+    def __call__(self, ids: list[int], kv, start: int, block_table: list[int], logits_for) -> torch.Tensor:
+        n, bs = len(ids), self.block_size
+        blocks = block_table + [block_table[0]] * max(MIN_TABLE_BLOCKS - len(block_table), 0)   # masked out
+        table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        positions = torch.arange(start, start + n, device=self.device)
+        slots = table[positions // bs] * bs + positions % bs
+        mask = torch.arange(len(blocks) * bs, device=self.device)[None, :] <= positions[:, None]   # [N, T]
+        torch._dynamo.mark_dynamic(table, 0)
+        torch._dynamo.mark_dynamic(mask, 1)
+        ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        if n not in self.compiled_counts:
+            self.progress(f"compiling the {'decode' if n == 1 else 'verify'} step for {n} token(s) "
+                          "(once per process; about a minute on a small CPU)…", 0.0)
+        t0 = time.perf_counter()
+        logits, new_kv = self._compiled(ids_t, kv, positions, slots, table, mask, logits_for)
+        for i, encoded in enumerate(new_kv):       # written here, outside the compiled graph
+            write_kv(kv.layer(i), encoded, slots)
+        if n not in self.compiled_counts:
+            self.compiled_counts.add(n)
+            self.compile_seconds[n] = time.perf_counter() - t0
+            self.progress(f"compiled the step for {n} token(s) in {self.compile_seconds[n]:.0f} s", 1.0)
+        return logits
