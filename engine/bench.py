@@ -73,10 +73,11 @@ def _progress(message: str, fraction: float) -> None:
     print(f"[{fraction:4.0%}] {message}", file=sys.stderr)
 
 
-def _hf_model(eng):
-    """transformers' model on the engine's folder, device and dtype: the reference."""
+def _hf_model(eng, dtype: torch.dtype | None = None):
+    """transformers' model on the engine's folder and device, in the engine's dtype unless
+    told: the reference."""
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(eng.target_model.folder, dtype=eng.runner.model_dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(eng.target_model.folder, dtype=dtype or eng.runner.model_dtype).eval()
     hf = hf.to(eng.device)
     hf.generation_config.eos_token_id = None      # compare fixed-length continuations
     hf.generation_config.pad_token_id = 0
@@ -265,9 +266,13 @@ def _human(n: int) -> str:
 
 # ---- decode speed ------------------------------------------------------------------
 def bench_decode(args) -> dict:
+    """Ours (at --dtype, --compile) against transformers `generate` in fp32 (its CPU default),
+    the same threads, interleaved; plus the roofline fraction and the verify costs."""
     from engine import SamplingParams
-    eng = _engine(args, enable_prefix_caching=False, kv_cache_bytes=HF_BESIDE_POOL_BYTES)
-    hf = _hf_model(eng)
+    from engine.step_costs import read_bandwidth, verify_costs, weight_bytes_per_token
+    eng = _engine(args, enable_prefix_caching=False, kv_cache_bytes=HF_BESIDE_POOL_BYTES, compile=args.compile)
+    baseline = _hf_model(eng, torch.float32)
+    same_dtype = _hf_model(eng) if eng.runner.model_dtype != torch.float32 else None
     ids = eng.encode(chat(CHAT_PROMPTS[1]))
     n = args.tokens
 
@@ -276,22 +281,35 @@ def bench_decode(args) -> dict:
         eng.generate_text(ids, SamplingParams(max_tokens=tokens, stop_on_eos=False))
         return time.perf_counter() - t0
 
-    def theirs(tokens):
+    def theirs(hf, tokens):
         t0 = time.perf_counter()
         with torch.inference_mode():
             hf.generate(torch.tensor([ids], device=eng.device), max_new_tokens=tokens, min_new_tokens=tokens,
                         do_sample=False)
         return time.perf_counter() - t0
 
-    ours(4), theirs(4)                                # warm-up
-    # decode time = time(n tokens) - time(1 token): the same definition for both (TTFT excluded)
-    ours_s, hf_s = [], []
-    for _ in range(args.repeats):                      # interleaved, so drift hits both alike
-        ours_s.append((ours(n) - ours(1)) / (n - 1))
-        hf_s.append((theirs(n) - theirs(1)) / (n - 1))
-    a, b = 1 / statistics.median(ours_s), 1 / statistics.median(hf_s)
-    return {"ours_tok_s": a, "hf_tok_s": b, "ratio": a / b, "tokens": n, "repeats": args.repeats,
-            "threads": torch.get_num_threads(), "device": str(eng.device), "dtype": _dtype(eng)}
+    def per_token(fn):            # decode time = time(n) - time(1): TTFT excluded, for both alike
+        return (fn(n) - fn(1)) / (n - 1)
+
+    ours(4), theirs(baseline, 4)                      # warm-up (and compile, if on)
+    runs = {"ours": [], "hf": [], "hf_same_dtype": []}
+    for _ in range(args.repeats):                      # interleaved, so drift hits all alike
+        runs["ours"].append(per_token(ours))
+        runs["hf"].append(per_token(lambda t: theirs(baseline, t)))
+        if same_dtype is not None:
+            runs["hf_same_dtype"].append(per_token(lambda t: theirs(same_dtype, t)))
+    tok_s = {name: 1 / statistics.median(times) for name, times in runs.items() if times}
+    weight_bytes = weight_bytes_per_token(eng.target_model.model)
+    bandwidth = read_bandwidth()
+    compiled = eng.runner.compiled
+    return {"ours_tok_s": tok_s["ours"], "hf_tok_s": tok_s["hf"], "ratio": tok_s["ours"] / tok_s["hf"],
+            "ratio_same_dtype": tok_s["ours"] / tok_s.get("hf_same_dtype", tok_s["hf"]),
+            "roofline_fraction": weight_bytes * tok_s["ours"] / bandwidth,
+            "weight_bytes_per_token": weight_bytes, "read_bandwidth_gb_s": bandwidth / 1e9,
+            "verify_cost": verify_costs(eng.runner), "compile": eng.settings()["compile"],
+            "compile_s": {str(k): v for k, v in sorted(compiled.compile_seconds.items())} if compiled else {},
+            "tokens": n, "repeats": args.repeats, "threads": torch.get_num_threads(),
+            "device": str(eng.device), "dtype": _dtype(eng), "baseline": "transformers generate, float32"}
 
 
 # ---- speculative decoding ------------------------------------------------------------
@@ -361,6 +379,8 @@ def main(argv=None) -> int:
                     help="weights dtype (default: each scenario's own)")
     ap.add_argument("--synthetic", default=None, choices=sorted(PRESETS),
                     help="load: a random-weight checkpoint of this architecture, written once to the user cache")
+    ap.add_argument("--compile", default="off", choices=["off", "on", "auto"],
+                    help="decode: run our decode and verify steps compiled (engine.compiled_step)")
     ap.add_argument("--prompts", type=int, default=8, help="parity: number of prompts")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per prompt (parity, decode, speculative)")
     ap.add_argument("--repeats", type=int, default=5)
