@@ -18,12 +18,26 @@ TARGET = "target"         # sampled by the target with no speculation this step
 ACCEPTED = "accepted"     # a draft token the target accepted
 RESAMPLED = "resampled"   # drawn from norm(max(0, p - q)) after a rejection (greedy: target argmax)
 BONUS = "bonus"           # drawn from p after all k draft tokens were accepted
+SERVER = "server"         # streamed by a remote server, which does not say whether a draft proposed it
 
 
 # ---- formulas -----------------------------------------------------------------------
 def ratio(numerator: float, denominator: float) -> float | None:
     """numerator / denominator, or None when nothing was counted."""
     return numerator / denominator if denominator else None
+
+
+def plus(total, value):
+    """total + value, where a missing number (None: a remote server does not report it)
+    stays missing instead of being counted as 0."""
+    return None if total is None or value is None else total + value
+
+
+def accepted_len_from_counters(accepted: float, drafts: float) -> float | None:
+    """tau from a server's spec-decode counters (vLLM's convention): 1 + accepted / drafts,
+    i.e. tokens per verification pass including the bonus token."""
+    per_draft = ratio(accepted, drafts)
+    return None if per_draft is None else 1 + per_draft
 
 
 def expected_accepted_len(alpha: float, k: int) -> float:
@@ -61,6 +75,15 @@ class PositionCounts:
             self.attempts[i] += n
             self.accepts[i] += a
 
+    @classmethod
+    def from_cumulative(cls, drafts: int, accepted_per_position: list[int]) -> "PositionCounts":
+        """From a server's counters: drafts verified, and per position i how many drafts had
+        their first i+1 tokens accepted (vLLM's and llama.cpp's *_accepted_tokens_per_pos).
+        Position i was attempted whenever position i-1 was accepted (every draft proposing
+        at least i+1 tokens, as with a fixed k)."""
+        attempts = [int(drafts)] + [int(a) for a in accepted_per_position[:-1]]
+        return cls(attempts=attempts, accepts=[int(a) for a in accepted_per_position])
+
     def rates(self) -> list[float]:
         """P(draft token i accepted | tokens < i accepted), for positions tried so far."""
         return [a / n for a, n in zip(self.accepts, self.attempts) if n]
@@ -86,10 +109,11 @@ class StepEvent:
     proposed: int
     accepted: int
     accepted_per_position: list[bool]   # for positions 1..: True accepted, False rejected (then stop)
-    kv_bytes_used: int                  # blocks held by live sequences (target + draft)
-    kv_bytes_capacity: int              # the pool(s) allocated
-    kv_bytes_per_token: int
-    kv_dtype: str
+    # None below: a remote server that does not report the number (never a made-up 0).
+    kv_bytes_used: int | None           # blocks held by live sequences (target + draft)
+    kv_bytes_capacity: int | None       # the pool(s) allocated
+    kv_bytes_per_token: int | None
+    kv_dtype: str | None
     prefix_hit_tokens: int
     prompt_tokens: int
     generated_tokens: int
@@ -99,6 +123,19 @@ class StepEvent:
     settings: dict | None = None        # the settings in effect: on the first step and when they change
     running: dict = field(default_factory=dict)     # the request's aggregates so far (RequestStats.as_dict)
     summary: "RequestStats | None" = None           # on the last event
+    token_count: int | None = None      # tokens this step when their ids are unknown (a remote server streams text)
+    kv_usage: float | None = None       # share of the KV cache in use, as a remote server reports it (0..1)
+    server: dict | None = None          # a remote server's own figures (engine.server_metrics); None locally
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens emitted this step (counted by the server when it streams text, not ids)."""
+        return len(self.token_ids) if self.token_count is None else self.token_count
+
+    @property
+    def tokens_known(self) -> bool:
+        """False when a remote server streamed text without counting its tokens."""
+        return self.token_count is not None or bool(self.token_ids) or not self.pieces
 
     @property
     def text_delta(self) -> str:
@@ -114,7 +151,8 @@ class StepEvent:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "summary"}
         data["text_delta"] = self.text_delta
         data["step_acceptance"] = ratio(self.accepted, self.proposed)
-        data["step_tok_s"] = ratio(len(self.token_ids), self.step_time_s) if self.is_decode else None
+        data["num_tokens"] = self.num_tokens
+        data["step_tok_s"] = ratio(self.num_tokens, self.step_time_s) if self.is_decode and self.tokens_known else None
         data["summary"] = self.summary.as_dict() if self.summary is not None else None
         return data
 
@@ -139,13 +177,13 @@ class RequestStats:
         if not event.is_decode:
             self.ttft_s = event.ttft_s
             return   # the prefill step: counted in TTFT, not in decode
-        self.target_passes += event.target_passes
-        self.decode_tokens += len(event.token_ids)
+        self.target_passes = plus(self.target_passes, event.target_passes)
+        self.decode_tokens += event.num_tokens
         self.decode_time_s += event.step_time_s
         self.proposed += event.proposed
         self.accepted += event.accepted
-        self.draft_time_s += event.draft_time_s
-        self.target_time_s += event.target_time_s
+        self.draft_time_s = plus(self.draft_time_s, event.draft_time_s)
+        self.target_time_s = plus(self.target_time_s, event.target_time_s)
         self.positions.add(event.accepted_per_position)
 
     @property
@@ -180,6 +218,6 @@ def combined(stats: list[RequestStats]) -> RequestStats:
     for s in stats:
         for name in ("prompt_tokens", "prefix_hit_tokens", "generated_tokens", "ttft_s", "decode_tokens",
                      "decode_time_s", "target_passes", "proposed", "accepted", "draft_time_s", "target_time_s"):
-            setattr(total, name, getattr(total, name) + getattr(s, name))
+            setattr(total, name, plus(getattr(total, name), getattr(s, name)))
         total.positions.merge(s.positions)
     return total

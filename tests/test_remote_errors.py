@@ -1,0 +1,75 @@
+"""Connecting to something that is not a usable server: each case raises a WorkbenchError
+that says what was wrong and what to do. (The llama.cpp cases — no /metrics, death
+mid-stream, unknown model — are in test_remote_llamacpp.py, on the real server.)"""
+import http.server
+import socket
+import threading
+
+import pytest
+
+from engine.errors import ConfigError, NotOpenAIServerError, ServerAuthError, ServerUnreachableError
+from engine.llama_server import free_port
+from engine.remote import CONNECT_TIMEOUT_S, RemoteBackend, normalize_url
+
+
+@pytest.fixture
+def web_server(tmp_path):
+    """An ordinary web server (a folder with an index.html), not an OpenAI-compatible one."""
+    (tmp_path / "index.html").write_text("<html><body>hello</body></html>")
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path))   # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def silent_port():
+    """A port that accepts connections and never answers (a hung server)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    yield listener.getsockname()[1]
+    listener.close()
+
+
+def test_nothing_listening_is_reported_as_unreachable():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerUnreachableError) as info:
+        RemoteBackend(url)
+    assert url in str(info.value) and "running" in str(info.value)
+
+
+def test_a_server_that_never_answers_is_reported_after_the_probe_timeout(silent_port):
+    with pytest.raises(ServerUnreachableError) as info:
+        RemoteBackend(f"http://127.0.0.1:{silent_port}")
+    assert f"within {CONNECT_TIMEOUT_S:g} s" in str(info.value)
+
+
+def test_a_web_server_is_not_taken_for_an_openai_server(web_server):
+    with pytest.raises(NotOpenAIServerError) as info:
+        RemoteBackend(web_server)
+    assert "/v1/models" in str(info.value) and "404" in str(info.value)
+
+
+def test_url_without_scheme_is_refused_with_an_example():
+    with pytest.raises(ConfigError, match="http://127.0.0.1:8080"):
+        RemoteBackend("localhost:8080")
+
+
+def test_trailing_v1_is_accepted():
+    assert normalize_url("https://gpu-box:8000/v1/") == "https://gpu-box:8000"
+
+
+def test_api_key_variable_that_is_not_set_is_named(monkeypatch):
+    monkeypatch.delenv("WORKBENCH_NO_SUCH_KEY", raising=False)
+    with pytest.raises(ServerAuthError, match="WORKBENCH_NO_SUCH_KEY"):
+        RemoteBackend(f"http://127.0.0.1:{free_port()}", api_key_env="WORKBENCH_NO_SUCH_KEY")
+
+
+def test_unknown_server_kind_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="vllm, sglang, llama.cpp, openai"):
+        RemoteBackend("http://127.0.0.1:1", kind="tgi")
+
