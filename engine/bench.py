@@ -87,7 +87,7 @@ def _hf_model(eng, dtype: torch.dtype | None = None):
 # ---- parity --------------------------------------------------------------------
 def bench_parity(args) -> dict:
     from engine import SamplingParams
-    eng = _engine(args, dtype="float32", device="cpu", kv_cache_bytes=HF_BESIDE_POOL_BYTES)
+    eng = _engine(args, dtype="float32", device="cpu", kv_cache_bytes=HF_BESIDE_POOL_BYTES, compile=args.compile)
     hf = _hf_model(eng)
     prompts, tokens = CHAT_PROMPTS[:args.prompts], args.tokens
     identical, max_diff = True, 0.0
@@ -102,7 +102,7 @@ def bench_parity(args) -> dict:
         max_diff = max(max_diff, _teacher_forced_diff(eng, ids, theirs, torch.cat(out.logits)))
     return {"model": eng.target_model.display_name, "device": str(eng.device), "dtype": _dtype(eng),
             "prompts": len(prompts), "tokens_per_prompt": tokens, "greedy_identical": identical,
-            "max_abs_logit_diff": max_diff}
+            "max_abs_logit_diff": max_diff, "compile": eng.settings()["compile"]}
 
 
 def _dtype(eng) -> str:
@@ -316,7 +316,7 @@ def bench_decode(args) -> dict:
 def bench_speculative(args) -> dict:
     from engine import SamplingParams
     from engine.loader import DEFAULT_DRAFT
-    eng = _engine(args, enable_prefix_caching=False)
+    eng = _engine(args, enable_prefix_caching=False, compile=args.compile)
     draft = args.draft or DEFAULT_DRAFT
     prompt_set = args.prompts_set or ("repeat" if args.proposer == "ngram" else "chat")
     prompts = REPEAT_PROMPTS * 2 if prompt_set == "repeat" else CHAT_PROMPTS[:8]
@@ -380,7 +380,8 @@ def main(argv=None) -> int:
     ap.add_argument("--synthetic", default=None, choices=sorted(PRESETS),
                     help="load: a random-weight checkpoint of this architecture, written once to the user cache")
     ap.add_argument("--compile", default="off", choices=["off", "on", "auto"],
-                    help="decode: run our decode and verify steps compiled (engine.compiled_step)")
+                    help="parity, decode, speculative: run our decode and verify steps compiled "
+                    "(engine.compiled_step)")
     ap.add_argument("--prompts", type=int, default=8, help="parity: number of prompts")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per prompt (parity, decode, speculative)")
     ap.add_argument("--repeats", type=int, default=5)
