@@ -334,7 +334,7 @@ def bench_speculative(args) -> dict:
             stats.append(s)
         return outs, stats, combined(stats).decode_tok_s
 
-    run("off")                                         # warm-up
+    run("off"), run(args.proposer)                   # warm-up (and compile, if on) both paths
     base_out, base_stats, base_tok_s = run("off")
     spec_out, spec_stats, spec_tok_s = run(args.proposer)
     base, spec = combined(base_stats), combined(spec_stats)
