@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from engine.bench_gpu import bench_gpu_check
 from engine.bench_peer import bench_peer
 from engine.metrics import combined, predicted_speedup, ratio
 from engine.synthetic import PRESETS
@@ -365,7 +366,8 @@ def bench_load(args) -> dict:
 
 
 SCENARIOS = {"parity": bench_parity, "prefix": bench_prefix, "kv": bench_kv, "memory": bench_memory,
-             "decode": bench_decode, "speculative": bench_speculative, "kernels": bench_kernels, "load": bench_load, "peer": bench_peer}
+             "decode": bench_decode, "speculative": bench_speculative, "kernels": bench_kernels,
+             "load": bench_load, "peer": bench_peer, "gpu-check": bench_gpu_check}
 
 
 def main(argv=None) -> int:

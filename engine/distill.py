@@ -41,10 +41,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from engine.metrics import PositionCounts, predicted_speedup, ratio
 from engine.loader import SHIPPED_DRAFT_FOLDER, load_draft_folder
+from engine.metrics import PositionCounts, predicted_speedup, ratio
 from engine.models.llama import LlamaFamilyModel
 from engine.models.reduced_head_draft import DRAFT_CONFIG_KEY, ReducedHeadDraft, save_draft
 
