@@ -42,6 +42,7 @@ class Setting:
     step: float | None = None    # the UI's increment for floats
     off_text: str | None = None  # what the UI shows for None (optional) or the lowest value ("off")
     group: str | None = None     # the settings panel's group for it (None: not in the panel)
+    rebuilds_pool: bool = False  # a change reallocates the KV pool (and drops the prefix cache)
     help: str = ""
 
     def validate(self, value):
@@ -92,17 +93,17 @@ SETTINGS: tuple[Setting, ...] = (
     # ---- KV cache ----
     Setting("kv_cache_dtype", str, "auto", ENGINE, NEXT_REQUEST, "Cache dtype",
             choices={"auto": "Model dtype (auto)", "fp8_e4m3": "FP8 E4M3", "bfloat16": "bfloat16",
-                     "float16": "float16", "float32": "float32"}, group=CACHE_GROUP),
+                     "float16": "float16", "float32": "float32"}, group=CACHE_GROUP, rebuilds_pool=True),
     Setting("block_size", int, 16, ENGINE, NEXT_REQUEST, "Block size", choices={b: str(b) for b in BLOCK_SIZES},
-            help="tokens per KV block; prefix caching reuses whole blocks", group=CACHE_GROUP),
+            help="tokens per KV block; prefix caching reuses whole blocks", group=CACHE_GROUP, rebuilds_pool=True),
     Setting("enable_prefix_caching", bool, True, ENGINE, LIVE, "Prefix caching", group=CACHE_GROUP),
     Setting("kv_cache_bytes", int, None, ENGINE, NEXT_REQUEST, "KV pool bytes", low=1, optional=True,
             off_text="auto", help="auto: the memory plan sizes the pool (CUDA: what gpu_memory_fraction leaves "
-            "after the weights and an activation reserve; CPU: RAM/32)"),
+            "after the weights and an activation reserve; CPU: RAM/32)", rebuilds_pool=True),
     Setting("num_blocks", int, None, ENGINE, NEXT_REQUEST, "KV pool blocks", low=1, optional=True,
-            off_text="from bytes", help="overrides kv_cache_bytes when set"),
+            off_text="from bytes", help="overrides kv_cache_bytes when set", rebuilds_pool=True),
     Setting("attention_backend", str, "auto", ENGINE, NEXT_REQUEST, "Attention",
-            choices={"auto": "auto", "torch": "torch (reference)", "triton": "Triton kernels"}),
+            choices={"auto": "auto", "torch": "torch (reference)", "triton": "Triton kernels"}, rebuilds_pool=True),
     Setting("compile", str, "off", ENGINE, NEXT_REQUEST, "Compiled step",
             choices={"off": "off (eager)", "on": "on (torch.compile)", "auto": "auto"},
             help="compile the decode and verify step with torch.compile (about a minute per token count "

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from engine import loader
-from engine.config import BY_KEY, ENGINE, LIVE, NEXT_REQUEST, EngineConfig, SamplingParams, keys
+from engine.config import BY_KEY, ENGINE, LIVE, NEXT_REQUEST, SETTINGS, EngineConfig, SamplingParams, keys
 from engine.errors import ConfigError, PromptTooLongError, WorkbenchError
 from engine.memory_plan import MemoryPlan, plan_memory
 from engine.metrics import RequestStats, StepEvent
@@ -26,7 +26,7 @@ from engine.spec_decode import DraftModelProposer, NgramProposer, Proposer, chec
 
 SELF_DRAFT = "self"   # draft with the target itself (acceptance 1.0 in greedy mode; a test fixture)
 # Changing these reallocates the KV pool (and drops the prefix cache).
-POOL_SETTINGS = ("kv_cache_dtype", "block_size", "kv_cache_bytes", "num_blocks", "attention_backend")
+POOL_SETTINGS = tuple(s.key for s in SETTINGS if s.rebuilds_pool)
 
 
 @dataclass
