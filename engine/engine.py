@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 
 from engine import loader
+from engine.backend import run_to_end
 from engine.config import BY_KEY, ENGINE, LIVE, NEXT_REQUEST, SETTINGS, EngineConfig, SamplingParams, keys
 from engine.errors import ConfigError, PromptTooLongError, WorkbenchError
 from engine.memory_plan import MemoryPlan, plan_memory
@@ -246,12 +247,7 @@ class LLMEngine:
             self.apply_pending(live_only=False)
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None) -> Iterator[StepEvent]:
-        request = self.start(prompt, params)
-        try:
-            while not request.finished:
-                yield request.step()
-        finally:
-            request.close()
+        return run_to_end(self, prompt, params)
 
     def generate_text(self, prompt, params: SamplingParams | None = None) -> tuple[str, list[int], RequestStats]:
         text, ids, summary = [], [], None

@@ -55,3 +55,24 @@ def make_tiny_engine(tiny_model):
 def chat(text: str, system: str | None = None) -> list[dict]:
     msgs = [{"role": "system", "content": system}] if system else []
     return msgs + [{"role": "user", "content": text}]
+
+
+LOGITS_TEXT = "The cat sat on the mat. The dog sat on the log."
+
+
+def our_logits(loaded, text: str = LOGITS_TEXT) -> torch.Tensor:
+    """Our logits for every position of `text`, through the paged cache: [T, V]."""
+    from engine import EngineConfig
+    from engine.model_runner import ModelRunner
+    ids = loaded.tokenizer.encode(text)
+    runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=16), torch.device("cpu"))
+    return runner.forward(runner.start(ids), ids, logits_for="all")
+
+
+def transformers_logits(folder, text: str = LOGITS_TEXT) -> torch.Tensor:
+    """transformers' logits for the same text on the same folder, fp32: the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(folder).encode(text)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]

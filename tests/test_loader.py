@@ -13,10 +13,9 @@ from engine.config import EngineConfig, SamplingParams
 from engine.engine import LLMEngine
 from engine.errors import CheckpointError, WorkbenchError
 from engine.loader import load_model
-from engine.model_runner import ModelRunner
 from engine.synthetic import write_checkpoint
+from tests.conftest import our_logits, transformers_logits
 
-TEXT = "The cat sat on the mat. The dog sat on the log."
 SMALL_SHARDS = 200_000          # bytes: the tiny presets come out as several shards
 SHORT = SamplingParams(max_tokens=6)
 
@@ -35,26 +34,12 @@ def broken(tmp_path, sharded):
     return shutil.copytree(sharded, tmp_path / "model")
 
 
-def _logits(loaded) -> torch.Tensor:
-    ids = loaded.tokenizer.encode(TEXT)
-    runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=16), torch.device("cpu"))
-    return runner.forward(runner.start(ids), ids, logits_for="all")          # [T, V]
-
-
-def _transformers_logits(folder) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    ids = AutoTokenizer.from_pretrained(folder).encode(TEXT)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
-
-
 # ---- streaming load ---------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
 def test_a_streamed_sharded_checkpoint_gives_transformers_logits(tmp_path, preset):
     folder = write_checkpoint(tmp_path, preset, dtype=torch.float32, seed=4, max_shard_bytes=SMALL_SHARDS)
     assert (folder / INDEX_NAME).is_file()
-    ours, reference = _logits(load_model(str(folder))), _transformers_logits(folder)
+    ours, reference = our_logits(load_model(str(folder))), transformers_logits(folder)
     assert ours.shape == reference.shape
     assert (ours - reference).abs().max() < 1e-4
     assert reference.std() > 0.05               # random weights, not zeros: the comparison means something

@@ -6,33 +6,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.config import EngineConfig
 from engine.loader import load_model
-from engine.model_runner import ModelRunner
 from engine.synthetic import INDEX_NAME, main, make_config, tensor_groups, write_checkpoint
+from tests.conftest import our_logits, transformers_logits
 
-TEXT = "The cat sat on the mat. The dog sat on the log."
-
-
-def _our_logits(folder) -> torch.Tensor:
-    loaded = load_model(str(folder))
-    ids = loaded.tokenizer.encode(TEXT)
-    runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=16), torch.device("cpu"))
-    return runner.forward(runner.start(ids), ids, logits_for="all")          # [T, V]
-
-
-def _transformers_logits(folder) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    ids = AutoTokenizer.from_pretrained(folder).encode(TEXT)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
 def test_tiny_checkpoint_gives_transformers_logits(tmp_path, preset):
     folder = write_checkpoint(tmp_path, preset, dtype=torch.float32, seed=1)
-    ours, reference = _our_logits(folder), _transformers_logits(folder)
+    ours, reference = our_logits(load_model(str(folder))), transformers_logits(folder)
     assert ours.shape == reference.shape == (ours.shape[0], 49152)
     assert (ours - reference).abs().max() < 1e-4
     assert reference.std() > 0.05                  # random weights, not zeros: the comparison means something
@@ -44,9 +27,9 @@ def test_a_sharded_write_holds_the_same_weights(tmp_path):
     shards = sorted(sharded.glob("*.safetensors"))
     assert [p.name for p in whole.glob("*.safetensors")] == ["model.safetensors"]
     assert len(shards) >= 3 and not (whole / INDEX_NAME).exists()
-    expected = _our_logits(whole)
-    assert torch.equal(_our_logits(sharded), expected)
-    assert (_transformers_logits(sharded) - expected).abs().max() < 1e-4      # transformers follows the index
+    expected = our_logits(load_model(str(whole)))
+    assert torch.equal(our_logits(load_model(str(sharded))), expected)
+    assert (transformers_logits(sharded) - expected).abs().max() < 1e-4      # transformers follows the index
 
 
 def test_the_index_names_every_tensor_exactly_once(tmp_path):
