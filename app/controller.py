@@ -55,6 +55,7 @@ class Controller(QObject):
         self.panel.draftModelChosen.connect(self.choose_draft_model)
         self.panel.samplingChanged.connect(self._settings_edited)
         self.panel.modelRequested.connect(self.load_model)
+        self.panel.serverRequested.connect(self.connect_server)
         w = self.window
         w.saveProfileRequested.connect(self.save_profile)
         w.saveProfileAsRequested.connect(self.save_profile_as)
@@ -85,6 +86,13 @@ class Controller(QObject):
         if not self.model_ready:
             self.panel.show_model(f"loading {reference}…")
         self.worker.load_model(reference, self.current_profile(model=reference).engine_config())
+
+    def connect_server(self, url: str, model: str, api_key_env: str) -> None:
+        """Drive a remote server; api_key_env is a variable's name, the key stays in the environment."""
+        self.window.show_progress(f"connecting to {url}", 0.0)
+        if not self.model_ready:
+            self.panel.show_model(f"connecting to {url}…")
+        self.worker.connect_server(url, model, api_key_env)
 
     # ---- chat --------------------------------------------------------------------
     def send(self, text: str) -> None:
@@ -183,10 +191,12 @@ class Controller(QObject):
     # ---- worker state --------------------------------------------------------------
     def _on_model_loaded(self, info: dict) -> None:
         self.model_ready = True
-        self.model_reference = info["reference"]
+        remote = info["settings"].get("backend") == "remote"
+        if not remote:       # profiles hold a local model; a server's URL is not one, they keep the last
+            self.model_reference = info["reference"]
         self.panel.show_model(info["name"])
         self.window.hide_progress()
-        self.window.show_message(f"Loaded {info['name']}")
+        self.window.show_message(f"{'Connected to' if remote else 'Loaded'} {info['name']}")
         self._show_effective(info["settings"])
         self._settings_edited()
         self._refresh_state()

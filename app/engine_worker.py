@@ -1,12 +1,13 @@
 """The engine on its own thread: the ONLY module in app/ that imports both Qt and engine.
 
 EngineWorker is a QObject moved to a QThread (not a QThread subclass). Every request
-(load, generate, reconfigure, draft change, cancel) is an ordinary queued call: the public
-methods emit a signal and the slot runs on the worker thread, in order. A reply runs ONE
-engine step per turn of the worker's event loop (each step queues the next), so a change
-or a Stop queued during a reply is handled before the next step, with no extra locks,
-queues or flags. Results go out as signals carrying plain data (dicts, lists, str), never
-engine objects. The GUI thread never runs a forward pass.
+(load, connect to a server, generate, reconfigure, draft change, cancel) is an ordinary
+queued call: the public methods emit a signal and the slot runs on the worker thread, in
+order. A reply runs ONE engine step per turn of the worker's event loop (each step queues
+the next), so a change or a Stop queued during a reply is handled before the next step,
+with no extra locks, queues or flags. The engine is a local LLMEngine or a RemoteBackend
+(engine.backend: both are driven the same way). Results go out as signals carrying plain
+data (dicts, lists, str), never engine objects. The GUI thread never runs a forward pass.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from engine import LLMEngine
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import WorkbenchError
+from engine.remote import RemoteBackend
 from engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class EngineWorker(QObject):
 
     # ---- in (queued to the worker thread) ------------------------------------------
     _loadRequested = Signal(str, object)
+    _connectRequested = Signal(str, str, str)
     _generateRequested = Signal(int, object, object)
     _reconfigureRequested = Signal(object)
     _draftRequested = Signal(object)
@@ -49,13 +52,14 @@ class EngineWorker(QObject):
 
     def __init__(self):
         super().__init__()
-        self.engine: LLMEngine | None = None
+        self.engine: LLMEngine | RemoteBackend | None = None   # engine.backend.Backend
         self.request: Request | None = None
         self.request_id: int | None = None
         self.pending_draft: tuple[str | None] | None = None    # a draft chosen during a reply
         self._request_ids = itertools.count(1)
         queued = Qt.ConnectionType.QueuedConnection
         self._loadRequested.connect(self._load, queued)
+        self._connectRequested.connect(self._connect_server, queued)
         self._generateRequested.connect(self._generate, queued)
         self._reconfigureRequested.connect(self._reconfigure, queued)
         self._draftRequested.connect(self._set_draft, queued)
@@ -66,6 +70,12 @@ class EngineWorker(QObject):
     def load_model(self, reference: str, config: EngineConfig) -> None:
         """Load a target (and the config's draft); the current engine stays until it succeeds."""
         self._loadRequested.emit(reference or "default", config)
+
+    def connect_server(self, url: str, model: str = "", api_key_env: str = "") -> None:
+        """Drive an OpenAI-compatible server instead (engine.remote); the current engine
+        stays until the server answers and serves the model. api_key_env: the NAME of the
+        environment variable holding the key ("": none); the key never passes through here."""
+        self._connectRequested.emit(url, model, api_key_env)
 
     def generate(self, messages: list[dict], params: SamplingParams) -> int:
         request_id = next(self._request_ids)      # itertools.count is atomic under the GIL
@@ -96,16 +106,43 @@ class EngineWorker(QObject):
         except Exception as exc:                  # noqa: BLE001 - any failure becomes a message
             self._fail(LOAD_MODEL, f"Loading model {reference!r}", exc)
         else:
-            self.engine = engine
+            self._replace_engine(engine)
             self.modelLoaded.emit({"name": engine.target_model.display_name, "reference": reference,
                                    "settings": engine.settings()})
             if config.draft_model:
                 self._load_draft(config.draft_model)
         self.busyChanged.emit(IDLE)
 
+    @Slot(str, str, str)
+    def _connect_server(self, url: str, model: str, api_key_env: str) -> None:
+        if self.request is not None:
+            self._close_request("cancelled")
+        self.busyChanged.emit(LOADING)
+        self.loadProgress.emit(f"connecting to {url}", 0.0)
+        try:
+            backend = RemoteBackend(url, model or None, api_key_env=api_key_env or None)
+        except Exception as exc:                  # noqa: BLE001 - any failure becomes a message
+            self._fail(LOAD_MODEL, f"Connecting to {url}", exc)
+        else:
+            self._replace_engine(backend)
+            self.modelLoaded.emit({"name": f"{backend.model} on {backend.kind.label} at {backend.url}",
+                                   "reference": backend.url, "settings": backend.settings()})
+        self.busyChanged.emit(IDLE)
+
+    def _replace_engine(self, engine) -> None:
+        if isinstance(self.engine, RemoteBackend):
+            self.engine.close()                   # its HTTP connections
+        self.engine = engine
+
     @Slot(object)
     def _set_draft(self, reference: str | None) -> None:
         if not self._need_engine(LOAD_DRAFT, "Setting the draft model"):
+            return
+        if not hasattr(self.engine, "set_draft_model"):
+            self.failed.emit(LOAD_DRAFT, "Setting the draft model",
+                             "a server's draft model is fixed when it is launched: restart the server with the "
+                             "draft you want, or load a local model")
+            self.settingsChanged.emit(self.engine.settings(), {}, {})
             return
         if self.request is not None:
             self.pending_draft = (reference,)
@@ -130,7 +167,7 @@ class EngineWorker(QObject):
         changes = dict(changes)
         if "draft_model" in changes:
             draft = changes.pop("draft_model")
-            if draft != self.engine.draft_name:
+            if draft != getattr(self.engine, "draft_name", None):
                 self._set_draft(draft)
         if not changes:
             return

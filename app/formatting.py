@@ -11,6 +11,8 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
     """The settings in effect (engine.settings()), as short HTML lines for the side panel."""
     if not settings:
         return "no model loaded yet"
+    if settings.get("backend") == "remote":
+        return describe_server(settings)
     proposer = settings.get("proposer", "off")
     speculation = "off" if proposer == "off" else f"{proposer}, k={settings.get('num_speculative_tokens')}"
     if chosen and chosen.get("proposer") == "draft" and proposer == "off":
@@ -29,6 +31,21 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
         lines.append(describe_memory_plan(settings["memory_plan"]))
     if settings.get("chat_template") is False:
         lines.append("<b>Chat template</b>: none in the model folder; messages are sent as plain text")
+    return "<br>".join(lines)
+
+
+def describe_server(settings: dict) -> str:
+    """A remote backend's settings: what the server says, and the launch flag for each
+    setting it fixes (a value it does not reveal shows as "not reported")."""
+    def shown(key):
+        value = settings.get(key)
+        return "not reported" if value is None else escape(str(value))
+    version = f" {escape(str(settings['server_version']))}" if settings.get("server_version") else ""
+    lines = [f"<b>Server</b>: {escape(str(settings.get('server')))}{version} at "
+             f"{escape(str(settings.get('url')))}, model {shown('model')}",
+             f"<b>Metrics</b>: {escape(str(settings.get('metrics')))}"]
+    for key, flag in (settings.get("read_only") or {}).items():
+        lines.append(f"<b>{escape(key)}</b>: {shown(key)} <i>(fixed at launch: {escape(flag)})</i>")
     return "<br>".join(lines)
 
 
@@ -62,7 +79,7 @@ def message_stats(summary: dict | None, finish_reason: str | None, settings: dic
              f"{summary['generated_tokens']} tokens"]
     if summary.get("acceptance_rate") is not None:
         parts.append(f"acceptance {summary['acceptance_rate'] * 100:.0f}% "
-                     f"({summary['accepted']}/{summary['proposed']}, τ={summary['mean_accepted_len']:.2f})")
+                     f"({summary['accepted']}/{summary['proposed']}{_tau(summary.get('mean_accepted_len'))})")
     else:
         parts.append("acceptance — (speculation off)")
     if summary.get("prefix_hit_tokens"):
@@ -72,6 +89,10 @@ def message_stats(summary: dict | None, finish_reason: str | None, settings: dic
     if finish_reason in ("cancelled", "length"):
         parts.append("stopped" if finish_reason == "cancelled" else "max tokens reached")
     return " · ".join(parts)
+
+
+def _tau(mean_accepted_len: float | None) -> str:
+    return "" if mean_accepted_len is None else f", τ={mean_accepted_len:.2f}"    # a server may not say
 
 
 def _short(reference: str) -> str:

@@ -119,6 +119,7 @@ class MainWindow(QMainWindow):
         model_menu.addAction("Default model", panel.default_model_button.click)
         model_menu.addAction("Open model folder…", panel.model_folder_button.click)
         model_menu.addAction("Open GGUF file…", panel.model_gguf_button.click)
+        model_menu.addAction("Connect to server…", panel.connect_server_button.click)
         self.profile_menu = self.menuBar().addMenu("&Profile")
         self.save_action = QAction("Save profile", self, shortcut=QKeySequence.StandardKey.Save)
         self.save_action.triggered.connect(self.saveProfileRequested)

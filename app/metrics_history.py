@@ -3,7 +3,8 @@
 Plain Python and numpy (no Qt, no forward pass): it stores the plain step/request dicts the
 engine worker emits, whose ratios the engine computed (engine.metrics holds every formula).
 Step series are indexed by the session step (x axis of the step plots); request series by
-the request number.
+the request number. A number a remote server does not report (None) is stored as NaN: a gap
+in the plots and an empty CSV cell, never a made-up 0.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def describe_change(key: str, value, settings: dict | None = None) -> str:
 class MetricsHistory:
     STEP_COLUMNS = ("session_step", "request", "step", "time_s", "step_time_s", "tokens", "proposed", "accepted",
                     "acceptance", "running_acceptance", "tok_s", "running_tok_s", "kv_used_mib",
-                    "kv_capacity_mib", "is_fp8", "prefix_hit_tokens", "prompt_tokens", "generated_tokens", "ttft_s")
+                    "kv_capacity_mib", "kv_usage", "is_fp8", "prefix_hit_tokens", "prompt_tokens", "generated_tokens", "ttft_s")
     REQUEST_COLUMNS = ("request", "session_step", "ttft_ms", "prefix_hit_tokens", "prompt_tokens",
                        "generated_tokens", "decode_tok_s", "acceptance_rate", "mean_accepted_len")
 
@@ -111,8 +112,9 @@ class MetricsHistory:
         if not summary:
             return       # failed before its first step: nothing was measured
         row = {"request": self._request_count, "session_step": self._session_step - 1,
-               "ttft_ms": summary["ttft_s"] * 1000, "prefix_hit_tokens": summary["prefix_hit_tokens"],
-               "prompt_tokens": summary["prompt_tokens"], "generated_tokens": summary["generated_tokens"],
+               "ttft_ms": summary["ttft_s"] * 1000, "prefix_hit_tokens": _nan_if_none(summary["prefix_hit_tokens"]),
+               "prompt_tokens": _nan_if_none(summary["prompt_tokens"]),
+               "generated_tokens": _nan_if_none(summary["generated_tokens"]),
                "decode_tok_s": summary["decode_tok_s"] or np.nan,
                "acceptance_rate": _nan_if_none(summary["acceptance_rate"]),
                "mean_accepted_len": _nan_if_none(summary["mean_accepted_len"])}
@@ -143,17 +145,20 @@ class MetricsHistory:
 
     def _append_step(self, event: dict) -> None:
         running = event["running"]
+        used, capacity = _nan_if_none(event["kv_bytes_used"]), _nan_if_none(event["kv_bytes_capacity"])
         row = {"session_step": self._session_step, "request": self._request_count, "step": event["step"],
-               "time_s": event["time_s"], "step_time_s": event["step_time_s"], "tokens": len(event["token_ids"]),
+               "time_s": event["time_s"], "step_time_s": event["step_time_s"], "tokens": _step_tokens(event),
                "proposed": event["proposed"], "accepted": event["accepted"],
                "acceptance": _nan_if_none(event["step_acceptance"]),
                "running_acceptance": _nan_if_none(running["acceptance_rate"]),
                "tok_s": _nan_if_none(event["step_tok_s"]),
                "running_tok_s": running["decode_tok_s"] if running["decode_tokens"] else np.nan,
-               "kv_used_mib": event["kv_bytes_used"] / MIB, "kv_capacity_mib": event["kv_bytes_capacity"] / MIB,
-               "is_fp8": float(event["kv_dtype"].startswith("fp8")),
-               "prefix_hit_tokens": event["prefix_hit_tokens"], "prompt_tokens": event["prompt_tokens"],
-               "generated_tokens": event["generated_tokens"], "ttft_s": _nan_if_none(event.get("ttft_s"))}
+               "kv_used_mib": used / MIB, "kv_capacity_mib": capacity / MIB,
+               "kv_usage": _kv_usage(event),
+               "is_fp8": float((event["kv_dtype"] or "").startswith("fp8")),
+               "prefix_hit_tokens": _nan_if_none(event["prefix_hit_tokens"]),
+               "prompt_tokens": _nan_if_none(event["prompt_tokens"]),
+               "generated_tokens": _nan_if_none(event["generated_tokens"]), "ttft_s": _nan_if_none(event.get("ttft_s"))}
         for name, value in row.items():
             self.steps[name].append(value)
         settings = self._last_settings or {}
@@ -206,6 +211,24 @@ def _csv_value(value: float) -> str:
     if np.isnan(value):
         return ""
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+def _kv_usage(event: dict) -> float:
+    """Share of the KV cache in use: the local pool's bytes, or the share a server reports."""
+    used, capacity = event["kv_bytes_used"], event["kv_bytes_capacity"]
+    if used is not None and capacity:
+        return used / capacity
+    return _nan_if_none(event.get("kv_usage"))
+
+
+def _step_tokens(event: dict) -> float:
+    """Tokens emitted by the step: a server counts them (num_tokens) as it streams text without
+    ids; NaN when it streamed text without counting."""
+    if "num_tokens" not in event:
+        return len(event["token_ids"])
+    if event.get("token_count") is None and not event["token_ids"] and event.get("pieces"):
+        return np.nan
+    return event["num_tokens"]
 
 
 def _nan_if_none(value) -> float:

@@ -204,7 +204,7 @@ class PlotsPanel(QWidget):
         capacity = h.step_series("kv_capacity_mib")
         self.kv_capacity_curve.setData(x, capacity)
         self.kv_plot.setTitle(f"KV-cache memory — cache dtype {h.kv_dtype}" if h.kv_dtype else "KV-cache memory")
-        if len(used):
+        if np.isfinite(used).any() and np.isfinite(capacity).any():      # a server may not report bytes
             # Log axis: a decade below the smallest held, two above the pool for the legend.
             low, high = float(np.nanmin(used)), float(np.nanmax(capacity))
             self.kv_plot.setYRange(np.log10(max(low, 1e-3) / 2), np.log10(high * 100), padding=0)

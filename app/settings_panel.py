@@ -9,6 +9,7 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QPushButton,
                                QVBoxLayout, QWidget)
 
+from app.connect_dialog import ConnectDialog
 from app.setting_controls import SettingControl, select, shrinkable_combo
 from engine import config
 
@@ -26,6 +27,7 @@ class SettingsPanel(QWidget):
     draftModelChosen = Signal(object)             # None, "self" or a path
     samplingChanged = Signal()
     modelRequested = Signal(str)                  # "default", a folder or a .gguf file
+    serverRequested = Signal(str, str, str)       # url, model, API key variable name (app.connect_dialog)
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -47,6 +49,8 @@ class SettingsPanel(QWidget):
         self.default_model_button = QPushButton("Default")
         self.model_folder_button = QPushButton("Folder…")
         self.model_gguf_button = QPushButton("GGUF…")
+        self.connect_server_button = QPushButton("Connect to server…")
+        self.connect_dialog = ConnectDialog(self)
         self.controls = {key: SettingControl(config.BY_KEY[key], self) for key in PANEL_KEYS if key != "draft_model"}
         self.draft_combo = shrinkable_combo()
         for label, data in DRAFTS:
@@ -70,6 +74,7 @@ class SettingsPanel(QWidget):
         layout = QVBoxLayout(box)
         layout.addWidget(self.model_label)
         layout.addLayout(_row(self.default_model_button, self.model_folder_button, self.model_gguf_button))
+        layout.addWidget(self.connect_server_button)
         return box
 
     def _group(self, title: str, keys) -> QGroupBox:
@@ -100,6 +105,8 @@ class SettingsPanel(QWidget):
         self.default_model_button.clicked.connect(lambda: self.modelRequested.emit("default"))
         self.model_folder_button.clicked.connect(lambda: self._pick_folder(self.modelRequested.emit, "model"))
         self.model_gguf_button.clicked.connect(lambda: self._pick_gguf(self.modelRequested.emit, "model"))
+        self.connect_server_button.clicked.connect(self.connect_dialog.open)
+        self.connect_dialog.serverRequested.connect(self.serverRequested)
         self.draft_folder_button.clicked.connect(lambda: self._pick_folder(self.choose_draft, "draft model"))
         self.draft_gguf_button.clicked.connect(lambda: self._pick_gguf(self.choose_draft, "draft model"))
 

@@ -1,0 +1,19 @@
+"""What the window says, from plain dicts: a server's missing numbers stay missing."""
+from app.formatting import describe_settings, message_stats
+
+SUMMARY = {"ttft_s": 0.1, "decode_tok_s": 10.0, "generated_tokens": 5, "acceptance_rate": 0.5, "accepted": 2,
+           "proposed": 4, "mean_accepted_len": None, "prefix_hit_tokens": 0, "prompt_tokens": 3}
+
+
+def test_a_reply_stats_line_without_tau_leaves_it_out():
+    line = message_stats(SUMMARY, "stop")
+    assert "acceptance 50% (2/4)" in line and "τ" not in line
+    assert "τ=2.00" in message_stats(SUMMARY | {"mean_accepted_len": 2.0}, "stop")
+
+
+def test_a_server_shows_its_launch_fixed_settings_with_their_flags():
+    html = describe_settings({"backend": "remote", "server": "llama.cpp", "server_version": None, "url": "http://h:1",
+                              "model": "m", "metrics": "available", "kv_cache_dtype": None,
+                              "read_only": {"kv_cache_dtype": "--cache-type-k"}})
+    assert "llama.cpp at http://h:1, model m" in html
+    assert "kv_cache_dtype</b>: not reported <i>(fixed at launch: --cache-type-k)" in html
