@@ -15,10 +15,13 @@ from app.engine_worker import (GENERATE, GENERATING, IDLE, LOAD_DRAFT, LOAD_MODE
 from app.formatting import describe_deferred, describe_settings, message_stats
 from app.main_window import MainWindow
 from app.metrics_history import MetricsHistory
+from engine import config
 from engine.errors import WorkbenchError
 from engine.profiles import ProfileError, ProfileStore, SessionProfile, builtin_profiles
 
 UNNAMED = ("untitled", "last_session")
+# Where the session's model runs: the load-time session settings other than the local model.
+CONNECTION_KEYS = tuple(k for k in config.keys(config.SESSION, applies=(config.LOAD,)) if k != "model")
 BUSY_TEXT = {IDLE: "Ready", LOADING: "Loading model…", GENERATING: "Generating…",
              LOADING_DRAFT: "Loading draft model…"}
 SAVE_SESSION_DELAY_MS = 400     # typing in the system prompt saves once, not per key
@@ -78,8 +81,12 @@ class Controller(QObject):
 
     # ---- start -------------------------------------------------------------------
     def start(self) -> None:
-        """Load the profile's model with the profile's settings."""
-        self.load_model(self.model_reference)
+        """Load the profile's model with the profile's settings, or connect to its server."""
+        p = self.profile
+        if p.backend == "remote" and p.server_url:
+            self.connect_server(p.server_url, p.server_model or "", p.api_key_env or "")
+        else:
+            self.load_model(self.model_reference)
 
     def load_model(self, reference: str) -> None:
         self.window.show_progress(f"loading {reference}", 0.0)
@@ -191,9 +198,14 @@ class Controller(QObject):
     # ---- worker state --------------------------------------------------------------
     def _on_model_loaded(self, info: dict) -> None:
         self.model_ready = True
-        remote = info["settings"].get("backend") == "remote"
-        if not remote:       # profiles hold a local model; a server's URL is not one, they keep the last
+        settings = info["settings"]
+        remote = settings.get("backend") == "remote"
+        if remote:           # the profile keeps the last local model, and now the server too
+            self.connection = {"backend": "remote", "server_url": settings["url"], "server_model": settings["model"],
+                               "api_key_env": settings["api_key_env"]}
+        else:
             self.model_reference = info["reference"]
+            self.connection = dict(self.connection, backend="local")
         self.panel.show_model(info["name"])
         self.window.hide_progress()
         self.window.show_message(f"{'Connected to' if remote else 'Loaded'} {info['name']}")
@@ -227,7 +239,7 @@ class Controller(QObject):
     def current_profile(self, **overrides) -> SessionProfile:
         """The last profile shown, with what the user changed since (panel, system prompt)."""
         values = dict(name=self.profile_name, model=self.model_reference,
-                      system_prompt=self.chat.system_prompt(), **self.panel.values())
+                      system_prompt=self.chat.system_prompt(), **self.connection, **self.panel.values())
         return replace(self.profile, **(values | overrides))
 
     def save_profile(self) -> None:
@@ -259,8 +271,12 @@ class Controller(QObject):
 
     def apply_profile(self, profile: SessionProfile) -> None:
         """Show the profile's settings and apply them live (a new model only if it differs)."""
+        on_server = self.effective.get("backend") == "remote"
         self._show_profile(profile)
-        if profile.model != self.model_reference:
+        if profile.backend == "remote" and profile.server_url:
+            if self.effective.get("url") != profile.server_url:
+                self.connect_server(profile.server_url, profile.server_model or "", profile.api_key_env or "")
+        elif profile.model != self.model_reference or on_server:
             self.load_model(profile.model)
         else:
             self.worker.reconfigure(**profile.engine_settings())     # the draft too, if it differs
@@ -268,6 +284,7 @@ class Controller(QObject):
 
     def _show_profile(self, profile: SessionProfile) -> None:
         self.profile_name, self.profile = profile.name, profile
+        self.connection = {key: getattr(profile, key) for key in CONNECTION_KEYS}
         self.panel.set_values(asdict(profile))
         self.chat.set_system_prompt(profile.system_prompt)
         self._show_title()

@@ -80,6 +80,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("model", str, "default", SESSION, LOAD, "Model",
             help="'default' (the embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file"),
     Setting("system_prompt", str, "You are a helpful assistant.", SESSION, NEXT_REQUEST, "System prompt"),
+    Setting("backend", str, "local", SESSION, LOAD, "Backend",
+            choices={"local": "the local engine", "remote": "an OpenAI-compatible server"}),
+    Setting("server_url", str, None, SESSION, LOAD, "Server URL", optional=True),
+    Setting("server_model", str, None, SESSION, LOAD, "Served model", optional=True,
+            help="None: the server's only model"),
+    Setting("api_key_env", str, None, SESSION, LOAD, "API key variable", optional=True,
+            help="the NAME of the environment variable holding the server's API key; the key is never saved"),
     # ---- speculative decoding ----
     Setting("proposer", str, "off", ENGINE, LIVE, "Proposer",
             choices={"off": "Off", "draft": "Draft model", "ngram": "N-gram (prompt lookup)"}, group=SPECULATION_GROUP),

@@ -106,3 +106,22 @@ def test_an_unreachable_server_keeps_the_local_model_and_the_transcript(tiny_ben
     assert bench.window.chat.send_button.isEnabled() and not bench.window.progress.isVisible()
     send(bench, qtbot, "Still there?")                # the local model still answers
     assert len(bench.controller.conversation) == 4
+
+
+def test_the_session_remembers_the_server_but_never_the_api_key(open_workbench, tiny_profile, server, qtbot,
+                                                                 tmp_path, monkeypatch):
+    import json
+    monkeypatch.setenv("WORKBENCH_TEST_KEY", "secret-key-123")       # llama-server without --api-key ignores it
+    bench = open_workbench(tiny_profile())
+    connect(bench, qtbot, server.url, api_key_env="WORKBENCH_TEST_KEY")
+    qtbot.waitUntil(lambda: bench.controller.effective.get("backend") == "remote", timeout=CONNECT_TIMEOUT_MS)
+    bench.controller.save_last_session()
+    saved = (bench.store.root / "last_session.json").read_text()
+    data = json.loads(saved)
+    assert (data["backend"], data["server_url"], data["api_key_env"]) == ("remote", server.url, "WORKBENCH_TEST_KEY")
+    assert data["model"] == bench.controller.profile.model            # the local model is kept too
+    assert "secret-key-123" not in saved
+    # The next start connects to the same server.
+    reopened = open_workbench(store=bench.store, start=False)
+    reopened.controller.start()
+    qtbot.waitUntil(lambda: reopened.controller.effective.get("url") == server.url, timeout=CONNECT_TIMEOUT_MS)
