@@ -22,6 +22,15 @@ class AttentionMetadata:
     pending_kv: list | None = None
 
 
+def pass_positions(start: int, n: int, block_table: list[int], block_size: int, device) -> tuple:
+    """A pass over n new tokens from position `start`: positions [N], the block table as a
+    tensor, and the cache slot of each new token [N] (built on the host side of the pass)."""
+    positions = torch.arange(start, start + n, device=device)
+    table = torch.tensor(block_table, dtype=torch.int64, device=device)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    return positions, table, slots
+
+
 def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor | None:
     """[N, T] bool, key j visible to query i iff j <= positions[i]. The new tokens are the
     last N of the context, so a single one sees every key: None (no mask)."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import write_kv
-from engine.attention_metadata import AttentionMetadata
+from engine.attention_metadata import AttentionMetadata, pass_positions
 from engine.config import MAX_SPEC_TOKENS
 
 MAX_COMPILED_TOKENS = MAX_SPEC_TOKENS + 1
@@ -80,9 +80,7 @@ class CompiledStep:
     def __call__(self, ids: list[int], kv, start: int, block_table: list[int], logits_for) -> torch.Tensor:
         n, bs = len(ids), self.block_size
         blocks = block_table + [block_table[0]] * max(MIN_TABLE_BLOCKS - len(block_table), 0)   # masked out
-        table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        positions = torch.arange(start, start + n, device=self.device)
-        slots = table[positions // bs] * bs + positions % bs
+        positions, table, slots = pass_positions(start, n, blocks, bs, self.device)
         mask = torch.arange(len(blocks) * bs, device=self.device)[None, :] <= positions[:, None]   # [N, T]
         torch._dynamo.mark_dynamic(table, 0)
         torch._dynamo.mark_dynamic(mask, 1)

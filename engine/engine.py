@@ -62,6 +62,7 @@ class LLMEngine:
         self.draft_name: str | None = None
         self.progress = progress
         self.active: Request | None = None
+        self.settings_version = 0      # bumped whenever settings() may answer differently
         self._pending: dict = {}
         self.eos_ids = _eos_ids(target)
         if config.draft_model:
@@ -104,6 +105,7 @@ class LLMEngine:
             runner.release_cache()
         plan = plan_memory(self.config, self.device, self.target_model.model, draft.model if draft else None)
         self.runner.build_cache(self.config, plan.num_blocks)
+        self.settings_version += 1
         if draft is None:
             self.draft_runner = None
         elif self.draft_runner is not None and self.draft_runner.loaded is draft:
@@ -149,6 +151,7 @@ class LLMEngine:
             del self._pending[k]
         if not now:
             return
+        self.settings_version += 1
         draft = now.pop("draft_model", self.draft_name)
         old, self.config = self.config, self.config.with_changes(**now)
         if any(getattr(old, k) != getattr(self.config, k) for k in POOL_SETTINGS):

@@ -60,20 +60,22 @@ class PositionCounts:
     accepts: list[int] = field(default_factory=list)
 
     def add(self, accepted_per_position) -> None:
+        self._grow(len(accepted_per_position))
         for i, ok in enumerate(accepted_per_position):
-            if i == len(self.attempts):
-                self.attempts.append(0)
-                self.accepts.append(0)
             self.attempts[i] += 1
             self.accepts[i] += bool(ok)
 
     def merge(self, other: "PositionCounts") -> None:
+        self._grow(len(other.attempts))
         for i, (n, a) in enumerate(zip(other.attempts, other.accepts)):
-            while len(self.attempts) <= i:
-                self.attempts.append(0)
-                self.accepts.append(0)
             self.attempts[i] += n
             self.accepts[i] += a
+
+    def _grow(self, positions: int) -> None:
+        missing = positions - len(self.attempts)
+        if missing > 0:
+            self.attempts.extend([0] * missing)
+            self.accepts.extend([0] * missing)
 
     @classmethod
     def from_cumulative(cls, drafts: int, accepted_per_position: list[int]) -> "PositionCounts":

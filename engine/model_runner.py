@@ -8,6 +8,7 @@ import torch
 
 from engine import compiled_step
 from engine.attention import AttentionMetadata, causal_mask
+from engine.attention_metadata import pass_positions
 from engine.block_manager import BlockManager, SeqBlocks
 from engine.config import EngineConfig
 from engine.hashing import root_key
@@ -30,6 +31,7 @@ class ModelRunner:
                  num_blocks: int | None = None):
         self.loaded, self.model, self.device = loaded, loaded.model, device
         self.model_dtype = next(self.model.parameters()).dtype
+        self.compiled: compiled_step.CompiledStep | None = None    # kept across pool rebuilds
         self.build_cache(config, num_blocks)
 
     # ---- cache ---------------------------------------------------------------
@@ -47,7 +49,6 @@ class ModelRunner:
                         rope_identity(self.loaded.hf_config))
         self.blocks = BlockManager(self.kv.num_blocks, config.block_size, root, config.enable_prefix_caching)
         self.use_kernels = self._want_kernels(config)
-        self.compiled = getattr(self, "compiled", None)
         self.set_compile(config.compile)
 
     def set_compile(self, mode: str, progress=None) -> None:
@@ -108,10 +109,7 @@ class ModelRunner:
             logits = self.compiled(new_tokens, self.kv, start, seq.block_table, logits_for)
             seq.num_computed = start + n
             return logits
-        bs = self.kv.block_size
-        positions = torch.arange(start, start + n, device=self.device)
-        table = torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)
-        slots = table[positions // bs] * bs + positions % bs
+        positions, table, slots = pass_positions(start, n, seq.block_table, self.kv.block_size, self.device)
         # Built once per pass, shared by every layer (the kernels mask by positions themselves).
         mask = None if self.use_kernels else causal_mask(positions, start + n)
         meta = AttentionMetadata(positions, slots, table, start + n, self.use_kernels, mask)

@@ -29,6 +29,7 @@ class RequestHost(Protocol):
     runner: ModelRunner
     tokenizer: object
     eos_ids: set[int]
+    settings_version: int          # changes whenever settings() may answer differently
 
     def apply_pending(self, live_only: bool) -> None: ...
     def proposer_in_effect(self) -> str: ...
@@ -51,7 +52,7 @@ class Request:
         self.finished = False
         self.cancelled = threading.Event()     # set from any thread; seen at the next step
         self.t_submit = time.perf_counter()
-        self._last_settings: dict | None = None
+        self._settings_version = -1    # the first event carries the settings
         self.seq = engine.runner.start(self.token_ids, reserve_tokens=max_new)
         self.stats.prefix_hit_tokens = self.seq.num_cached_tokens
 
@@ -165,11 +166,12 @@ class Request:
         return event
 
     def _settings_if_changed(self) -> dict | None:
-        settings = self.engine.settings()
-        if settings == self._last_settings:
+        """settings() on the first event and after a change; None otherwise (no per-token
+        snapshot to build and compare)."""
+        if self.engine.settings_version == self._settings_version:
             return None
-        self._last_settings = settings
-        return settings
+        self._settings_version = self.engine.settings_version
+        return self.engine.settings()
 
     def _clip(self, tokens, kinds):
         """Stop at EOS (kept, as the stop token) and at max_tokens."""

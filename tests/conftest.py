@@ -14,16 +14,21 @@ def default_model():
     return load_model("default")
 
 
-@pytest.fixture
-def make_engine(default_model):
-    """A fresh engine (own cache and settings) around the shared default model."""
+def engine_factory(loaded, pool_bytes: int):
+    """make(**config): a fresh engine (own cache and settings) around a shared loaded model."""
     from engine import EngineConfig
     from engine.engine import LLMEngine
 
     def make(**config):
-        config.setdefault("kv_cache_bytes", 64 * 2**20)
-        return LLMEngine(default_model, EngineConfig(**config), torch.device("cpu"))
+        config.setdefault("kv_cache_bytes", pool_bytes)
+        return LLMEngine(loaded, EngineConfig(**config), torch.device("cpu"))
     return make
+
+
+@pytest.fixture
+def make_engine(default_model):
+    """A fresh engine around the shared default model."""
+    return engine_factory(default_model, 64 * 2**20)
 
 
 TINY_SEED = 0     # the spec-decode tests' prompts were checked against this seed's model
@@ -42,14 +47,8 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture
 def make_tiny_engine(tiny_model):
-    """A fresh engine (own cache and settings) around the shared tiny model."""
-    from engine import EngineConfig
-    from engine.engine import LLMEngine
-
-    def make(**config):
-        config.setdefault("kv_cache_bytes", 8 * 2**20)
-        return LLMEngine(tiny_model, EngineConfig(**config), torch.device("cpu"))
-    return make
+    """A fresh engine around the shared tiny model."""
+    return engine_factory(tiny_model, 8 * 2**20)
 
 
 def chat(text: str, system: str | None = None) -> list[dict]:
