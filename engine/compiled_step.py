@@ -75,9 +75,10 @@ class CompiledStep:
         """A pure function of the cache: it reads the pool and returns the new K/V (writing the
         pool inside the graph made inductor copy the whole pool every step)."""
         meta = AttentionMetadata(positions, slots, table, table.shape[0] * self.block_size, False, mask, [])
-        return self.model(ids, kv, meta, logits_for), meta.pending_kv
+        return self.model.forward_with_hidden(ids, kv, meta, logits_for), meta.pending_kv
 
-    def __call__(self, ids: list[int], kv, start: int, block_table: list[int], logits_for) -> torch.Tensor:
+    def __call__(self, ids: list[int], kv, start: int, block_table: list[int], logits_for) -> tuple:
+        """(logits, final hidden states [N, hidden])."""
         n, bs = len(ids), self.block_size
         blocks = block_table + [block_table[0]] * max(MIN_TABLE_BLOCKS - len(block_table), 0)   # masked out
         positions, table, slots = pass_positions(start, n, blocks, bs, self.device)
@@ -89,11 +90,11 @@ class CompiledStep:
             self.progress(f"compiling the {'decode' if n == 1 else 'verify'} step for {n} token(s) "
                           "(once per process; about a minute on a small CPU)…", 0.0)
         t0 = time.perf_counter()
-        logits, new_kv = self._compiled(ids_t, kv, positions, slots, table, mask, logits_for)
+        (logits, hidden), new_kv = self._compiled(ids_t, kv, positions, slots, table, mask, logits_for)
         for i, encoded in enumerate(new_kv):       # written here, outside the compiled graph
             write_kv(kv.layer(i), encoded, slots)
         if n not in self.compiled_counts:
             self.compiled_counts.add(n)
             self.compile_seconds[n] = time.perf_counter() - t0
             self.progress(f"compiled the step for {n} token(s) in {self.compile_seconds[n]:.0f} s", 1.0)
-        return logits
+        return logits, hidden

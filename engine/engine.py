@@ -23,6 +23,9 @@ from engine.memory_plan import MemoryPlan, plan_memory
 from engine.metrics import RequestStats, StepEvent
 from engine.model_runner import ModelRunner
 from engine.request import Request
+from engine.eagle_proposer import EagleProposer
+from engine.step_costs import PlainStepClock
+from engine.models.eagle_head import EagleHead
 from engine.spec_decode import DraftModelProposer, NgramProposer, Proposer, check_draft_compatible
 
 SELF_DRAFT = "self"   # draft with the target itself (acceptance 1.0 in greedy mode; a test fixture)
@@ -65,8 +68,12 @@ class LLMEngine:
         self.settings_version = 0      # bumped whenever settings() may answer differently
         self._pending: dict = {}
         self.eos_ids = _eos_ids(target)
+        self.eagle: tuple[str | None, EagleHead] | None = None     # (reference, head) once loaded
+        self.plain_steps = PlainStepClock()
         if config.draft_model:
             self.set_draft_model(config.draft_model)
+        if config.proposer == "eagle":
+            self.load_eagle_head(config.eagle_head)
 
     # ---- construction ----------------------------------------------------------
     @classmethod
@@ -135,7 +142,9 @@ class LLMEngine:
             if setting is None or setting.section != ENGINE or setting.applies not in (LIVE, NEXT_REQUEST):
                 raise ConfigError(f"{key!r} cannot change on a loaded engine (settings that can: "
                                   f"{', '.join(reconfigurable())}); load the model again to change it")
-        self.config.with_changes(**changes)             # validate before touching anything
+        new = self.config.with_changes(**changes)       # validate before touching anything
+        if new.proposer == "eagle":
+            self.load_eagle_head(new.eagle_head)           # a missing or foreign head fails here
         self._pending.update(changes)
         if self.active is None:
             self.apply_pending(live_only=False)
@@ -176,21 +185,37 @@ class LLMEngine:
         return {"kv_cache_dtype": self.runner.kv_dtype_name, "block_size": c.block_size,
                 "enable_prefix_caching": c.enable_prefix_caching, "proposer": self.proposer_in_effect(),
                 "num_speculative_tokens": c.num_speculative_tokens, "draft_model": self.draft_name,
+                "eagle_head": None if self.eagle is None else (self.eagle[0] or "shipped"),
                 "kv_pool_blocks": self.runner.kv.num_blocks, "kernels": self.runner.use_kernels,
                 "threads": torch.get_num_threads(), "device": str(self.device),
                 "dtype": str(self.runner.model_dtype).removeprefix("torch."),
                 "memory_plan": self.plan.as_dict(), "chat_template": self.has_chat_template,
                 "compile": self.runner.compile_state}
 
+    def plain_step_key(self) -> tuple:
+        """What changes a plain decode step's time (the proposer does not)."""
+        return (self.runner.kv_dtype_name, self.runner.compile_state, torch.get_num_threads())
+
     def proposer_in_effect(self) -> str:
         p = self.config.proposer
-        return "off" if p == "draft" and self.draft_runner is None else p
+        if (p == "draft" and self.draft_runner is None) or (p == "eagle" and self.eagle is None):
+            return "off"
+        return p
+
+    def load_eagle_head(self, reference: str | None) -> None:
+        """Load the EAGLE head (a few MB) unless this one is loaded; raises a clear error."""
+        if self.eagle is not None and self.eagle[0] == reference:
+            return
+        head, _ = loader.load_eagle_head(reference, self.target_model, self.device, self.runner.model_dtype)
+        self.eagle = (reference, head)
 
     def make_proposer(self, name: str) -> Proposer:
         if name == "ngram":
             return NgramProposer(self.config.ngram_min, self.config.ngram_max)
         if name == "draft":
             return DraftModelProposer(self.draft_runner)
+        if name == "eagle":
+            return EagleProposer(self.eagle[1], self.config.block_size, self.device)
         raise ConfigError(f"no proposer named {name!r}")
 
     def runners(self) -> list[ModelRunner]:
@@ -240,6 +265,8 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens but the context holds {self.max_model_len}; "
                 "shorten it or start a new chat")
         max_new = min(params.max_tokens, self.max_model_len - len(token_ids))
+        if self.proposer_in_effect() != "off":       # the baseline "does speculation pay" needs
+            self.plain_steps.calibrate(self.plain_step_key(), self.runner)
         self.active = Request(self, token_ids, max_new, params)
         return self.active
 

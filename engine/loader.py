@@ -35,6 +35,7 @@ from engine.errors import CheckpointError, ModelNotFoundError, UnsupportedModelE
 from resources import DRAFTS_DIR
 
 SHIPPED_DRAFT_FOLDER = DRAFTS_DIR / "smollm2-135m-draft"
+SHIPPED_EAGLE_FOLDER = DRAFTS_DIR / "smollm2-135m-eagle"      # the EAGLE head for the default model
 
 DEFAULT_MODEL = "default"
 DEFAULT_DRAFT = "default-draft"     # the draft shipped in resources/ for the default model
@@ -359,3 +360,22 @@ def load_draft_folder(folder: Path, target: LoadedModel, device="cpu", dtype=tor
     tokenizer = load_tokenizer(folder)
     identity = hashlib.sha256(f"{identity_of(folder, files)}|{target.identity}".encode()).hexdigest()
     return LoadedModel(draft, tokenizer, config, folder, identity, f"{folder.name} (draft for {target.display_name})")
+
+
+def load_eagle_head(reference: str | None, target: LoadedModel, device="cpu", dtype=torch.float32):
+    """(EagleHead attached to the target, identity): a folder made by `python -m engine.distill`,
+    or None for the head shipped for the default model. It must have been trained on this
+    target's weights (checked by a fingerprint of them), or it would only draft noise."""
+    from engine.models.eagle_head import EAGLE_CONFIG_KEY, is_eagle_folder, load_eagle, weights_fingerprint
+    folder = SHIPPED_EAGLE_FOLDER if reference in (None, "") else Path(str(reference)).expanduser()
+    if not is_eagle_folder(folder):
+        raise ModelNotFoundError(
+            f"no EAGLE head at {folder}" + ("" if reference else " (none is shipped in this install)")
+            + ": make one for this model with `python -m engine.distill`, or choose another proposer")
+    made_for = read_config_json(folder)[EAGLE_CONFIG_KEY].get("target_fingerprint")
+    if made_for != weights_fingerprint(target.model):
+        raise UnsupportedModelError(
+            f"the EAGLE head {folder.name} was trained for another model "
+            f"({read_config_json(folder)[EAGLE_CONFIG_KEY].get('target', 'unknown')}), not {target.display_name}; "
+            "make one for this model with `python -m engine.distill --model ...`")
+    return load_eagle(folder, target, device=device, dtype=dtype)

@@ -52,6 +52,42 @@ def predicted_speedup(alpha: float, k: int, draft_cost: float, verify_cost: floa
     return expected_accepted_len(alpha, k) / (k * draft_cost + verify_cost)
 
 
+def break_even_alpha(k: int, draft_cost: float, verify_cost: float) -> float | None:
+    """The alpha at which predicted_speedup is 1.0 for these k and costs: below it speculation
+    loses. 0.0 when it pays at any alpha; None when even alpha = 1 loses."""
+    if predicted_speedup(1.0, k, draft_cost, verify_cost) < 1.0:
+        return None
+    if predicted_speedup(0.0, k, draft_cost, verify_cost) >= 1.0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    for _ in range(40):                  # predicted_speedup grows with alpha
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted_speedup(mid, k, draft_cost, verify_cost) < 1.0 else (lo, mid)
+    return hi
+
+
+def speculation_report(running: dict, k: int, plain_step_s: float | None, plain_source: str | None = None) -> dict | None:
+    """Does speculation pay? From a request's (or several requests') aggregates
+    (RequestStats.as_dict) and the wall time of a plain decode step with the same model and
+    cache settings:
+      measured_speedup  = decode tok/s with speculation / plain decode tok/s
+      draft_cost        = draft time per drafted token / plain step
+      verify_cost       = target time per target pass / plain step
+      predicted_speedup = predicted_speedup(alpha, k, draft_cost, verify_cost)
+      break_even_alpha  = the alpha where predicted_speedup is 1.0
+    None until a draft token was proposed and a plain step time is known."""
+    if not running.get("proposed") or not plain_step_s or not running.get("target_passes"):
+        return None
+    alpha = running.get("alpha")
+    draft_cost = (ratio(running["draft_time_s"], running["proposed"]) or 0.0) / plain_step_s
+    verify_cost = running["target_time_s"] / running["target_passes"] / plain_step_s
+    return {"measured_speedup": running["decode_tok_s"] * plain_step_s if running["decode_tok_s"] else None,
+            "predicted_speedup": None if alpha is None else predicted_speedup(alpha, k, draft_cost, verify_cost),
+            "alpha": alpha, "k": k, "draft_cost": draft_cost, "verify_cost": verify_cost,
+            "break_even_alpha": break_even_alpha(k, draft_cost, verify_cost),
+            "plain_tok_s": 1.0 / plain_step_s, "plain_source": plain_source}
+
+
 @dataclass
 class PositionCounts:
     """Per-position attempts and accepts. Position i is attempted only when every draft
@@ -128,6 +164,7 @@ class StepEvent:
     token_count: int | None = None      # tokens this step when their ids are unknown (a remote server streams text)
     kv_usage: float | None = None       # share of the KV cache in use, as a remote server reports it (0..1)
     server: dict | None = None          # a remote server's own figures (engine.server_metrics); None locally
+    speculation: dict | None = None     # speculation_report of the request so far, once it speculated
 
     @property
     def num_tokens(self) -> int:
@@ -211,6 +248,7 @@ class RequestStats:
                 "decode_tok_s": self.decode_tok_s, "acceptance_rate": self.acceptance_rate,
                 "mean_accepted_len": self.mean_accepted_len, "per_position": self.per_position,
                 "proposed": self.proposed, "accepted": self.accepted, "target_passes": self.target_passes,
+                "alpha": self.positions.alpha(),
                 "draft_time_s": self.draft_time_s, "target_time_s": self.target_time_s}
 
 

@@ -32,6 +32,7 @@ class ModelRunner:
         self.loaded, self.model, self.device = loaded, loaded.model, device
         self.model_dtype = next(self.model.parameters()).dtype
         self.compiled: compiled_step.CompiledStep | None = None    # kept across pool rebuilds
+        self.last_hidden: torch.Tensor | None = None               # the last pass's, see forward
         self.build_cache(config, num_blocks)
 
     # ---- cache ---------------------------------------------------------------
@@ -100,13 +101,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seq: RunnerSeq, new_tokens: list[int], logits_for: str | int = "last") -> torch.Tensor:
-        """Feed new_tokens at positions num_computed.. Returns float32 logits.
+        """Feed new_tokens at positions num_computed.. Returns float32 logits; the final hidden
+        states of the new tokens are left in self.last_hidden [N, hidden] (an EAGLE head reads them).
         Blocks are not registered in the prefix cache here: the caller commits once it
         knows which tokens are final (speculative tokens may be rolled back)."""
         start, n = seq.num_computed, len(new_tokens)
         self.blocks.ensure_capacity(seq, start + n)
         if self.compiled is not None and n <= compiled_step.MAX_COMPILED_TOKENS and logits_for != "all":
-            logits = self.compiled(new_tokens, self.kv, start, seq.block_table, logits_for)
+            logits, self.last_hidden = self.compiled(new_tokens, self.kv, start, seq.block_table, logits_for)
             seq.num_computed = start + n
             return logits
         positions, table, slots = pass_positions(start, n, seq.block_table, self.kv.block_size, self.device)
@@ -114,7 +116,7 @@ class ModelRunner:
         mask = None if self.use_kernels else causal_mask(positions, start + n)
         meta = AttentionMetadata(positions, slots, table, start + n, self.use_kernels, mask)
         ids = torch.tensor(new_tokens, dtype=torch.int64, device=self.device)
-        logits = self.model(ids, self.kv, meta, logits_for)
+        logits, self.last_hidden = self.model.forward_with_hidden(ids, self.kv, meta, logits_for)
         seq.num_computed = start + n
         return logits
 

@@ -17,10 +17,11 @@ from typing import Protocol
 
 from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import Detokenizer
-from engine.metrics import TARGET, RequestStats, StepEvent
+from engine.metrics import TARGET, RequestStats, StepEvent, speculation_report
 from engine.model_runner import ModelRunner
 from engine.sampler import make_generator, probabilities, sample
 from engine.spec_decode import Proposer, greedy_verify, rejection_sample
+from engine.step_costs import PlainStepClock
 
 
 class RequestHost(Protocol):
@@ -32,6 +33,9 @@ class RequestHost(Protocol):
     settings_version: int          # changes whenever settings() may answer differently
 
     def apply_pending(self, live_only: bool) -> None: ...
+    plain_steps: PlainStepClock
+
+    def plain_step_key(self) -> tuple: ...
     def proposer_in_effect(self) -> str: ...
     def make_proposer(self, name: str) -> Proposer: ...
     def kv_bytes(self) -> tuple[int, int]: ...
@@ -48,6 +52,7 @@ class Request:
         self.stats = RequestStats(prompt_tokens=len(token_ids))
         self.detok = Detokenizer(engine.tokenizer)
         self.proposers: dict[str, Proposer] = {}
+        self.last_pass: tuple | None = None    # (start position, hidden states) of the last target pass
         self.step_index = 0
         self.finished = False
         self.cancelled = threading.Event()     # set from any thread; seen at the next step
@@ -71,7 +76,9 @@ class Request:
         k = min(self.engine.config.num_speculative_tokens, self.max_new - self.stats.generated_tokens - 1)
         if proposer is not None and k >= 1:
             return self._speculative_step(proposer, k)
-        return self._decode_step(time.perf_counter())
+        event = self._decode_step(time.perf_counter())
+        self.engine.plain_steps.record(self.engine.plain_step_key(), event.step_time_s)
+        return event
 
     def close(self) -> None:
         """Free the blocks and proposers; safe to call more than once."""
@@ -88,7 +95,7 @@ class Request:
     def _prefill(self) -> StepEvent:
         t0 = time.perf_counter()
         runner = self.engine.runner
-        logits = runner.forward(self.seq, self.token_ids[self.seq.num_computed:])
+        logits = self._target_pass(self.token_ids[self.seq.num_computed:])
         runner.commit(self.seq, self.token_ids)
         token = sample(logits[-1], self.params, self.generator)
         return self._emit([token], [TARGET], t0, target_time=time.perf_counter() - t0)
@@ -96,7 +103,7 @@ class Request:
     def _decode_step(self, t0: float, draft_time: float = 0.0) -> StepEvent:
         runner = self.engine.runner
         t_target = time.perf_counter()
-        logits = runner.forward(self.seq, self.token_ids[-1:])
+        logits = self._target_pass(self.token_ids[-1:])
         runner.commit(self.seq, self.token_ids)
         token = sample(logits[-1], self.params, self.generator)
         return self._emit([token], [TARGET], t0, target_time=time.perf_counter() - t_target, draft_time=draft_time)
@@ -109,7 +116,7 @@ class Request:
         drafts = proposal.tokens
         runner = self.engine.runner
         t_target = time.perf_counter()
-        logits = runner.forward(self.seq, self.token_ids[-1:] + drafts, logits_for=len(drafts) + 1)   # [k+1, V]
+        logits = self._target_pass(self.token_ids[-1:] + drafts, logits_for=len(drafts) + 1)   # [k+1, V]
         if self.params.greedy:
             verdict = greedy_verify(drafts, logits.argmax(-1).tolist())
         else:
@@ -126,6 +133,16 @@ class Request:
             p.accepted(self.token_ids)
         return event
 
+    def _target_pass(self, tokens: list[int], logits_for: str | int = "last"):
+        """One target forward pass; its final hidden states go to the proposers (an EAGLE
+        head drafts from them) and are kept for a proposer that starts later."""
+        start = self.seq.num_computed
+        logits = self.engine.runner.forward(self.seq, tokens, logits_for)
+        self.last_pass = (start, self.engine.runner.last_hidden)
+        for p in self.proposers.values():
+            p.target_pass(*self.last_pass)
+        return logits
+
     def _proposer(self) -> Proposer | None:
         name = self.engine.proposer_in_effect()
         if name == "off":
@@ -133,6 +150,8 @@ class Request:
         if name not in self.proposers:
             p = self.engine.make_proposer(name)
             p.begin(self.token_ids)
+            if self.last_pass is not None:
+                p.target_pass(*self.last_pass)
             self.proposers[name] = p
         return self.proposers[name]
 
@@ -159,6 +178,9 @@ class Request:
             finish_reason=reason, settings=self._settings_if_changed())
         stats.record_step(event)
         event.running = stats.as_dict()
+        if stats.proposed:
+            plain_s, source = eng.plain_steps.estimate(eng.plain_step_key())
+            event.speculation = speculation_report(event.running, eng.config.num_speculative_tokens, plain_s, source)
         if event.finished:
             event.summary = stats
             self.finished = True

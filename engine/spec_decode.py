@@ -81,6 +81,9 @@ class Proposer:
     def propose(self, token_ids: list[int], k: int, params: SamplingParams, generator) -> Proposal:
         raise NotImplementedError
 
+    def target_pass(self, start: int, hidden: torch.Tensor) -> None:
+        """The target's final hidden states [N, hidden] for positions start.. of its last pass."""
+
     def accepted(self, token_ids: list[int]) -> None:
         """The target settled on token_ids (the whole sequence so far)."""
 

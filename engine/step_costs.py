@@ -1,10 +1,13 @@
 """What one decode step costs, measured: the machine's read bandwidth, the weight bytes a
-step reads, and the time of an N-token pass relative to a 1-token pass (the verify cost
-that decides whether speculation pays). Used by `engine.bench decode`."""
+step reads, the time of an N-token pass relative to a 1-token pass (the verify cost that
+decides whether speculation pays), and the plain decode step the engine keeps measuring
+(PlainStepClock: the baseline of "does speculation pay here?"). Used by `engine.bench
+decode` and by the engine."""
 from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 
 import torch
 
@@ -65,3 +68,32 @@ def verify_costs(runner, ks=(1, 2, 4, 8)) -> dict[str, float]:
     """{k: time of a (k+1)-token pass / time of a 1-token pass}."""
     one = pass_seconds(runner, 1)
     return {str(k): pass_seconds(runner, k + 1) / one for k in ks}
+
+
+class PlainStepClock:
+    """Wall times of plain (non-speculative) decode steps, per set-up that changes them (KV
+    dtype, compiled or eager, threads): the plain decode speed speculation is compared with.
+    Measured in the session; when a set-up has none yet, a short calibration (5 one-token
+    target passes) stands in until plain steps are seen."""
+
+    KEEP = 64
+
+    def __init__(self):
+        self.times: dict[tuple, deque] = {}
+        self.calibrated: dict[tuple, float] = {}
+
+    def record(self, key: tuple, seconds: float) -> None:
+        self.times.setdefault(key, deque(maxlen=self.KEEP)).append(seconds)
+
+    def estimate(self, key: tuple) -> tuple[float | None, str | None]:
+        """(seconds, "session" | "calibration"), or (None, None)."""
+        seen = self.times.get(key)
+        if seen:
+            return statistics.median(seen), "session"
+        if key in self.calibrated:
+            return self.calibrated[key], "calibration"
+        return None, None
+
+    def calibrate(self, key: tuple, runner, context: int = 64) -> None:
+        if key not in self.times and key not in self.calibrated:
+            self.calibrated[key] = pass_seconds(runner, 1, context=context, repeats=5)

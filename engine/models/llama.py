@@ -201,16 +201,45 @@ class LlamaFamilyModel(nn.Module):
 
     def forward(self, input_ids, kv: KVCache, meta: AttentionMetadata, logits_for: str | int = "last"):
         """Logits for the last token ("last"), all tokens ("all"), or the last n tokens (int)."""
+        return self.forward_with_hidden(input_ids, kv, meta, logits_for)[0]
+
+    def forward_with_hidden(self, input_ids, kv: KVCache, meta: AttentionMetadata, logits_for: str | int = "last"):
+        """(logits as forward gives them, final normed hidden states of every new token [N, hidden]):
+        the hidden states feed an EAGLE draft head at no extra cost."""
         h = self.hidden_states(input_ids, kv, meta)
         if logits_for == "last":
-            h = h[-1:]
+            rows = h[-1:]
         elif isinstance(logits_for, int):
-            h = h[-logits_for:]
-        return self.logits(h)
+            rows = h[-logits_for:]
+        else:
+            rows = h
+        return self.logits(rows), h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head(h).float()
+
+    def hf_layer_tensors(self) -> dict[str, torch.Tensor]:
+        """The decoder layers' weights under transformers' names: q/k/v and gate/up unfused,
+        [out, in] (what save_pretrained would write for them)."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            a, p = layer.self_attn, f"model.layers.{i}."
+            q, k, v = a.qkv_proj.weight.split([a.q_size, a.kv_size, a.kv_size])
+            gate, up = layer.mlp.gate_up_proj.weight.split(layer.mlp.inter)
+            out.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                        p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": a.o_proj.weight,
+                        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                        p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
+                        p + "input_layernorm.weight": layer.input_layernorm.weight,
+                        p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
+            if a.qkv_proj.bias is not None:
+                qb, kb, vb = a.qkv_proj.bias.split([a.q_size, a.kv_size, a.kv_size])
+                out.update({p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb,
+                            p + "self_attn.v_proj.bias": vb})
+            if a.qk_norm:
+                out.update({p + "self_attn.q_norm.weight": a.q_norm.weight, p + "self_attn.k_norm.weight": a.k_norm.weight})
+        return out
 
     # ---- loading: transformers' tensors -> our parameters ------------------------------
     def weight_sources(self) -> list["WeightSource"]:

@@ -47,17 +47,7 @@ class ReducedHeadDraft(LlamaFamilyModel):
 def _hf_tensors(draft: ReducedHeadDraft, dtype=torch.float16) -> dict[str, torch.Tensor]:
     """The draft's own weights under transformers' Llama names (q/k/v and gate/up unfused)."""
     out = {"model.norm.weight": draft.norm.weight, "head_token_ids": draft.head_token_ids.to(torch.int32),
-           "head.bias": draft.head.bias}
-    for i, layer in enumerate(draft.layers):
-        a, p = layer.self_attn, f"model.layers.{i}."
-        q, k, v = a.qkv_proj.weight.split([a.q_size, a.kv_size, a.kv_size])
-        gate, up = layer.mlp.gate_up_proj.weight.split(layer.mlp.inter)
-        out.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
-                    p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": a.o_proj.weight,
-                    p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                    p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
-                    p + "input_layernorm.weight": layer.input_layernorm.weight,
-                    p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
+           "head.bias": draft.head.bias, **draft.hf_layer_tensors()}
     return {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous() for k, v in out.items()}
 
 

@@ -1,0 +1,148 @@
+"""The EAGLE draft head: one decoder layer that reads the target's own final hidden state.
+
+At position j it takes the target's final (normed) hidden state f_j and the embedding of the
+next token x_{j+1}, and predicts f_{j+1}, the target's hidden state one position on:
+
+    g_j = norm(layer(fc([embed(x_{j+1}) ; f_j])))     (the layer attends over its own KV cache)
+    logits_j = g_j @ W_head[R]^T                      (the target's head rows for R tokens)
+
+To draft k tokens it runs on its own predictions: g_j stands in for f_{j+1} at the next step.
+The head R is a frequency-ranked reduced vocabulary (FR-Spec): the R tokens the target emits
+most often; tokens outside R get probability 0 (logits -inf), which the rejection sampler
+handles exactly. The embedding and the head rows are the target's, attached at load time;
+the folder stores only fc, the layer, the norm and the token ids (a few MB).
+
+Made by `python -m engine.distill` (training is there, never imported by inference); the
+proposer that runs it is engine.eagle_proposer.
+
+The folder: config.json (the target's config with one layer, plus EAGLE_CONFIG_KEY),
+model.safetensors (fp16 fc, layer and norm weights under transformers' Llama names, and
+head_token_ids).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.kv_cache import CacheShape, KVCache
+from engine.models.llama import LlamaFamilyModel
+
+EAGLE_CONFIG_KEY = "workbench_eagle"      # marks an EAGLE head folder in config.json
+
+
+class EagleHead(LlamaFamilyModel):
+    """A one-layer Llama-family stack with an input projection fc and a reduced head."""
+
+    def __init__(self, config, head_size: int, max_positions: int | None = None):
+        super().__init__(config, max_positions)
+        del self.lm_head                                   # the target's rows, in head_weight
+        h = config.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.register_buffer("head_token_ids", torch.zeros(head_size, dtype=torch.int64))
+        self.register_buffer("head_weight", torch.zeros(head_size, h), persistent=False)
+
+    def tie_weights(self) -> None:
+        pass
+
+    def attach_target(self, target_model: LlamaFamilyModel) -> None:
+        """Share the target's embedding; copy its head rows for the reduced vocabulary."""
+        self.embed_tokens = target_model.embed_tokens
+        self.head_weight = target_model.lm_head.weight.detach()[self.head_token_ids].to(self.fc.weight.dtype)
+
+    def step(self, ids: torch.Tensor, features: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
+             rope_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [N] (x_{j+1}), features [N, hidden] (f_j) -> (reduced logits [N, R] float32,
+        predicted features g [N, hidden]). rope_positions are the target's positions j; the
+        cache slots in meta may be offset from them."""
+        x = self.fc(torch.cat([self.embed_tokens(ids), features.to(self.fc.weight.dtype)], dim=-1))
+        rope = self.rotary.at(rope_positions, x.dtype)
+        g = self.norm(self.layers[0](x, kv.layer(0), meta, rope))
+        return (g @ self.head_weight.t()).float(), g
+
+    def full_logits(self, reduced: torch.Tensor) -> torch.Tensor:
+        """[N, R] -> [N, vocab]: tokens outside the head get -inf (probability 0)."""
+        full = reduced.new_full((reduced.shape[0], self.config.vocab_size), float("-inf"))
+        full[:, self.head_token_ids] = reduced
+        return full
+
+    def new_cache(self, num_tokens: int, block_size: int, device) -> KVCache:
+        """The head's own cache for one request: one layer, contiguous blocks."""
+        blocks = -(-num_tokens // block_size)
+        shape = CacheShape(1, self.layers[0].self_attn.num_kv_heads, self.head_dim)
+        return KVCache(shape, blocks, block_size, self.fc.weight.dtype, device)
+
+
+def weights_fingerprint(model: LlamaFamilyModel) -> str:
+    """A short hash of a sample of the target's weights (every 997th embedding row and the last
+    layer's down projection's first row), so a head is never attached to another model of the
+    same shape. The rows are rounded to bf16 first, so the same weights loaded in fp32 or bf16,
+    from any path, give the same fingerprint."""
+    rows = [model.embed_tokens.weight[::997], model.layers[-1].mlp.down_proj.weight[:1]]
+    h = hashlib.sha256()
+    for r in rows:
+        h.update(r.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def eagle_config(target_config, info: dict):
+    config = copy.deepcopy(target_config)
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:1]
+    setattr(config, EAGLE_CONFIG_KEY, info)
+    return config
+
+
+def is_eagle_folder(path: Path) -> bool:
+    config = Path(path) / "config.json"
+    return config.is_file() and EAGLE_CONFIG_KEY in json.loads(config.read_text())
+
+
+def save_eagle(head: EagleHead, folder: Path, report: dict | None = None) -> None:
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = head.hf_layer_tensors()
+    tensors.update({"fc.weight": head.fc.weight, "model.norm.weight": head.norm.weight})
+    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in tensors.items()}
+    tensors["head_token_ids"] = head.head_token_ids.to(torch.int32)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    head.config.save_pretrained(folder)
+    if report is not None:
+        (folder / "distill_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def load_eagle(folder: Path, target, device="cpu", dtype=torch.float32) -> tuple[EagleHead, str]:
+    """(head attached to the target, identity). Checks that it was made for this target's shape."""
+    from engine.checkpoint import Checkpoint
+    from engine.errors import UnsupportedModelError
+    from engine.loader import identity_of, load_config
+    folder = Path(folder)
+    config = load_config(folder)
+    tc = target.hf_config
+    if (config.vocab_size, config.hidden_size) != (tc.vocab_size, tc.hidden_size) or \
+            config.num_attention_heads != tc.num_attention_heads:
+        raise UnsupportedModelError(f"the EAGLE head {folder.name} was trained for another target "
+                                    "(vocabulary, width or heads differ)")
+    checkpoint = Checkpoint.open(folder)
+    tensors = checkpoint.read_all()
+    ids = tensors.pop("head_token_ids").long()
+    fc = tensors.pop("fc.weight")
+    with torch.device("meta"):
+        head = EagleHead(config, len(ids), max_positions=target.model.max_positions)
+    head.materialize()
+    tensors["embed_tokens.weight"] = torch.empty(0, config.hidden_size)
+    head.embed_tokens = nn.Embedding(0, config.hidden_size)          # placeholder: the target's below
+    tensors["head_token_ids"] = ids
+    tensors["fc.weight"] = fc
+    head.load_hf_state_dict(tensors)
+    head = head.to(device=device, dtype=dtype).eval()
+    head.rotary.float()
+    head.attach_target(target.model)
+    identity = hashlib.sha256(f"{identity_of(folder, checkpoint.files)}|{target.identity}".encode()).hexdigest()
+    return head, identity
