@@ -18,7 +18,7 @@ import torch
 
 from engine.bench_gpu import bench_gpu_check
 from engine.bench_peer import bench_peer
-from engine.metrics import combined, predicted_speedup, ratio
+from engine.metrics import combined, speculation_report
 from engine.synthetic import PRESETS
 
 CHAT_PROMPTS = [
@@ -315,15 +315,22 @@ def bench_decode(args) -> dict:
 
 # ---- speculative decoding ------------------------------------------------------------
 def bench_speculative(args) -> dict:
+    """Plain decoding, then speculation, on the same prompts in one run (each warmed up first).
+    The chat prompts are held out from the EAGLE head's training (engine.distill_data)."""
     from engine import SamplingParams
     from engine.loader import DEFAULT_DRAFT
     eng = _engine(args, enable_prefix_caching=False, compile=args.compile)
-    draft = args.draft or DEFAULT_DRAFT
     prompt_set = args.prompts_set or ("repeat" if args.proposer == "ngram" else "chat")
     prompts = REPEAT_PROMPTS * 2 if prompt_set == "repeat" else CHAT_PROMPTS[:8]
     params = SamplingParams(max_tokens=args.tokens)
     if args.proposer == "draft":
+        draft = args.draft or DEFAULT_DRAFT
         eng.set_draft_model(draft, progress=_progress)
+    elif args.proposer == "eagle":
+        draft = args.draft or "the shipped EAGLE head"
+        eng.reconfigure(proposer="eagle", eagle_head=args.draft)
+    else:
+        draft = "n-gram prompt lookup"
     encoded = [eng.encode(chat(p)) for p in prompts]
 
     def run(proposer):
@@ -333,25 +340,23 @@ def bench_speculative(args) -> dict:
             _, out, s = eng.generate_text(ids, params)
             outs.append(out)
             stats.append(s)
-        return outs, stats, combined(stats).decode_tok_s
+        return outs, combined(stats)
 
     run("off"), run(args.proposer)                   # warm-up (and compile, if on) both paths
-    base_out, base_stats, base_tok_s = run("off")
-    spec_out, spec_stats, spec_tok_s = run(args.proposer)
-    base, spec = combined(base_stats), combined(spec_stats)
-    k = args.k
-    base_step = base.decode_time_s / base.target_passes
-    draft_cost = (ratio(spec.draft_time_s, spec.proposed) or 0.0) / base_step     # per drafted token
-    verify_cost = spec.target_time_s / spec.target_passes / base_step           # per (k+1)-token pass
-    alpha = spec.positions.alpha() or 0.0
-    return {"k": k, "proposer": args.proposer, "draft": draft if args.proposer == "draft" else "n-gram prompt lookup",
+    base_out, base = run("off")
+    spec_out, spec = run(args.proposer)
+    plain_step_s = base.decode_time_s / base.target_passes
+    report = speculation_report(spec.as_dict(), args.k, plain_step_s, "this run")
+    return {"k": args.k, "proposer": args.proposer, "draft": draft,
             "prompt_set": prompt_set, "prompts": len(prompts), "acceptance_rate": spec.acceptance_rate,
-            "mean_accepted_len": spec.mean_accepted_len, "alpha_per_attempted_token": alpha,
+            "mean_accepted_len": spec.mean_accepted_len, "alpha_per_attempted_token": report["alpha"],
             "per_position": spec.per_position,
-            "baseline_tok_s": base_tok_s, "spec_tok_s": spec_tok_s, "speedup": spec_tok_s / base_tok_s,
+            "baseline_tok_s": base.decode_tok_s, "spec_tok_s": spec.decode_tok_s,
+            "speedup": spec.decode_tok_s / base.decode_tok_s,
             # The i.i.d. model with the measured costs, each relative to a plain decode step.
-            "predicted_speedup": predicted_speedup(alpha, k, draft_cost, verify_cost),
-            "draft_target_cost_ratio": draft_cost, "verify_vs_decode_step": verify_cost,
+            "predicted_speedup": report["predicted_speedup"], "break_even_alpha": report["break_even_alpha"],
+            "draft_target_cost_ratio": report["draft_cost"], "verify_vs_decode_step": report["verify_cost"],
+            "dtype": _dtype(eng), "compile": eng.settings()["compile"],
             "greedy_identical": spec_out == base_out}
 
 
@@ -393,9 +398,10 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="default", help="memory: config.json folder, 'default', " + ", ".join(BUILTIN_SHAPES))
     ap.add_argument("--context", type=int, default=4096, help="memory: tokens per sequence")
     ap.add_argument("--k", type=int, default=4, help="speculative: draft tokens per step")
-    ap.add_argument("--proposer", choices=["draft", "ngram"], default="draft")
+    ap.add_argument("--proposer", choices=["draft", "eagle", "ngram"], default="draft")
     ap.add_argument("--draft", default=None,
-                    help="draft model reference (speculative: default the shipped draft; memory: counted in the plan)")
+                    help="speculative: the draft model (--proposer draft; default the shipped draft) or the "
+                    "EAGLE head folder (--proposer eagle; default the shipped head); memory: counted in the plan")
     ap.add_argument("--prompt-set", dest="prompts_set", choices=["chat", "repeat"], default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)

@@ -96,7 +96,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("draft_model", str, None, ENGINE, NEXT_REQUEST, "Draft model", optional=True,
             help="'default-draft' (shipped), 'self', 'self:N' (the target's first N layers), a folder or a .gguf",
             group=SPECULATION_GROUP),
-    Setting("eagle_head", str, None, ENGINE, NEXT_REQUEST, "EAGLE head", optional=True, off_text="shipped",
+    Setting("eagle_head", str, None, ENGINE, LIVE, "EAGLE head", optional=True, off_text="shipped",
             help="a folder made by python -m engine.distill; None: the head shipped for the default model",
             group=SPECULATION_GROUP),
     Setting("ngram_min", int, 1, ENGINE, LIVE, "N-gram min", low=1, high=16, group=SPECULATION_GROUP),
