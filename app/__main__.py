@@ -54,7 +54,7 @@ def build(profile_path: str | None = None, store: ProfileStore | None = None, st
     history = MetricsHistory()
     window = MainWindow(history, layout_file=store.root / LAYOUT_FILE)
     host = EngineHost()
-    controller = Controller(window, host.worker, store, history, profile)
+    controller = Controller(window, host.worker, store, history, profile, host.model_lister)
     if warning:
         window.show_error(warning)
     if start:

@@ -11,7 +11,7 @@ from dataclasses import asdict, replace
 from PySide6.QtCore import QObject, QTimer
 
 from app.engine_worker import (GENERATE, GENERATING, IDLE, LOAD_DRAFT, LOAD_MODEL, LOADING, LOADING_DRAFT,
-                               EngineWorker)
+                               EngineWorker, ServerModelLister)
 from app.formatting import describe_deferred, describe_settings, message_stats
 from app.main_window import MainWindow
 from app.metrics_history import MetricsHistory
@@ -29,9 +29,10 @@ SAVE_SESSION_DELAY_MS = 400     # typing in the system prompt saves once, not pe
 
 class Controller(QObject):
     def __init__(self, window: MainWindow, worker: EngineWorker, store: ProfileStore,
-                 history: MetricsHistory, profile: SessionProfile):
+                 history: MetricsHistory, profile: SessionProfile, model_lister: ServerModelLister):
         super().__init__(window)
         self.window, self.worker, self.store, self.history = window, worker, store, history
+        self.model_lister = model_lister
         self.chat, self.panel = window.chat, window.settings
         self.profile_name = profile.name
         self.profile = profile                  # keeps the settings the panel does not show
@@ -47,6 +48,7 @@ class Controller(QObject):
         self._save_timer.timeout.connect(self.save_last_session)
         self._connect_window()
         self._connect_worker()
+        self._connect_model_list()
         self._show_profile(profile)
 
     def _connect_window(self) -> None:
@@ -78,6 +80,13 @@ class Controller(QObject):
         wk.settingsChanged.connect(self._on_settings_changed)
         wk.failed.connect(self._on_failed)
         wk.busyChanged.connect(self._on_busy)
+
+    def _connect_model_list(self) -> None:
+        """The Connect dialog asks which models a server serves; the lister's answer goes back to it."""
+        dialog = self.panel.connect_dialog
+        dialog.modelsRequested.connect(self.model_lister.list_models)
+        self.model_lister.listed.connect(dialog.show_models)
+        self.model_lister.listFailed.connect(dialog.show_models_error)
 
     # ---- start -------------------------------------------------------------------
     def start(self) -> None:

@@ -8,6 +8,10 @@ the next), so a change or a Stop queued during a reply is handled before the nex
 with no extra locks, queues or flags. The engine is a local LLMEngine or a RemoteBackend
 (engine.backend: both are driven the same way). Results go out as signals carrying plain
 data (dicts, lists, str), never engine objects. The GUI thread never runs a forward pass.
+
+ServerModelLister asks a server for its models ("Connect to server…") on a pool thread of
+its own: the GUI thread never waits on the network, and a listing never waits behind a
+model load or a reply on the worker.
 """
 from __future__ import annotations
 
@@ -15,14 +19,14 @@ import itertools
 import logging
 import os
 
-from PySide6.QtCore import QObject, QThread, Qt, Signal, Slot
+from PySide6.QtCore import QObject, QThread, QThreadPool, Qt, Signal, Slot
 
 import torch
 
 from engine import LLMEngine
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import WorkbenchError
-from engine.remote import RemoteBackend
+from engine.remote import RemoteBackend, list_served_models
 from engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -134,15 +138,16 @@ class EngineWorker(QObject):
             self.engine.close()                   # its HTTP connections
         self.engine = engine
 
+    def release(self) -> None:
+        """Close what the engine holds outside this process (a server's HTTP connections and
+        stream). Called once the worker's thread has ended (EngineHost.stop): nothing else
+        touches the engine then."""
+        self.request, self.request_id = None, None
+        self._replace_engine(None)
+
     @Slot(object)
     def _set_draft(self, reference: str | None) -> None:
         if not self._need_engine(LOAD_DRAFT, "Setting the draft model"):
-            return
-        if not hasattr(self.engine, "set_draft_model"):
-            self.failed.emit(LOAD_DRAFT, "Setting the draft model",
-                             "a server's draft model is fixed when it is launched: restart the server with the "
-                             "draft you want, or load a local model")
-            self.settingsChanged.emit(self.engine.settings(), {}, {})
             return
         if self.request is not None:
             self.pending_draft = (reference,)
@@ -153,11 +158,13 @@ class EngineWorker(QObject):
         self.busyChanged.emit(IDLE)
 
     def _load_draft(self, reference: str | None) -> None:
+        """Through the backend (engine.backend): a server answers that its draft is fixed."""
         try:
             self.engine.set_draft_model(reference, progress=self.loadProgress.emit)
         except Exception as exc:                  # noqa: BLE001
             self._fail(LOAD_DRAFT, f"Loading draft model {reference!r}", exc)
-        self.settingsChanged.emit(self.engine.settings(), {"draft_model": self.engine.draft_name}, {})
+        settings = self.engine.settings()
+        self.settingsChanged.emit(settings, {"draft_model": settings.get("draft_model")}, {})
 
     # ---- worker thread: settings and cancel ------------------------------------------
     @Slot(object)
@@ -167,7 +174,7 @@ class EngineWorker(QObject):
         changes = dict(changes)
         if "draft_model" in changes:
             draft = changes.pop("draft_model")
-            if draft != getattr(self.engine, "draft_name", None):
+            if draft != self.engine.settings().get("draft_model"):
                 self._set_draft(draft)
         if not changes:
             return
@@ -262,8 +269,44 @@ def leave_a_core_for_the_gui() -> None:
         torch.set_num_threads(cores - 1)
 
 
+class ServerModelLister(QObject):
+    """The models a server serves (GET /v1/models, engine.remote.list_served_models), asked
+    on a pool thread; the answer comes back on the GUI thread as plain data."""
+    listed = Signal(str, list)          # the URL as asked, the model ids
+    listFailed = Signal(str, str)       # the URL as asked, a readable message
+    _listed = Signal(str, list)         # emitted on a pool thread; queued to the public ones
+    _listFailed = Signal(str, str)
+
+    def __init__(self):
+        super().__init__()
+        self.pool = QThreadPool(self)
+        queued = Qt.ConnectionType.QueuedConnection
+        self._listed.connect(self.listed, queued)
+        self._listFailed.connect(self.listFailed, queued)
+
+    def list_models(self, url: str, api_key_env: str = "") -> None:
+        self.pool.start(lambda: self._list(url, api_key_env))
+
+    def _list(self, url: str, api_key_env: str) -> None:       # on a pool thread
+        try:
+            models = list_served_models(url, api_key_env=api_key_env or None)
+        except WorkbenchError as exc:
+            self._listFailed.emit(url, str(exc))
+        except Exception as exc:                  # noqa: BLE001 - any failure becomes a message
+            log.exception("listing the models of %s failed", url)
+            self._listFailed.emit(url, f"unexpected {type(exc).__name__}: {exc} (details are in the log)")
+        else:
+            self._listed.emit(url, models)
+
+    def stop(self) -> None:
+        """Drop listings not started; wait for a running one (at most the 5 s probe timeout)."""
+        self.pool.clear()
+        self.pool.waitForDone()
+
+
 class EngineHost:
-    """Owns the worker's QThread: start on construction, stop() on exit."""
+    """Owns the worker's QThread (start on construction, stop() on exit) and the server
+    model lister."""
 
     def __init__(self):
         self.thread = QThread()
@@ -271,10 +314,13 @@ class EngineHost:
         self.worker = EngineWorker()
         self.worker.moveToThread(self.thread)
         self.thread.start()
+        self.model_lister = ServerModelLister()
 
     def stop(self) -> None:
         """End the worker's event loop after the step (or load) it is running, and wait.
         No time limit: a QThread destroyed while it runs aborts the process, so a model
-        half-way through loading is let finish."""
+        half-way through loading is let finish. Then close the engine's connections."""
         self.thread.quit()
         self.thread.wait()
+        self.worker.release()
+        self.model_lister.stop()

@@ -85,7 +85,8 @@ def message_stats(summary: dict | None, finish_reason: str | None, settings: dic
     if summary.get("prefix_hit_tokens"):
         parts.append(f"prefix hit {summary['prefix_hit_tokens']}/{summary['prompt_tokens']} tokens")
     if settings:
-        parts.append(f"KV {settings.get('kv_cache_dtype')}")
+        dtype = settings.get("kv_cache_dtype")
+        parts.append(f"KV {dtype}" if dtype else "KV dtype not reported")     # a server may not say
     if finish_reason in ("cancelled", "length"):
         parts.append("stopped" if finish_reason == "cancelled" else "max tokens reached")
     return " · ".join(parts)

@@ -25,6 +25,9 @@ PLOT_TIME_BUDGET = 0.03
 LEGEND_HEADROOM = 1.5    # y range = data max x this, so legends never cover data
 MARKER_LABEL_ROWS = (0.68, 0.54, 0.4)   # label heights, cycled so close markers do not overlap
 MAX_MARKER_LINES = 64    # per plot; older markers scroll out anyway
+KV_BYTES_AXIS = "memory (MiB, log scale)"
+KV_SHARE_AXIS = "server KV cache in use (%)"
+KV_SHARE_MIN_TOP = 5     # %: the KV share axis shows at least 0-10%
 
 
 def _pen(name: str, width: float = 2, style=Qt.PenStyle.SolidLine):
@@ -128,13 +131,19 @@ class PlotsPanel(QWidget):
         p.addItem(self.positions_bars)
 
     def _build_kv(self) -> None:
-        p = self.kv_plot = self._new_plot(0, 2, "KV-cache memory", "memory (MiB, log scale)", "session step")
+        p = self.kv_plot = self._new_plot(0, 2, "KV-cache memory", KV_BYTES_AXIS, "session step")
         _legend(p)
-        self.kv_model_curve = p.plot(pen=_pen("kv_model"), name="held, model dtype", connect="finite")
-        self.kv_fp8_curve = p.plot(pen=_pen("kv_fp8"), name="held, FP8 E4M3", connect="finite")
-        self.kv_capacity_curve = p.plot(pen=_pen("capacity", 1.5, Qt.PenStyle.DashLine), name="pool capacity")
-        # Log scale: a chat holds a few MiB of a pool of hundreds; both stay readable.
-        p.setLogMode(y=True)
+        self.kv_model_curve = p.plot(pen=_pen("kv_model"), connect="finite")
+        self.kv_fp8_curve = p.plot(pen=_pen("kv_fp8"), connect="finite")
+        self.kv_capacity_curve = p.plot(pen=_pen("capacity", 1.5, Qt.PenStyle.DashLine))
+        # A server reports the share of its cache in use, not bytes: drawn instead of the
+        # bytes (another unit, another axis) while the latest step has no bytes.
+        self.kv_share_curve = p.plot(pen=_pen("kv_share"), connect="finite")
+        self.kv_legends = {False: ((self.kv_model_curve, "held, model dtype"), (self.kv_fp8_curve, "held, FP8 E4M3"),
+                                   (self.kv_capacity_curve, "pool capacity")),
+                           True: ((self.kv_share_curve, "in use (% of the server's KV cache)"),)}
+        self.kv_shows_share = None
+        self._show_kv_share(False)
 
     def _build_ttft(self) -> None:
         p = self.ttft_plot = self._new_plot(1, 3, "TTFT per request", "TTFT (ms)", "request #", colspan=1)
@@ -199,6 +208,19 @@ class PlotsPanel(QWidget):
     def _refresh_kv(self, x: np.ndarray) -> None:
         h = self.history
         used, fp8 = h.step_series("kv_used_mib"), h.step_series("is_fp8") > 0
+        # Only the steps without bytes: a local step's share would be of another cache.
+        no_bytes = np.isnan(used)
+        server_share = np.where(no_bytes, h.step_series("kv_usage") * 100, np.nan)
+        self._show_kv_share(bool(len(used) and no_bytes[-1] and np.isfinite(server_share).any()))
+        if self.kv_shows_share:
+            self.kv_share_curve.setData(x, server_share, connect="finite")
+            dtype = f" — cache dtype {h.kv_dtype}" if h.kv_dtype else ""
+            self.kv_plot.setTitle(f"KV-cache usage{dtype} (the server reports a share, not bytes)")
+            # Zoomed to what is held (a chat holds a few % of a server's cache), the top half left to the legend.
+            top = min(2 * max(KV_SHARE_MIN_TOP, float(np.nanmax(server_share))), LEGEND_HEADROOM * 100)
+            self.kv_plot.setYRange(0, top, padding=0)
+            self.kv_plot.getAxis("left").setTicks(_percent_ticks(top))
+            return
         self.kv_model_curve.setData(x, np.where(fp8, np.nan, used), connect="finite")
         self.kv_fp8_curve.setData(x, np.where(fp8, used, np.nan), connect="finite")
         capacity = h.step_series("kv_capacity_mib")
@@ -208,6 +230,23 @@ class PlotsPanel(QWidget):
             # Log axis: a decade below the smallest held, two above the pool for the legend.
             low, high = float(np.nanmin(used)), float(np.nanmax(capacity))
             self.kv_plot.setYRange(np.log10(max(low, 1e-3) / 2), np.log10(high * 100), padding=0)
+
+    def _show_kv_share(self, share: bool) -> None:
+        """Switch the KV plot between bytes (MiB, log scale) and a server's share (%, linear)."""
+        if share == self.kv_shows_share:
+            return
+        self.kv_shows_share = share
+        p = self.kv_plot
+        p.legend.clear()
+        for shown in (False, True):
+            for curve, name in self.kv_legends[shown]:
+                curve.setVisible(shown == share)
+                if shown == share:
+                    p.legend.addItem(curve, name)
+        # Bytes on a log scale: a chat holds a few MiB of a pool of hundreds; both stay readable.
+        p.setLogMode(y=not share)
+        p.setLabel("left", KV_SHARE_AXIS if share else KV_BYTES_AXIS)
+        p.getAxis("left").setTicks(None)
 
     def _refresh_ttft(self) -> None:
         h = self.history
@@ -263,6 +302,13 @@ def _integer_ticks(plot: pg.PlotItem, first: int, last: int, most: int = 10) -> 
     """Whole-number ticks on a bar chart's x axis (no "1.5" between two bars)."""
     step = max(1, -(-(last - first + 1) // most))
     plot.getAxis("bottom").setTicks([[(v, str(v)) for v in range(first, last + 1, step)]])
+
+
+def _percent_ticks(top: float, most: int = 5) -> list:
+    """Round-number ticks from 0 to top, none above 100%."""
+    last = min(top, 100)
+    step = next((s for s in (1, 2, 5, 10, 20, 25) if last / s <= most), 25)
+    return [[(v, str(v)) for v in range(0, int(last) + 1, step)]]
 
 
 def _legend(plot: pg.PlotItem) -> None:

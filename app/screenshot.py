@@ -1,10 +1,15 @@
-"""Take docs/screenshot.png from the real app: a short scripted session, captured mid-reply.
+"""Take the README's screenshots from the real app: short scripted sessions.
 
     QT_QPA_PLATFORM=offscreen python -m app.screenshot [--out docs/screenshot.png]
+    QT_QPA_PLATFORM=offscreen python -m app.screenshot --remote [--out docs/screenshot-remote.png]
 
-It chats with the default model, turning optimizations on between replies (so the plots
-show markers and their effect), then grabs the window while the last reply streams.
-Settings go to a temporary config folder, never the user's.
+The default mode chats with the default model, turning optimizations on between replies (so
+the plots show markers and their effect), then grabs the window while the last reply
+streams. --remote starts llama.cpp's llama-server on the embedded GGUF, drafting for itself,
+with --metrics (engine.llama_server; scripts/build_llama_server.sh builds it), connects to it
+as "Connect to server…" does, and grabs the window after two chat turns: acceptance and TTFT
+from the server's figures, KV usage from its /slots. Settings go to a temporary config
+folder, never the user's.
 """
 from __future__ import annotations
 
@@ -13,10 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
 from app.__main__ import build
 from app.theme import style_sheet
+from engine.llama_server import LlamaServer
+from engine.loader import default_gguf_path
 from engine.profiles import ProfileStore
 
 # (what to change in the side panel before the message, the message)
@@ -28,6 +36,13 @@ SCRIPT = (
 )
 CHARACTERS_BEFORE_GRAB = 120      # of the last reply
 LAST_REPLY_MAX_TOKENS = 200
+# --remote: two turns on one system prompt, so the second shows the server's prefix-cache hits
+REMOTE_SYSTEM_PROMPT = "You are a concise cooking tutor. Answer in two or three plain sentences."
+REMOTE_SCRIPT = ("What is a roux, and what is it used for?", "And how does a béchamel differ from it?")
+REMOTE_MAX_TOKENS = 96
+REMOTE_MODEL_NAME = "SmolLM2-135M-Instruct"     # what the server calls it (--alias), not its file path
+REMOTE_PLOTS_SHARE = 0.56                        # of the window's height
+WINDOW_SIZE = (1600, 1000)        # the README pictures: a desktop-sized window
 
 
 def wait_until(predicate, timeout_s: float = 600) -> None:
@@ -46,13 +61,13 @@ def apply(panel, changes: dict) -> None:
         combo.setCurrentIndex(combo.findData(value))
 
 
-def run(out: Path) -> None:
+def run(out: Path, remote: bool = False) -> None:
     app = QApplication.instance() or QApplication([])
     app.setStyleSheet(style_sheet())
     with tempfile.TemporaryDirectory() as config:
-        workbench = build(store=ProfileStore(config))
+        workbench = build(store=ProfileStore(config), start=not remote)     # attached: no local model
         try:
-            chat_and_grab(workbench, out)
+            (chat_with_server_and_grab if remote else chat_and_grab)(workbench, out)
         finally:
             workbench.controller.stop()
             workbench.shutdown()
@@ -70,11 +85,22 @@ def warm_up(workbench) -> None:
     workbench.history.clear()
 
 
-def chat_and_grab(workbench, out: Path) -> None:
-    window, controller = workbench.window, workbench.controller
-    window.resize(1600, 1000)     # the README picture: a desktop-sized window
+def show(window) -> None:
+    window.resize(*WINDOW_SIZE)
     window.size_docks()
     window.show()
+
+
+def grab(window, out: Path) -> None:
+    window.plots.refresh()
+    QApplication.processEvents()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    window.grab().save(str(out), "PNG")
+
+
+def chat_and_grab(workbench, out: Path) -> None:
+    window, controller = workbench.window, workbench.controller
+    show(window)
     wait_until(lambda: controller.model_ready)
     warm_up(workbench)
     window.settings.widget("max_tokens").setValue(48)
@@ -87,16 +113,35 @@ def chat_and_grab(workbench, out: Path) -> None:
             wait_until(lambda: controller.request_id is None)
     # Mid-reply: the last answer is still streaming when the picture is taken.
     wait_until(lambda: len("".join(controller.reply_parts)) >= CHARACTERS_BEFORE_GRAB or controller.request_id is None)
-    window.plots.refresh()
-    QApplication.processEvents()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    window.grab().save(str(out), "PNG")
+    grab(window, out)
+
+
+def chat_with_server_and_grab(workbench, out: Path) -> None:
+    window, controller = workbench.window, workbench.controller
+    show(window)
+    # Taller plots than the default share: a 100% acceptance line clears the legends.
+    window.resizeDocks([window.plots_dock], [int(WINDOW_SIZE[1] * REMOTE_PLOTS_SHARE)], Qt.Orientation.Vertical)
+    gguf = default_gguf_path()
+    # one thread: on a busy 2-core machine llama.cpp's spinning threads starve each other
+    with LlamaServer(gguf, draft=gguf, metrics=True, threads=1, extra=("--alias", REMOTE_MODEL_NAME)) as server:
+        controller.connect_server(server.url, "", "")
+        wait_until(lambda: controller.model_ready and controller.busy == "", timeout_s=120)
+        window.chat.set_system_prompt(REMOTE_SYSTEM_PROMPT)
+        window.settings.widget("max_tokens").setValue(REMOTE_MAX_TOKENS)
+        for message in REMOTE_SCRIPT:
+            controller.send(message)
+            wait_until(lambda: controller.request_id is None)
+        if window.error_text():
+            raise RuntimeError(f"the session with {server.url} failed: {window.error_text()}")
+        grab(window, out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("docs/screenshot.png"))
-    run(parser.parse_args().out)
+    parser.add_argument("--remote", action="store_true", help="attached to a llama-server started for the picture")
+    parser.add_argument("--out", type=Path, help="default: docs/screenshot.png, or docs/screenshot-remote.png")
+    args = parser.parse_args()
+    run(args.out or Path("docs/screenshot-remote.png" if args.remote else "docs/screenshot.png"), args.remote)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,12 @@ def _make_widget(setting: Setting) -> QWidget:
         return combo
     if setting.type is bool:
         return QCheckBox(setting.label)
+    if setting.type is str:          # an optional reference (a folder): its default, then what was chosen
+        combo = shrinkable_combo()
+        combo.addItem(setting.off_text or "none", "")
+        if setting.help:
+            combo.setToolTip(setting.help)
+        return combo
     if setting.type is float:
         spin = QDoubleSpinBox()
         spin.setDecimals(DECIMALS)

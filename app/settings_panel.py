@@ -57,6 +57,7 @@ class SettingsPanel(QWidget):
             self.draft_combo.addItem(label, data)
         self.draft_folder_button = QPushButton("Folder…")
         self.draft_gguf_button = QPushButton("GGUF…")
+        self.eagle_folder_button = QPushButton("Folder…")
         self.effective_label = QLabel("—")
         self.effective_label.setObjectName("effectiveSettings")
         self.effective_label.setWordWrap(True)
@@ -86,6 +87,8 @@ class SettingsPanel(QWidget):
             form.addRow(label, self.widget(key))
             if key == "draft_model":
                 form.addRow("", _row(self.draft_folder_button, self.draft_gguf_button))
+            if key == "eagle_head":
+                form.addRow("", _row(self.eagle_folder_button))
         return box
 
     def _effect_group(self) -> QGroupBox:
@@ -109,6 +112,8 @@ class SettingsPanel(QWidget):
         self.connect_dialog.serverRequested.connect(self.serverRequested)
         self.draft_folder_button.clicked.connect(lambda: self._pick_folder(self.choose_draft, "draft model"))
         self.draft_gguf_button.clicked.connect(lambda: self._pick_gguf(self.choose_draft, "draft model"))
+        self.eagle_folder_button.clicked.connect(
+            lambda: self._pick_folder(lambda f: select(self.controls["eagle_head"].widget, f), "EAGLE head"))
 
     def _pick_folder(self, then, what: str) -> None:
         folder = QFileDialog.getExistingDirectory(self, f"Choose a Hugging Face {what} folder")

@@ -25,6 +25,7 @@ PLOT_COLOURS = {
     "kv_model": "#1a7f37",
     "kv_fp8": "#bf3989",
     "capacity": "#57606a",
+    "kv_share": "#0969da",
     "ttft": "#2f81f7",
     "prefix": "#d4a72c",
     "tok_s": "#8c959f",

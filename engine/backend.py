@@ -55,6 +55,10 @@ class Backend(Protocol):
 
     def reset_prefix_cache(self) -> None: ...
 
+    def set_draft_model(self, reference: str | None, progress=None) -> None:
+        """Load (or clear) the draft model, between requests. A backend whose draft is fixed
+        (a server: chosen when it is launched) raises ServerSettingFixedError naming the flag."""
+
 
 def run_to_end(backend: Backend, prompt, params: SamplingParams | None = None) -> Iterator[StepEvent]:
     """`generate` for any backend: start, step until finished, always close."""

@@ -165,22 +165,26 @@ def _batch(seqs: list[Sequence], depth: int):
 
 
 def loss_fn(head: EagleHead, tokens, feats, lengths, depth: int, recipe: Recipe):
-    """EAGLE's loss summed over the unrolled steps; also the step-1 top-1 agreement."""
+    """EAGLE's loss summed over the unrolled steps; also the step-1 top-1 agreement. The
+    target's distribution at each position is computed once and shared by every step; the
+    head-sized matmuls run in bf16 (AMX on this CPU), the softmaxes in fp32."""
     t = feats.shape[1]
+    w = head.head_weight
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outs = unrolled(head, tokens, feats, depth)
-    w = head.head_weight
+        with torch.no_grad():
+            p_all = (feats @ w.t()).float().softmax(-1)                       # [B, T, R]
     total, agree = 0.0, 0.0
     for d, g in enumerate(outs, start=1):
-        valid = torch.arange(t)[None, :] + d < lengths[:, None]               # f_{j+d} exists
+        valid = (torch.arange(t - d)[None, :] + d < lengths[:, None])       # f_{j+d} exists
         if not bool(valid.any()):
             continue
-        target_f = torch.zeros_like(feats)
-        target_f[:, :t - d] = feats[:, d:]
-        g, target_f = g.float()[valid], target_f[valid]
-        reg = F.smooth_l1_loss(g, target_f)
-        p = (target_f @ w.t()).softmax(-1)
-        logq = (g @ w.t()).log_softmax(-1)
+        g = g[:, :t - d][valid]
+        target_f, p = feats[:, d:][valid], p_all[:, d:][valid]
+        reg = F.smooth_l1_loss(g.float(), target_f)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = g @ w.t()
+        logq = logits.float().log_softmax(-1)
         ce = -(p * logq).sum(-1).mean()
         total = total + recipe.reg_weight * reg + recipe.cls_weight * ce
         if d == 1:

@@ -366,7 +366,7 @@ def load_eagle_head(reference: str | None, target: LoadedModel, device="cpu", dt
     """(EagleHead attached to the target, identity): a folder made by `python -m engine.distill`,
     or None for the head shipped for the default model. It must have been trained on this
     target's weights (checked by a fingerprint of them), or it would only draft noise."""
-    from engine.models.eagle_head import EAGLE_CONFIG_KEY, is_eagle_folder, load_eagle, weights_fingerprint
+    from engine.models.eagle_head import EAGLE_CONFIG_KEY, EagleHead, is_eagle_folder, weights_fingerprint
     folder = SHIPPED_EAGLE_FOLDER if reference in (None, "") else Path(str(reference)).expanduser()
     if not is_eagle_folder(folder):
         raise ModelNotFoundError(
@@ -378,4 +378,18 @@ def load_eagle_head(reference: str | None, target: LoadedModel, device="cpu", dt
             f"the EAGLE head {folder.name} was trained for another model "
             f"({read_config_json(folder)[EAGLE_CONFIG_KEY].get('target', 'unknown')}), not {target.display_name}; "
             "make one for this model with `python -m engine.distill --model ...`")
-    return load_eagle(folder, target, device=device, dtype=dtype)
+    config = load_config(folder)
+    checkpoint = Checkpoint.open(folder)
+    tensors = checkpoint.read_all()
+    ids = tensors.pop("head_token_ids").long()
+    with torch.device("meta"):
+        head = EagleHead(config, len(ids), max_positions=target.model.max_positions)
+    head.materialize()
+    head.embed_tokens = torch.nn.Embedding(0, config.hidden_size)     # placeholder: the target's below
+    tensors.update({"head_token_ids": ids, "embed_tokens.weight": torch.empty(0, config.hidden_size)})
+    head.load_hf_state_dict(tensors)
+    head = head.to(device=device, dtype=dtype).eval()
+    head.rotary.float()
+    head.attach_target(target.model)
+    identity = hashlib.sha256(f"{identity_of(folder, checkpoint.files)}|{target.identity}".encode()).hexdigest()
+    return head, identity

@@ -12,7 +12,8 @@ it serves. The kind (vllm / sglang / llama.cpp / openai) comes from /metrics nam
 /props unless given. Settings the server fixes at launch are reported read-only, with the
 flag that sets each; sampling and max_tokens, and what a kind lets a request carry, go
 with every request. TLS certificates are verified unless the caller passes verify=False
-or a CA bundle path.
+or a CA bundle path. `list_served_models(url)` asks /v1/models alone, with the same checks
+and messages, for choosing a model before connecting.
 """
 from __future__ import annotations
 
@@ -42,8 +43,7 @@ class RemoteBackend:
             raise ConfigError(f"unknown server kind {kind!r}; choose one of {', '.join(KINDS)} or leave it to detection")
         self.url = normalize_url(url)
         self.api_key_env, self.verify, self.poll_interval_s = api_key_env, verify, poll_interval_s
-        self.client = httpx.Client(base_url=self.url, headers=_auth_headers(api_key_env), verify=verify,
-                                   timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+        self.client = new_client(self.url, api_key_env, verify)
         try:
             self._attach(model, kind)
         except BaseException:
@@ -51,7 +51,7 @@ class RemoteBackend:
             raise
 
     def _attach(self, model: str | None, kind: str | None) -> None:
-        self.served_models = self._served_models()
+        self.served_models = served_models(self.client, self.url, self.api_key_env)
         self.model = self._choose_model(model)
         metrics_text = self._metrics_text()
         self.kind = KINDS[kind or self._detect_kind(metrics_text)]
@@ -62,30 +62,7 @@ class RemoteBackend:
 
     # ---- connecting -----------------------------------------------------------------
     def _get(self, path: str) -> httpx.Response:
-        try:
-            return self.client.get(path, timeout=PROBE_TIMEOUT_S)
-        except httpx.TimeoutException as e:
-            raise ServerUnreachableError(
-                f"no answer from {self.url} within {PROBE_TIMEOUT_S:g} s ({type(e).__name__}). Check the address "
-                "and port, and that the server has finished starting.") from e
-        except httpx.TransportError as e:
-            raise ServerUnreachableError(_transport_message(self.url, e)) from e
-
-    def _served_models(self) -> list[str]:
-        response = self._get("/v1/models")
-        if response.status_code in (401, 403):
-            raise ServerAuthError(
-                f"{self.url} refused the API key (HTTP {response.status_code}). "
-                + (f"Check the key in ${self.api_key_env}." if self.api_key_env else
-                   "Name the environment variable that holds the server's API key."))
-        try:
-            return [entry["id"] for entry in response.json()["data"]]
-        except (ValueError, KeyError, TypeError) as e:
-            raise NotOpenAIServerError(
-                f"{self.url} is not an OpenAI-compatible server: GET /v1/models answered HTTP "
-                f"{response.status_code} ({response.headers.get('content-type', 'no content type')}) without a "
-                "model list. Give the base URL of a vLLM, SGLang or llama.cpp server, e.g. http://127.0.0.1:8080."
-            ) from e
+        return probe(self.client, self.url, path)
 
     def _choose_model(self, model: str | None) -> str:
         if not model:
@@ -232,9 +209,19 @@ class RemoteBackend:
         self.request_settings.update(changes)
         return ReconfigureResult({} if self.active else dict(changes), dict(changes) if self.active else {})
 
+    def set_draft_model(self, reference: str | None, progress=None) -> None:
+        """engine.backend.Backend.set_draft_model: a server's draft is fixed at launch, so
+        this answers as reconfigure(draft_model=...) does, with the flag that sets it."""
+        self.reconfigure(draft_model=reference)
+
     def _check_changeable(self, key: str) -> None:
         if key in self.kind.per_request:
             return
+        if key == "draft_model":
+            flag = self.kind.launch_flags.get("proposer")      # the flag that names the draft, too
+            raise ServerSettingFixedError(
+                f"a server's draft model is fixed when it is launched: restart the {self.kind.label} with the "
+                f"draft you want{f' ({flag})' if flag else ''}, or load a local model")
         if key in self.kind.launch_flags:
             raise ServerSettingFixedError(
                 f"{key} is fixed when the {self.kind.label} is launched: restart it with {self.kind.launch_flags[key]}")
@@ -279,6 +266,50 @@ def normalize_url(url: str) -> str:
         raise ConfigError(f"the server URL must start with http:// or https://, got {url!r} "
                           "(for example http://127.0.0.1:8080)")
     return url.removesuffix("/v1")
+
+
+def list_served_models(url: str, *, api_key_env: str | None = None, verify: bool | str = True) -> list[str]:
+    """The model ids the server at `url` lists at /v1/models, to choose one before
+    connecting. Raises what connecting would: unreachable (within 5 s), not an
+    OpenAI-compatible server, API key refused or its variable not set."""
+    url = normalize_url(url)
+    with new_client(url, api_key_env, verify) as client:
+        return served_models(client, url, api_key_env)
+
+
+def served_models(client: httpx.Client, url: str, api_key_env: str | None) -> list[str]:
+    response = probe(client, url, "/v1/models")
+    if response.status_code in (401, 403):
+        raise ServerAuthError(
+            f"{url} refused the API key (HTTP {response.status_code}). "
+            + (f"Check the key in ${api_key_env}." if api_key_env else
+               "Name the environment variable that holds the server's API key."))
+    try:
+        return [entry["id"] for entry in response.json()["data"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise NotOpenAIServerError(
+            f"{url} is not an OpenAI-compatible server: GET /v1/models answered HTTP "
+            f"{response.status_code} ({response.headers.get('content-type', 'no content type')}) without a "
+            "model list. Give the base URL of a vLLM, SGLang or llama.cpp server, e.g. http://127.0.0.1:8080."
+        ) from e
+
+
+def probe(client: httpx.Client, url: str, path: str) -> httpx.Response:
+    """GET a small endpoint (/v1/models, /metrics, /props, /slots) within PROBE_TIMEOUT_S."""
+    try:
+        return client.get(path, timeout=PROBE_TIMEOUT_S)
+    except httpx.TimeoutException as e:
+        raise ServerUnreachableError(
+            f"no answer from {url} within {PROBE_TIMEOUT_S:g} s ({type(e).__name__}). Check the address "
+            "and port, and that the server has finished starting.") from e
+    except httpx.TransportError as e:
+        raise ServerUnreachableError(_transport_message(url, e)) from e
+
+
+def new_client(url: str, api_key_env: str | None, verify: bool | str) -> httpx.Client:
+    """The HTTP client for one server (its caller closes it); TLS verified unless told otherwise."""
+    return httpx.Client(base_url=url, headers=_auth_headers(api_key_env), verify=verify,
+                        timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
 
 
 def _auth_headers(api_key_env: str | None) -> dict:

@@ -1,12 +1,16 @@
 """The app driving a real llama.cpp server (issue 12's app side): "Connect to server…" swaps
 the tiny local model for the server, replies stream into the same chat and the same metrics
 history, and a server that cannot be reached leaves the local model and the transcript as
-they were. The server (scripts/build_llama_server.sh) serves the embedded GGUF on 127.0.0.1
+they were. The Connect dialog lists the server's models off the GUI thread, and the
+server's HTTP client is closed whenever the app lets go of the server. The server (scripts/build_llama_server.sh) serves the embedded GGUF on 127.0.0.1
 without speculation; these tests never skip: without the binary the fixture fails and names
 the build script."""
 import math
+import socket
+import time
 
 import pytest
+from PySide6.QtCore import Qt
 
 from app.engine_worker import CHANGE_SETTINGS, LOAD_DRAFT, LOAD_MODEL
 from test_app import (SETTLE_TIMEOUT_MS, collect, open_workbench, send, set_widget,  # noqa: F401 - fixtures
@@ -30,18 +34,41 @@ def server():
     running.stop()
 
 
-def connect(bench, qtbot, url: str, model: str = "", api_key_env: str = "") -> None:
-    """Fill in "Connect to server…" (opened from the Model menu) and press Connect."""
+@pytest.fixture
+def silent_port():
+    """A port that accepts connections and never answers (a hung server)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    yield listener.getsockname()[1]
+    listener.close()
+
+
+def open_connect_dialog(bench):
+    """Open "Connect to server…" from the Model menu, as a user would."""
     window = bench.window
     action = next(a for a in window.menuBar().actions() if a.text() == "&Model")
     next(a for a in action.menu().actions() if a.text() == "Connect to server…").trigger()
     dialog = window.settings.connect_dialog
     assert dialog.isVisible()
+    return dialog
+
+
+def connect(bench, qtbot, url: str, model: str = "", api_key_env: str = "") -> None:
+    """Fill in "Connect to server…" and press Connect."""
+    dialog = open_connect_dialog(bench)
     dialog.url_edit.setText(url)
-    dialog.model_edit.setText(model)
+    dialog.model_combo.setEditText(model)
     dialog.key_env_edit.setText(api_key_env)
     dialog.buttons.accepted.emit()
     assert not dialog.isVisible()
+
+
+def connected(bench, qtbot, previous=None):
+    """Wait until the worker drives a server (another one than `previous`); returns the backend."""
+    qtbot.waitUntil(lambda: bench.controller.effective.get("backend") == "remote" and bench.controller.busy == ""
+                    and bench.host.worker.engine is not previous, timeout=CONNECT_TIMEOUT_MS)
+    return bench.host.worker.engine
 
 
 def test_a_connected_server_streams_replies_into_the_chat_and_the_plots(tiny_bench, server, qtbot):
@@ -69,6 +96,13 @@ def test_a_connected_server_streams_replies_into_the_chat_and_the_plots(tiny_ben
     assert sum(bench.history.step_series("tokens")[remote]) == done["summary"]["generated_tokens"]
     usage = bench.history.step_series("kv_usage")[remote]
     assert any(0 < u <= 1 for u in usage if not math.isnan(u))       # llama.cpp's /slots
+    plots = bench.window.plots                  # drawn as % of the server's cache, bytes being unknown
+    plots.refresh()
+    _, drawn = plots.kv_share_curve.getData()
+    assert plots.kv_shows_share and plots.kv_share_curve.isVisible() and not plots.kv_model_curve.isVisible()
+    assert list(drawn[-len(usage):]) == pytest.approx(list(usage * 100), nan_ok=True)
+    assert all(math.isnan(v) for v in drawn[:local_steps])           # a local step's share is of another cache
+    assert "%" in plots.kv_plot.getAxis("left").labelText
     assert bench.history.request_series("ttft_ms")[-1] > 0
     assert bench.window.chat.send_button.isEnabled()
 
@@ -85,8 +119,9 @@ def test_settings_fixed_at_server_launch_are_reported_and_nothing_changes(tiny_b
     with qtbot.waitSignal(bench.probe.failed, timeout=SETTLE_TIMEOUT_MS) as failed:
         bench.window.settings.choose_draft("self")
     kind, _, message = failed.args
-    assert kind == LOAD_DRAFT and "fixed when it is launched" in message
+    assert kind == LOAD_DRAFT and "fixed when it is launched" in message and "-md <draft.gguf>" in message
     assert bench.window.settings.values()["draft_model"] is None      # the choice reverts
+    assert bench.controller.effective.get("backend") == "remote"
 
 
 def test_an_unreachable_server_keeps_the_local_model_and_the_transcript(tiny_bench, qtbot):
@@ -125,3 +160,59 @@ def test_the_session_remembers_the_server_but_never_the_api_key(open_workbench, 
     reopened = open_workbench(store=bench.store, start=False)
     reopened.controller.start()
     qtbot.waitUntil(lambda: reopened.controller.effective.get("url") == server.url, timeout=CONNECT_TIMEOUT_MS)
+
+
+def test_the_connect_dialog_lists_the_models_the_server_serves(tiny_bench, server, qtbot):
+    from engine.remote import list_served_models
+    bench = tiny_bench
+    dialog = open_connect_dialog(bench)
+    dialog.url_edit.setText(server.url)
+    qtbot.mouseClick(dialog.list_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: dialog.model_combo.count() > 0, timeout=CONNECT_TIMEOUT_MS)
+    served = list_served_models(server.url)
+    assert [dialog.model_combo.itemText(i) for i in range(dialog.model_combo.count())] == served
+    assert dialog.model() == served[0] and f"{server.url} serves 1 model" in dialog.models_note.text()
+    assert dialog.models_error.isHidden()
+    dialog.buttons.accepted.emit()              # the listed model is the one connected to
+    connected(bench, qtbot)
+    assert bench.controller.effective["model"] == served[0]
+
+
+def test_a_server_that_cannot_be_asked_for_models_is_reported_in_the_dialog(tiny_bench, silent_port, qtbot):
+    bench = tiny_bench
+    dialog = open_connect_dialog(bench)
+    hung = f"http://127.0.0.1:{silent_port}"
+    dialog.url_edit.setText(hung)
+    dialog.model_combo.setEditText("my-model")
+    dialog.key_env_edit.setText("")
+    started = time.monotonic()
+    qtbot.mouseClick(dialog.list_button, Qt.MouseButton.LeftButton)
+    assert time.monotonic() - started < 1.0     # the GUI thread does not wait for the answer
+    assert "Asking" in dialog.models_note.text()
+    qtbot.waitUntil(dialog.models_error.isVisible, timeout=CONNECT_TIMEOUT_MS)
+    assert "Could not list the models" in dialog.models_error.text() and "no answer from" in dialog.models_error.text()
+    dialog.url_edit.setText(UNREACHABLE)        # leaving the field with a new address asks again
+    dialog.url_edit.editingFinished.emit()
+    qtbot.waitUntil(lambda: "cannot reach" in dialog.models_error.text(), timeout=CONNECT_TIMEOUT_MS)
+    assert UNREACHABLE in dialog.models_error.text()
+    # nothing the user typed is lost, and nothing changed in the app
+    assert dialog.isVisible() and dialog.url_edit.text() == UNREACHABLE and dialog.model() == "my-model"
+    assert bench.controller.effective.get("backend") != "remote" and bench.controller.model_ready
+
+
+def test_the_server_connection_is_closed_when_the_app_lets_go_of_it(open_workbench, tiny_profile, server, qtbot):
+    bench = open_workbench(tiny_profile())
+    connect(bench, qtbot, server.url)
+    first = connected(bench, qtbot)
+    assert not first.client.is_closed
+    connect(bench, qtbot, server.url)           # reconnecting
+    second = connected(bench, qtbot, previous=first)
+    assert first.client.is_closed and not second.client.is_closed
+    bench.controller.load_model(bench.controller.model_reference)       # back to the local model
+    qtbot.waitUntil(lambda: bench.controller.effective.get("backend") != "remote" and bench.controller.busy == "",
+                    timeout=SETTLE_TIMEOUT_MS)
+    assert second.client.is_closed
+    connect(bench, qtbot, server.url)
+    third = connected(bench, qtbot)
+    bench.shutdown(save_session=False)          # the app exits
+    assert third.client.is_closed and bench.host.worker.engine is None

@@ -1,6 +1,7 @@
 """Import contracts: engine/ has no import cycles and never imports Qt; inference never
 imports the training recipe; in app/, only the worker (and the fidelity tool, which
-measures the headless engine) reaches the engine's running parts."""
+measures the headless engine, and the screenshot tool, which starts a llama-server) reaches the
+engine's running parts."""
 import ast
 from pathlib import Path
 
@@ -8,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QT = ("PySide6", "pyqtgraph", "PyQt5", "PyQt6", "shiboken6")
 # The engine's plain-data modules: settings, metrics, profiles, errors. The app may read them.
 PLAIN_DATA = {"engine", "engine.config", "engine.metrics", "engine.profiles", "engine.errors"}
-RUNS_THE_ENGINE = {"app.engine_worker", "app.fidelity"}
+RUNS_THE_ENGINE = {"app.engine_worker", "app.fidelity", "app.screenshot"}
 
 
 def module_name(path: Path) -> str:

@@ -1,7 +1,6 @@
 """The EAGLE draft head: its recipe (engine.distill), its file, its proposer, and the
 guarantees speculation owes the user with it (greedy identity, the target's distribution)."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,14 +34,14 @@ def tiny_head(tmp_path_factory, tiny_model):
 
 
 def test_recipe_writes_a_small_head_with_its_report(tiny_head, tiny_model):
-    from engine.models.eagle_head import load_eagle
+    from engine.loader import load_eagle_head
     folder, report = tiny_head
     saved = json.loads((folder / "distill_report.json").read_text())
     assert saved["recipe"]["steps"] == 40 and [c["step"] for c in saved["heldout_curve"]] == [20, 40]
     assert saved["data"]["answer_tokens"] > 0 and saved["data"]["tok_s"] > 0
     per_position = saved["heldout"]["per_position"]
     assert 1 <= len(per_position) <= 4 and all(0.0 <= r <= 1.0 for r in per_position)
-    head, _ = load_eagle(folder, tiny_model)
+    head, _ = load_eagle_head(str(folder), tiny_model)
     assert head.embed_tokens is tiny_model.model.embed_tokens           # the target's, not stored
     with open(folder / "model.safetensors", "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
@@ -56,9 +55,9 @@ def test_unrolled_training_forward_is_what_the_proposer_computes(tiny_head, tiny
     from engine.distill import _batch, unrolled
     from engine.distill_data import Sequence
     from engine.eagle_proposer import EagleProposer
-    from engine.models.eagle_head import load_eagle
+    from engine.loader import load_eagle_head
     from engine.sampler import make_generator
-    head, _ = load_eagle(tiny_head[0], tiny_model)
+    head, _ = load_eagle_head(str(tiny_head[0]), tiny_model)
     torch.manual_seed(1)
     prefix = torch.randint(100, 2000, (30,)).tolist()
     feats = torch.randn(29, head.config.hidden_size)        # the target's features for positions 0..28

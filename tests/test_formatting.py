@@ -11,6 +11,11 @@ def test_a_reply_stats_line_without_tau_leaves_it_out():
     assert "τ=2.00" in message_stats(SUMMARY | {"mean_accepted_len": 2.0}, "stop")
 
 
+def test_a_kv_dtype_a_server_does_not_report_is_said_to_be_missing():
+    assert message_stats(SUMMARY, "stop", {"kv_cache_dtype": "fp8_e4m3"}).endswith("KV fp8_e4m3")
+    assert message_stats(SUMMARY, "stop", {"kv_cache_dtype": None}).endswith("KV dtype not reported")
+
+
 def test_a_server_shows_its_launch_fixed_settings_with_their_flags():
     html = describe_settings({"backend": "remote", "server": "llama.cpp", "server_version": None, "url": "http://h:1",
                               "model": "m", "metrics": "available", "kv_cache_dtype": None,

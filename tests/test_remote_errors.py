@@ -9,7 +9,7 @@ import pytest
 
 from engine.errors import ConfigError, NotOpenAIServerError, ServerAuthError, ServerUnreachableError
 from engine.llama_server import free_port
-from engine.remote import CONNECT_TIMEOUT_S, RemoteBackend, normalize_url
+from engine.remote import CONNECT_TIMEOUT_S, RemoteBackend, list_served_models, normalize_url
 
 
 @pytest.fixture
@@ -52,6 +52,17 @@ def test_a_web_server_is_not_taken_for_an_openai_server(web_server):
     with pytest.raises(NotOpenAIServerError) as info:
         RemoteBackend(web_server)
     assert "/v1/models" in str(info.value) and "404" in str(info.value)
+
+
+def test_listing_models_says_what_connecting_would(web_server):
+    """The Connect dialog's model list asks /v1/models with the same checks and messages."""
+    with pytest.raises(NotOpenAIServerError, match="/v1/models"):
+        list_served_models(web_server)
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerUnreachableError, match="cannot reach"):
+        list_served_models(url)
+    with pytest.raises(ConfigError, match="http://127.0.0.1:8080"):
+        list_served_models("localhost:8080")
 
 
 def test_url_without_scheme_is_refused_with_an_example():

@@ -157,6 +157,9 @@ def test_launch_settings_are_read_only_with_their_flags(backend):
         backend.reconfigure(kv_cache_dtype="fp8_e4m3")
     with pytest.raises(ServerSettingFixedError, match="-md"):
         backend.reconfigure(proposer="ngram")
+    for change_the_draft in (lambda: backend.set_draft_model("self"), lambda: backend.reconfigure(draft_model="self")):
+        with pytest.raises(ServerSettingFixedError, match="draft model is fixed when it is launched.*-md <draft.gguf>"):
+            change_the_draft()
     assert backend.settings()["proposer"] == "draft"        # /slots: the slot speculates
 
 

@@ -115,34 +115,3 @@ def save_eagle(head: EagleHead, folder: Path, report: dict | None = None) -> Non
     head.config.save_pretrained(folder)
     if report is not None:
         (folder / "distill_report.json").write_text(json.dumps(report, indent=2) + "\n")
-
-
-def load_eagle(folder: Path, target, device="cpu", dtype=torch.float32) -> tuple[EagleHead, str]:
-    """(head attached to the target, identity). Checks that it was made for this target's shape."""
-    from engine.checkpoint import Checkpoint
-    from engine.errors import UnsupportedModelError
-    from engine.loader import identity_of, load_config
-    folder = Path(folder)
-    config = load_config(folder)
-    tc = target.hf_config
-    if (config.vocab_size, config.hidden_size) != (tc.vocab_size, tc.hidden_size) or \
-            config.num_attention_heads != tc.num_attention_heads:
-        raise UnsupportedModelError(f"the EAGLE head {folder.name} was trained for another target "
-                                    "(vocabulary, width or heads differ)")
-    checkpoint = Checkpoint.open(folder)
-    tensors = checkpoint.read_all()
-    ids = tensors.pop("head_token_ids").long()
-    fc = tensors.pop("fc.weight")
-    with torch.device("meta"):
-        head = EagleHead(config, len(ids), max_positions=target.model.max_positions)
-    head.materialize()
-    tensors["embed_tokens.weight"] = torch.empty(0, config.hidden_size)
-    head.embed_tokens = nn.Embedding(0, config.hidden_size)          # placeholder: the target's below
-    tensors["head_token_ids"] = ids
-    tensors["fc.weight"] = fc
-    head.load_hf_state_dict(tensors)
-    head = head.to(device=device, dtype=dtype).eval()
-    head.rotary.float()
-    head.attach_target(target.model)
-    identity = hashlib.sha256(f"{identity_of(folder, checkpoint.files)}|{target.identity}".encode()).hexdigest()
-    return head, identity
