@@ -85,7 +85,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", metavar="MODEL", help="open this model: a Hugging Face folder or a .gguf file "
                         "(instead of the profile's)")
     parser.add_argument("--draft", metavar="DRAFT", help="load this draft model and speculate with it: a folder, "
-                        "a .gguf, 'default-draft', 'self' or 'self:N'")
+                        "a .gguf, 'self' or 'self:N'")
     return parser.parse_args(argv)
 
 

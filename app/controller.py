@@ -40,6 +40,7 @@ class Controller(QObject):
         self.conversation: list[dict] = []
         self.request_id: int | None = None      # the reply being generated
         self.reply_parts: list[str] = []
+        self.reply_speculation: dict | None = None     # the reply's speedup report so far
         self.model_ready = False
         self.busy = IDLE
         self.effective: dict = {}               # engine.settings() as last reported
@@ -126,6 +127,7 @@ class Controller(QObject):
         self.chat.add_user_message(text)
         self.chat.begin_assistant_message()
         self.reply_parts = []
+        self.reply_speculation = None
         self.request_id = self.worker.generate(self.messages(), params)
         self._refresh_state()
 
@@ -151,6 +153,7 @@ class Controller(QObject):
             return
         self.chat.append_segments(event["pieces"])
         self.reply_parts.append(event["text_delta"])
+        self.reply_speculation = event["speculation"] or self.reply_speculation
         self.history.record_step(event)
         if event["settings"] is not None:         # only when a setting changed
             self._show_effective(event["settings"])
@@ -165,7 +168,8 @@ class Controller(QObject):
             self.conversation.append({"role": "assistant", "content": reply})
         elif done["finish_reason"] == "error":
             self._return_unanswered_message()
-        self.chat.finish_assistant_message(message_stats(done["summary"], done["finish_reason"], done["settings"]))
+        self.chat.finish_assistant_message(message_stats(done["summary"], done["finish_reason"], done["settings"],
+                                                         self.reply_speculation))
         self.deferred = {}
         self.panel.show_deferred("")
         self._show_effective(done["settings"])
@@ -216,6 +220,7 @@ class Controller(QObject):
             self.model_reference = info["reference"]
             self.connection = dict(self.connection, backend="local")
         self.panel.show_model(info["name"])
+        self.history.forget_setup()          # speedups and per-position rates were of the last model
         self.window.hide_progress()
         self.window.show_message(f"{'Connected to' if remote else 'Loaded'} {info['name']}")
         self._show_effective(info["settings"])

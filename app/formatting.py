@@ -70,8 +70,10 @@ def describe_deferred(deferred: dict) -> str:
     return f"⏳ Applies when the current reply ends: {escape(changes)}"
 
 
-def message_stats(summary: dict | None, finish_reason: str | None, settings: dict | None = None) -> str:
-    """The line under an assistant message: TTFT, decode speed, tokens, acceptance."""
+def message_stats(summary: dict | None, finish_reason: str | None, settings: dict | None = None,
+                  speculation: dict | None = None) -> str:
+    """The line under an assistant message: TTFT, decode speed, tokens, acceptance, and the
+    speedup when it speculated (`speculation`: engine.metrics.speculation_report)."""
     if not summary:
         return "stopped before the first token" if finish_reason == "cancelled" else "no reply"
     parts = [f"TTFT {summary['ttft_s'] * 1000:.0f} ms",
@@ -82,6 +84,8 @@ def message_stats(summary: dict | None, finish_reason: str | None, settings: dic
                      f"({summary['accepted']}/{summary['proposed']}{_tau(summary.get('mean_accepted_len'))})")
     else:
         parts.append("acceptance — (speculation off)")
+    if speculation:
+        parts.append(describe_speedup(speculation))
     if summary.get("prefix_hit_tokens"):
         parts.append(f"prefix hit {summary['prefix_hit_tokens']}/{summary['prompt_tokens']} tokens")
     if settings:
@@ -90,6 +94,52 @@ def message_stats(summary: dict | None, finish_reason: str | None, settings: dic
     if finish_reason in ("cancelled", "length"):
         parts.append("stopped" if finish_reason == "cancelled" else "max tokens reached")
     return " · ".join(parts)
+
+
+def describe_speedup(report: dict) -> str:
+    """A reply's speedup over plain decoding, measured and predicted (speculation_report)."""
+    source = " (plain speed from a calibration)" if report.get("plain_source") == "calibration" else ""
+    return (f"speedup {_times(report['measured_speedup'])} measured · "
+            f"{_times(report['predicted_speedup'])} predicted{source}")
+
+
+def speculation_verdict(report: dict | None) -> tuple[str, str, bool] | None:
+    """Does speculation pay here? (headline, details, pays) from a speculation_report (the
+    session's, over the replies of this set-up); None when there is nothing to say (off, or
+    not measured yet). Losing, the details say why: alpha against the break-even alpha for
+    this k and these costs, or that no alpha can pay with these costs."""
+    if not report or report.get("measured_speedup") is None:
+        return None
+    measured, predicted, k = report["measured_speedup"], report["predicted_speedup"], report["k"]
+    figures = f"{_times(measured)} measured, {_times(predicted)} predicted"
+    if measured >= 1.0:
+        return f"speculation pays here: {figures}", _notes(report), True
+    alpha, even = report.get("alpha"), report["break_even_alpha"]
+    if even is None:
+        why = (f"it cannot pay at k={k} with these costs (draft {report['draft_cost']:.2f}, "
+               f"verify {report['verify_cost']:.2f} of a plain step)")
+    elif alpha is not None and alpha < even:
+        why = f"α {alpha:.2f} is below break-even {even:.2f} at k={k}"
+    else:      # the i.i.d. model says it should pay: the measured costs or α vary more than it assumes
+        why = f"α {_number(alpha)} reaches break-even {even:.2f} at k={k}, yet the measured speed does not"
+    return f"speculation is losing here: {figures}", "; ".join(filter(None, (why, _notes(report)))), False
+
+
+def _notes(report: dict) -> str:
+    """Which replies, and where the plain speed came from when it was not measured in the session."""
+    replies = report.get("replies")
+    notes = [f"over {replies} repl{'y' if replies == 1 else 'ies'}"] if replies else []
+    if report.get("plain_source") == "calibration":
+        notes.append("plain speed from a calibration")
+    return ", ".join(notes)
+
+
+def _times(speedup: float | None) -> str:
+    return "—" if speedup is None else f"{speedup:.2f}x"
+
+
+def _number(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 def _tau(mean_accepted_len: float | None) -> str:

@@ -5,6 +5,11 @@ engine worker emits, whose ratios the engine computed (engine.metrics holds ever
 Step series are indexed by the session step (x axis of the step plots); request series by
 the request number. A number a remote server does not report (None) is stored as NaN: a gap
 in the plots and an empty CSV cell, never a made-up 0.
+
+Speculation's speedup per step (the reply's engine.metrics.speculation_report so far):
+speedup_measured, speedup_predicted, break_even_alpha (inf: it cannot pay at any alpha with
+the measured costs; empty: no report). The session's figure for the current set-up is
+`speculation` (app.speculation_tally).
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app.speculation_tally import SpeculationTally
 from engine import config
 from engine.metrics import PositionCounts
 
@@ -23,6 +29,10 @@ REQUEST_CAPACITY = 1024
 # Settings whose change gets a marker on the plots: the engine's, from the settings panel.
 MARKED_SETTINGS = config.groups()[config.SPECULATION_GROUP] + config.groups()[config.CACHE_GROUP]
 SPECULATION_SETTINGS = config.groups()[config.SPECULATION_GROUP]
+# What the session's speedup figure depends on: speculation, and what times a plain step
+# (the cache settings, compilation, threads: engine.plain_step_key).
+SPEEDUP_SETTINGS = MARKED_SETTINGS + ("compile", "threads")
+STEPS, SERVER = "steps", "server"      # where per-position acceptance comes from
 
 
 class RingBuffer:
@@ -69,7 +79,8 @@ def describe_change(key: str, value, settings: dict | None = None) -> str:
 class MetricsHistory:
     STEP_COLUMNS = ("session_step", "request", "step", "time_s", "step_time_s", "tokens", "proposed", "accepted",
                     "acceptance", "running_acceptance", "tok_s", "running_tok_s", "kv_used_mib",
-                    "kv_capacity_mib", "kv_usage", "is_fp8", "prefix_hit_tokens", "prompt_tokens", "generated_tokens", "ttft_s")
+                    "kv_capacity_mib", "kv_usage", "is_fp8", "prefix_hit_tokens", "prompt_tokens", "generated_tokens",
+                    "ttft_s", "speedup_measured", "speedup_predicted", "break_even_alpha")
     REQUEST_COLUMNS = ("request", "session_step", "ttft_ms", "prefix_hit_tokens", "prompt_tokens",
                        "generated_tokens", "decode_tok_s", "acceptance_rate", "mean_accepted_len")
 
@@ -89,6 +100,8 @@ class MetricsHistory:
         self.request_labels: deque[dict] = deque(maxlen=REQUEST_CAPACITY)
         self.markers: deque[tuple[float, float, str]] = deque(maxlen=256)  # (session step, request, label)
         self.positions = PositionCounts()      # this speculation set-up, across replies
+        self.server_positions = PositionCounts()   # the same from a server's counters (its steps have none)
+        self.speculation = SpeculationTally()  # does speculation pay, over this set-up's replies
         self.markers_added = 0     # total ever added (the deque drops old ones)
         self.kv_dtype = ""
         self._session_step = 0
@@ -102,10 +115,25 @@ class MetricsHistory:
         if event["step"] == 0:
             self._request_count += 1
         self.positions.add(event["accepted_per_position"])
+        self._add_server_positions(event.get("server"))
+        self.speculation.record_step(event)
         self._append_step(event)
         self.kv_dtype = event["kv_dtype"]
         self._session_step += 1
         self.version += 1
+
+    def forget_setup(self) -> None:
+        """Another model or server: the per-position and speedup tallies start again (the
+        plotted series and markers stay)."""
+        self.positions, self.server_positions = PositionCounts(), PositionCounts()
+        self.speculation.reset()
+        self.version += 1
+
+    def _add_server_positions(self, figures: dict | None) -> None:
+        """A server's per-position counters for a request (engine.server_metrics figures)."""
+        if figures and figures.get("drafts") is not None and figures.get("accepted_per_position"):
+            self.server_positions.merge(PositionCounts.from_cumulative(int(figures["drafts"]),
+                                                                       figures["accepted_per_position"]))
 
     def record_request(self, done: dict) -> None:
         summary = done.get("summary")
@@ -130,6 +158,8 @@ class MetricsHistory:
         previous, self._last_settings = self._last_settings, dict(settings)
         if previous is None:
             return       # the first step sets the baseline; there is nothing to compare with
+        if any(k in settings and settings.get(k) != previous.get(k) for k in SPEEDUP_SETTINGS):
+            self.speculation.reset(mid_reply=mid_request)     # the speedup describes the current set-up
         changed = [k for k in MARKED_SETTINGS if k in settings and settings.get(k) != previous.get(k)]
         if not changed:
             return
@@ -141,24 +171,27 @@ class MetricsHistory:
         self.markers.append((self._session_step - 0.5, request, label))
         self.markers_added += 1
         if any(k in SPECULATION_SETTINGS for k in changed):
-            self.positions = PositionCounts()     # per-position acceptance describes the current set-up
+            # per-position acceptance describes the current set-up
+            self.positions, self.server_positions = PositionCounts(), PositionCounts()
 
     def _append_step(self, event: dict) -> None:
         running = event["running"]
         used, capacity = _nan_if_none(event["kv_bytes_used"]), _nan_if_none(event["kv_bytes_capacity"])
+        tokens = _step_tokens(event)
         row = {"session_step": self._session_step, "request": self._request_count, "step": event["step"],
-               "time_s": event["time_s"], "step_time_s": event["step_time_s"], "tokens": _step_tokens(event),
+               "time_s": event["time_s"], "step_time_s": event["step_time_s"], "tokens": tokens,
                "proposed": event["proposed"], "accepted": event["accepted"],
                "acceptance": _nan_if_none(event["step_acceptance"]),
                "running_acceptance": _nan_if_none(running["acceptance_rate"]),
-               "tok_s": _nan_if_none(event["step_tok_s"]),
+               "tok_s": _nan_if_none(event["step_tok_s"]) if tokens else np.nan,   # no token (a stream's end): no speed
                "running_tok_s": running["decode_tok_s"] if running["decode_tokens"] else np.nan,
                "kv_used_mib": used / MIB, "kv_capacity_mib": capacity / MIB,
                "kv_usage": _kv_usage(event),
                "is_fp8": float((event["kv_dtype"] or "").startswith("fp8")),
                "prefix_hit_tokens": _nan_if_none(event["prefix_hit_tokens"]),
                "prompt_tokens": _nan_if_none(event["prompt_tokens"]),
-               "generated_tokens": _nan_if_none(event["generated_tokens"]), "ttft_s": _nan_if_none(event.get("ttft_s"))}
+               "generated_tokens": _nan_if_none(event["generated_tokens"]), "ttft_s": _nan_if_none(event.get("ttft_s")),
+               **_speedup_columns(event.get("speculation"))}
         for name, value in row.items():
             self.steps[name].append(value)
         settings = self._last_settings or {}
@@ -175,8 +208,17 @@ class MetricsHistory:
         return self.requests[name].values()
 
     def per_position_acceptance(self) -> np.ndarray:
-        """P(draft token i accepted | tokens < i accepted), for positions tried so far."""
-        return np.array(self.positions.rates())
+        """P(draft token i accepted | tokens < i accepted), for positions tried so far: from
+        the steps, or from a server's counters when its steps carry none (per_position_source)."""
+        counts = self.server_positions if self.per_position_source == SERVER else self.positions
+        return np.array(counts.rates())
+
+    @property
+    def per_position_source(self) -> str | None:
+        """STEPS, SERVER (a server's per-position counters), or None: nothing tried yet."""
+        if any(self.positions.attempts):
+            return STEPS
+        return SERVER if any(self.server_positions.attempts) else None
 
     @property
     def num_steps(self) -> int:
@@ -211,6 +253,16 @@ def _csv_value(value: float) -> str:
     if np.isnan(value):
         return ""
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+def _speedup_columns(report: dict | None) -> dict:
+    """The reply's speedup so far (engine.metrics.speculation_report) as step columns."""
+    if not report:
+        return {"speedup_measured": np.nan, "speedup_predicted": np.nan, "break_even_alpha": np.nan}
+    even = report["break_even_alpha"]
+    return {"speedup_measured": _nan_if_none(report["measured_speedup"]),
+            "speedup_predicted": _nan_if_none(report["predicted_speedup"]),
+            "break_even_alpha": np.inf if even is None else even}      # None: no alpha <= 1 pays
 
 
 def _kv_usage(event: dict) -> float:

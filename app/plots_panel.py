@@ -7,14 +7,17 @@ each optimization's effect is visible as it happens.
 from __future__ import annotations
 
 import time
+from html import escape
 
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-from app.metrics_history import MetricsHistory
-from app.theme import PLOT_COLOURS as C
+from app.formatting import speculation_verdict
+from app.metrics_history import SERVER, MetricsHistory
+from app.plot_title import PlotTitle
+from app.theme import ERROR_COLOUR, PAYS_COLOUR, PLOT_COLOURS as C
 
 # The GUI thread shares the Python interpreter with the engine's worker thread, so every
 # millisecond spent redrawing is taken from decoding (app.fidelity measures it). Redraws
@@ -22,7 +25,10 @@ from app.theme import PLOT_COLOURS as C
 # time stays under PLOT_TIME_BUDGET.
 MIN_REFRESH_MS, MAX_REFRESH_MS = 100, 2000
 PLOT_TIME_BUDGET = 0.03
-LEGEND_HEADROOM = 1.5    # y range = data max x this, so legends never cover data
+LEGEND_HEADROOM = 1.5    # y range = data max x this, so the KV plot's legend never covers data
+DATA_HEADROOM = 1.1      # the plots whose legend sits in the title: a little room above the data
+TITLE_STYLE = {"size": "11pt"}      # pyqtgraph's title size
+LEGEND_TEXT_COLOUR = "#24292f"
 MARKER_LABEL_ROWS = (0.68, 0.54, 0.4)   # label heights, cycled so close markers do not overlap
 MAX_MARKER_LINES = 64    # per plot; older markers scroll out anyway
 KV_BYTES_AXIS = "memory (MiB, log scale)"
@@ -87,7 +93,8 @@ class PlotsPanel(QWidget):
             signal.emit(path)
 
     def _new_plot(self, row: int, col: int, title: str, left: str, bottom: str, colspan: int = 2) -> pg.PlotItem:
-        plot = self.graphics.addPlot(row=row, col=col, colspan=colspan, title=title)
+        plot = self.graphics.addPlot(row=row, col=col, colspan=colspan)
+        PlotTitle(plot, escape(title), **TITLE_STYLE)      # wraps, so a long title never widens its column
         plot.setLabel("left", left)
         plot.setLabel("bottom", bottom)
         plot.showGrid(x=True, y=True, alpha=0.25)
@@ -115,9 +122,12 @@ class PlotsPanel(QWidget):
 
     def _build_acceptance(self) -> None:
         p = self.acceptance_plot = self._new_plot(0, 0, "Acceptance rate", "accepted / proposed (%)", "session step")
-        p.setYRange(0, LEGEND_HEADROOM * 100, padding=0)     # the legend sits above the 100% line
+        p.setYRange(0, DATA_HEADROOM * 100, padding=0)
         p.getAxis("left").setTicks([[(v, str(v)) for v in range(0, 101, 25)]])
-        _legend(p)
+        self.acceptance_heading = _title_with_legend("Acceptance rate", (("●", C["acceptance"], "per step"),
+                                                                        ("━", C["running"], "running (this reply)")))
+        self.acceptance_title = p.titleLabel
+        p.setTitle(self.acceptance_heading)
         self.acceptance_points = p.plot(pen=None, symbol="o", symbolSize=5, symbolBrush=C["acceptance"],
                                         symbolPen=None, name="per step")
         self.acceptance_running = p.plot(pen=_pen("running"), name="running (this reply)")
@@ -168,7 +178,8 @@ class PlotsPanel(QWidget):
 
     def _build_decode(self) -> None:
         p = self.decode_plot = self._new_plot(1, 0, "Decode speed", "decode speed (tok/s)", "session step")
-        _legend(p)
+        p.setTitle(_title_with_legend("Decode speed", (("●", C["tok_s"], "per step"),
+                                                       ("━", C["running_tok_s"], "running (this reply)"))))
         self.decode_points = p.plot(pen=None, symbol="o", symbolSize=4, symbolBrush=C["tok_s"], symbolPen=None,
                                     name="per step")
         self.decode_running = p.plot(pen=_pen("running_tok_s"), name="running (this reply)")
@@ -195,10 +206,27 @@ class PlotsPanel(QWidget):
         tok_s = h.step_series("tok_s")
         _set_finite(self.decode_points, x, tok_s)
         _set_runs(self.decode_running, x, h.step_series("running_tok_s"), requests)
-        self.decode_plot.setYRange(0, max(1.0, float(np.nanmax(tok_s, initial=0))) * LEGEND_HEADROOM, padding=0)
+        self.decode_plot.setYRange(0, max(1.0, float(np.nanmax(tok_s, initial=0))) * DATA_HEADROOM, padding=0)
+        self._refresh_verdict()
         self._refresh_markers()
 
+    def _refresh_verdict(self) -> None:
+        """Under the acceptance plot's title: does speculation pay over this set-up's replies?"""
+        verdict = speculation_verdict(self.history.speculation.report)
+        title = self.acceptance_heading
+        if verdict is not None:
+            headline, details, pays = verdict
+            details = f"; <span style='font-size:8pt'>{escape(details)}</span>" if details else ""
+            title += (f"<br><span style='color:{PAYS_COLOUR if pays else ERROR_COLOUR}; font-size:9pt'>"
+                      f"<b>{escape(headline)}</b>{details}</span>")
+        if title != self.acceptance_title.text:
+            self.acceptance_plot.setTitle(title)
+
     def _refresh_positions(self) -> None:
+        title = "Per-position acceptance" + (" (the server's counters)" if self.history.per_position_source == SERVER
+                                             else "")
+        if title != self.positions_plot.titleLabel.text:
+            self.positions_plot.setTitle(title)
         rates = self.history.per_position_acceptance()
         self.positions_bars.setOpts(x=np.arange(1, len(rates) + 1), height=rates * 100)
         if len(rates):
@@ -309,6 +337,14 @@ def _percent_ticks(top: float, most: int = 5) -> list:
     last = min(top, 100)
     step = next((s for s in (1, 2, 5, 10, 20, 25) if last / s <= most), 25)
     return [[(v, str(v)) for v in range(0, int(last) + 1, step)]]
+
+
+def _title_with_legend(title: str, entries) -> str:
+    """A plot title followed by its legend, (symbol, colour, name) each: in the title row the
+    legend never covers data, whatever the plot's height."""
+    keys = "&nbsp;&nbsp;".join(f"<span style='color:{colour}'>{symbol}</span>&nbsp;{escape(name)}"
+                               for symbol, colour, name in entries)
+    return f"{escape(title)}&nbsp;&nbsp;&nbsp;<span style='color:{LEGEND_TEXT_COLOUR}; font-size:8pt'>{keys}</span>"
 
 
 def _legend(plot: pg.PlotItem) -> None:

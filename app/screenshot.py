@@ -18,7 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
 from app.__main__ import build
@@ -41,7 +40,6 @@ REMOTE_SYSTEM_PROMPT = "You are a concise cooking tutor. Answer in two or three 
 REMOTE_SCRIPT = ("What is a roux, and what is it used for?", "And how does a béchamel differ from it?")
 REMOTE_MAX_TOKENS = 96
 REMOTE_MODEL_NAME = "SmolLM2-135M-Instruct"     # what the server calls it (--alias), not its file path
-REMOTE_PLOTS_SHARE = 0.56                        # of the window's height
 WINDOW_SIZE = (1600, 1000)        # the README pictures: a desktop-sized window
 
 
@@ -119,8 +117,6 @@ def chat_and_grab(workbench, out: Path) -> None:
 def chat_with_server_and_grab(workbench, out: Path) -> None:
     window, controller = workbench.window, workbench.controller
     show(window)
-    # Taller plots than the default share: a 100% acceptance line clears the legends.
-    window.resizeDocks([window.plots_dock], [int(WINDOW_SIZE[1] * REMOTE_PLOTS_SHARE)], Qt.Orientation.Vertical)
     gguf = default_gguf_path()
     # one thread: on a busy 2-core machine llama.cpp's spinning threads starve each other
     with LlamaServer(gguf, draft=gguf, metrics=True, threads=1, extra=("--alias", REMOTE_MODEL_NAME)) as server:

@@ -18,8 +18,7 @@ from engine import config
 GROUPS = config.groups()
 PANEL_KEYS = tuple(key for keys in GROUPS.values() for key in keys)
 # Draft model presets (any folder or .gguf can be browsed for, too).
-DRAFTS = (("None", ""), ("Shipped draft (distilled, default model)", "default-draft"),
-          ("Self (target drafts for itself)", "self"))
+DRAFTS = (("None", ""), ("Self (target drafts for itself)", "self"))
 
 
 class SettingsPanel(QWidget):

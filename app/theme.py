@@ -33,6 +33,7 @@ PLOT_COLOURS = {
     "marker": "#9a6700",
 }
 ERROR_COLOUR = "#cf222e"
+PAYS_COLOUR = "#1a7f37"       # "speculation pays here"
 MUTED_COLOUR = "#57606a"
 
 

@@ -318,13 +318,12 @@ def bench_speculative(args) -> dict:
     """Plain decoding, then speculation, on the same prompts in one run (each warmed up first).
     The chat prompts are held out from the EAGLE head's training (engine.distill_data)."""
     from engine import SamplingParams
-    from engine.loader import DEFAULT_DRAFT
     eng = _engine(args, enable_prefix_caching=False, compile=args.compile)
     prompt_set = args.prompts_set or ("repeat" if args.proposer == "ngram" else "chat")
     prompts = REPEAT_PROMPTS * 2 if prompt_set == "repeat" else CHAT_PROMPTS[:8]
     params = SamplingParams(max_tokens=args.tokens)
     if args.proposer == "draft":
-        draft = args.draft or DEFAULT_DRAFT
+        draft = args.draft or "self:8"
         eng.set_draft_model(draft, progress=_progress)
     elif args.proposer == "eagle":
         draft = args.draft or "the shipped EAGLE head"
@@ -398,9 +397,9 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="default", help="memory: config.json folder, 'default', " + ", ".join(BUILTIN_SHAPES))
     ap.add_argument("--context", type=int, default=4096, help="memory: tokens per sequence")
     ap.add_argument("--k", type=int, default=4, help="speculative: draft tokens per step")
-    ap.add_argument("--proposer", choices=["draft", "eagle", "ngram"], default="draft")
+    ap.add_argument("--proposer", choices=["draft", "eagle", "ngram"], default="eagle")
     ap.add_argument("--draft", default=None,
-                    help="speculative: the draft model (--proposer draft; default the shipped draft) or the "
+                    help="speculative: the draft model (--proposer draft; default self:8, the target's first 8 layers) or the "
                     "EAGLE head folder (--proposer eagle; default the shipped head); memory: counted in the plan")
     ap.add_argument("--prompt-set", dest="prompts_set", choices=["chat", "repeat"], default=None)
     args = ap.parse_args(argv)

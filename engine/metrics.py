@@ -252,12 +252,28 @@ class RequestStats:
                 "draft_time_s": self.draft_time_s, "target_time_s": self.target_time_s}
 
 
+# RequestStats' additive counters (its positions add up apart, by PositionCounts.merge).
+COUNTERS = ("prompt_tokens", "prefix_hit_tokens", "generated_tokens", "ttft_s", "decode_tokens",
+            "decode_time_s", "target_passes", "proposed", "accepted", "draft_time_s", "target_time_s")
+
+
 def combined(stats: list[RequestStats]) -> RequestStats:
     """Several requests' counters added up (the bench reports a prompt set as one)."""
     total = RequestStats()
     for s in stats:
-        for name in ("prompt_tokens", "prefix_hit_tokens", "generated_tokens", "ttft_s", "decode_tokens",
-                     "decode_time_s", "target_passes", "proposed", "accepted", "draft_time_s", "target_time_s"):
+        for name in COUNTERS:
             setattr(total, name, plus(getattr(total, name), getattr(s, name)))
         total.positions.merge(s.positions)
     return total
+
+
+def combine_running(runnings: list[dict], positions: PositionCounts | None = None) -> dict:
+    """Several replies' aggregates, as RequestStats.as_dict gives them (a step's `running`, a
+    reply's summary), added up by `combined` into one such dict with every ratio derived
+    again: the session's figures for speculation_report. Those dicts carry per-position
+    rates, not counts, so alpha and per_position come from `positions`, the same replies'
+    PositionCounts merged (missing without it, never guessed from the rates)."""
+    total = combined([RequestStats(**{name: running[name] for name in COUNTERS}) for running in runnings])
+    if positions is not None:
+        total.positions.merge(positions)
+    return total.as_dict()

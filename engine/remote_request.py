@@ -5,12 +5,25 @@
         event = request.step()      # blocks until the next chunk with text (or the end)
     request.close()
 
-One event per streamed chunk that carries text; the end is one more event (finished, with
-the summary and the server's figures). What each event holds:
-  - text: the chunk's content, kind SERVER (servers do not say which tokens a draft made);
+One event per server step: the chunks with text that one forward pass produced; the end is
+one more event (finished, with the summary and the server's figures). A server may stream a
+verified draft's tokens as a burst of chunks, one per token, microseconds apart (llama.cpp
+does); one event per chunk would time each at a few microseconds (~40,000 tok/s). So the
+chunks of a burst make ONE event, timed from the previous event's last chunk to this one's
+last chunk. A chunk joins the event being built when (`_same_step`)
+  - the server stamps the pass that made it and the stamp is unchanged (llama.cpp's
+    cumulative `timings.predicted_ms` is the same for every chunk of a pass), waiting up to
+    PASS_WAIT_S for it (measured: a pass's chunks arrive within ~5 ms of each other on a
+    loaded 2-core machine, passes 5-150 ms apart), or
+  - the server does not stamp passes, and the chunk arrived (the reader thread's stamp)
+    within BURST_GAP_S of the previous one: it was sent in the same burst. Grouping two real
+    steps this way only coarsens the plot: tokens over time stays exact.
+TTFT stays exact: it is the first chunk's arrival, however many chunks join that event.
+What each event holds:
+  - text: its chunks' content, kind SERVER (servers do not say which tokens a draft made);
   - tokens: counted by the server (llama.cpp `timings.predicted_n`, vLLM/SGLang per-chunk
     `usage.completion_tokens`); ids are not streamed, so token_ids stays empty;
-  - TTFT and step times: measured here, from the chunk arrival times;
+  - TTFT and step times: measured here, from the chunk arrival times (stamped on arrival);
   - proposed / accepted: llama.cpp's per-request `timings.draft_n` / `draft_n_accepted`
     (deltas); other servers give them only server-wide, in the final figures;
   - prefix hits: `timings.cache_n` or `usage.prompt_tokens_details.cached_tokens`;
@@ -31,6 +44,8 @@ from engine.metrics import SERVER, PositionCounts, RequestStats, StepEvent
 from engine.server_metrics import MetricsReading, request_figures
 
 CANCEL_CHECK_S = 0.05      # how often a waiting step() looks at the cancel flag
+BURST_GAP_S = 0.001        # unstamped chunks closer than this came in one burst: one event
+PASS_WAIT_S = 0.05         # how long to wait for more chunks of a pass the server stamps
 
 
 class RemoteHost(Protocol):
@@ -60,6 +75,7 @@ class RemoteRequest:
         self.pending = {"tokens": 0, "proposed": 0, "accepted": 0}   # counted in chunks without text yet
         self.counts_per_chunk = False   # has the server counted the tokens of chunks with text?
         self.last_chunk: dict = {}
+        self.held = None                # the item that ended the last event's burst: the next one's
         self.kv_usage: float | None = None
         self.t_polled = 0.0
         self.finish_reason: str | None = None
@@ -75,7 +91,7 @@ class RemoteRequest:
         while True:
             if self.cancelled.is_set():
                 return self._final_event(time.perf_counter(), "cancelled")
-            item = self.stream.next(CANCEL_CHECK_S)
+            item = self._next(CANCEL_CHECK_S)
             event = self._handle(item) if item is not None else None
             if event is not None:
                 return event
@@ -87,10 +103,17 @@ class RemoteRequest:
         self.host.request_closed(self)
 
     # ---- stream items ---------------------------------------------------------------
+    def _next(self, timeout: float):
+        if self.held is not None:
+            item, self.held = self.held, None
+            return item
+        return self.stream.next(timeout)
+
     def _handle(self, item) -> StepEvent | None:
         kind = item[0]
         if kind == "chunk":
-            return self._chunk(item[1], item[2])
+            text = self._chunk(item[2])
+            return self._burst(item, text) if text else None
         if kind == "done":
             return self._final_event(item[1], self.finish_reason or "stop")
         self.finished = True
@@ -101,16 +124,32 @@ class RemoteRequest:
             f"{self.stats.generated_tokens or 0} tokens ({item[2]}). The reply so far is kept; check that "
             "the server is still running (it may have crashed or been stopped) and send the message again.")
 
-    def _chunk(self, t: float, chunk: dict) -> StepEvent | None:
+    def _burst(self, first, text: str) -> StepEvent:
+        """One event for the chunks of one server step, from `first` (a chunk with `text`,
+        already read) to the last chunk that `_same_step` joins; the item after them is held."""
+        texts, last = [text], first
+        while True:
+            wait = last[1] + (PASS_WAIT_S if _pass_stamp(last[2]) is not None else BURST_GAP_S) - time.perf_counter()
+            item = self._next(max(0.0, wait))
+            if item is None:
+                break
+            if not _same_step(last, item):
+                self.held = item
+                break
+            texts.append(self._chunk(item[2]))
+            last = item
+        return self._event(last[1], "".join(texts), t_first=first[1])
+
+    def _chunk(self, chunk: dict) -> str:
+        """Read a chunk's counts and finish reason; its text ("" when it has none)."""
         self.last_chunk = chunk
         counted = self._count(chunk)
         choice = (chunk.get("choices") or [{}])[0]
         self.finish_reason = _finish_reason(choice.get("finish_reason")) or self.finish_reason
         text = (choice.get("delta") or {}).get("content") or ""
-        if not text:
-            return None
-        self.counts_per_chunk = self.counts_per_chunk or counted
-        return self._event(t, text)
+        if text:
+            self.counts_per_chunk = self.counts_per_chunk or counted
+        return text
 
     def _count(self, chunk: dict) -> bool:
         """Add this chunk's token and draft counts (cumulative in the stream) to pending;
@@ -129,7 +168,8 @@ class RemoteRequest:
         self.counted[counter] = max(self.counted[counter], int(cumulative))
 
     # ---- events ---------------------------------------------------------------------
-    def _event(self, t: float, text: str, finish_reason: str | None = None) -> StepEvent:
+    def _event(self, t: float, text: str, finish_reason: str | None = None, t_first: float | None = None) -> StepEvent:
+        """The event that ends at `t` (its last chunk's arrival); t_first: its first chunk's."""
         first = self.step_index == 0 and bool(text)      # the first token: TTFT
         tokens = self.pending["tokens"] if self.counts_per_chunk else None
         prompt_tokens, hits = self._prompt_counts()
@@ -140,7 +180,8 @@ class RemoteRequest:
             proposed=self.pending["proposed"], accepted=self.pending["accepted"], accepted_per_position=[],
             kv_bytes_used=None, kv_bytes_capacity=None, kv_bytes_per_token=None, kv_dtype=self.host.kv_cache_dtype,
             prefix_hit_tokens=hits, prompt_tokens=prompt_tokens,
-            generated_tokens=self._generated(tokens), ttft_s=(t - self.stream.t_submit) if first else None,
+            generated_tokens=self._generated(tokens),
+            ttft_s=((t if t_first is None else t_first) - self.stream.t_submit) if first else None,
             finished=finish_reason is not None, finish_reason=finish_reason,
             settings=self.host.settings() if self.step_index == 0 else None, token_count=tokens, kv_usage=self._poll_kv())
         self.pending = dict.fromkeys(self.pending, 0)
@@ -221,6 +262,22 @@ class RemoteRequest:
                 f"{', '.join(self.host.served_models)}. Choose one of those.")
         return ServerRequestError(f"the server refused the request (HTTP {status}): {message}. "
                                   "Change the request (shorter conversation, other settings) or check the server's log.")
+
+
+def _pass_stamp(chunk: dict):
+    """Which server pass made the chunk, where the server says: llama.cpp's cumulative
+    timings.predicted_ms, the same for every token of a pass. None: not stamped."""
+    return (chunk.get("timings") or {}).get("predicted_ms")
+
+
+def _same_step(last, item) -> bool:
+    """Does stream item `item` belong to the step that chunk `last` is part of?"""
+    if item[0] != "chunk":
+        return False
+    stamp, last_stamp = _pass_stamp(item[2]), _pass_stamp(last[2])
+    if stamp is not None and last_stamp is not None:
+        return stamp == last_stamp
+    return item[1] - last[1] < BURST_GAP_S
 
 
 def _finish_reason(reason: str | None) -> str | None:

@@ -94,6 +94,10 @@ def test_a_connected_server_streams_replies_into_the_chat_and_the_plots(tiny_ben
     remote = slice(local_steps, None)
     assert all(math.isnan(v) for v in bench.history.step_series("kv_used_mib")[remote])
     assert sum(bench.history.step_series("tokens")[remote]) == done["summary"]["generated_tokens"]
+    # the stream's end emits no token: no decode-speed point at 0 tok/s, a gap
+    speeds = bench.history.step_series("tok_s")[remote]
+    assert steps[-1]["num_tokens"] == 0 and math.isnan(speeds[-1])
+    assert all(speed > 0 for speed in speeds if not math.isnan(speed))
     usage = bench.history.step_series("kv_usage")[remote]
     assert any(0 < u <= 1 for u in usage if not math.isnan(u))       # llama.cpp's /slots
     plots = bench.window.plots                  # drawn as % of the server's cache, bytes being unknown
@@ -105,6 +109,26 @@ def test_a_connected_server_streams_replies_into_the_chat_and_the_plots(tiny_ben
     assert "%" in plots.kv_plot.getAxis("left").labelText
     assert bench.history.request_series("ttft_ms")[-1] > 0
     assert bench.window.chat.send_button.isEnabled()
+
+
+def test_a_speculating_servers_per_position_counters_fill_the_per_position_plot(tiny_bench, qtbot):
+    """The server's steps carry no per-position data; its /metrics counters do, and the plot
+    shows them, labelled as the server's, with no local speedup verdict (no plain baseline)."""
+    from engine.llama_server import LlamaServer
+    from engine.loader import default_gguf_path
+    bench = tiny_bench
+    gguf = default_gguf_path()
+    with LlamaServer(gguf, draft=gguf, metrics=True, threads=1) as speculating:
+        connect(bench, qtbot, speculating.url)
+        connected(bench, qtbot)
+        done = send(bench, qtbot, "What is a roux? Answer in one sentence.")
+    server_rates = done["summary"]["per_position"]
+    assert server_rates and all(0 <= rate <= 1 for rate in server_rates)
+    plots = bench.window.plots
+    plots.refresh()
+    assert list(plots.positions_bars.opts["height"]) == pytest.approx([rate * 100 for rate in server_rates])
+    assert "the server's counters" in plots.positions_plot.titleLabel.text
+    assert "speculation" not in plots.acceptance_title.text
 
 
 def test_settings_fixed_at_server_launch_are_reported_and_nothing_changes(tiny_bench, server, qtbot):

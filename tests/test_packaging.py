@@ -18,9 +18,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = ("engine", "app", "resources", "pyproject.toml", "README.md")
-DRAFT = "resources/drafts/smollm2-135m-draft"
+DRAFT = "resources/drafts/smollm2-135m-eagle"
 RUNTIME_DATA = ("resources/style.qss", "resources/icons/workbench.svg", f"{DRAFT}/config.json",
-                f"{DRAFT}/model.safetensors", f"{DRAFT}/tokenizer.json")
+                f"{DRAFT}/model.safetensors", f"{DRAFT}/distill_report.json")
 
 # Run in the installed copy: where each package and data file was found.
 PROBE = """
@@ -32,7 +32,7 @@ print(json.dumps({
     "modules": [m.__file__ for m in (app, engine, resources)],
     "profiles": {name: str(path) for name, path in builtin_profiles().items()},
     "style_sheet": style_sheet(),
-    "draft_files": sorted(str(p) for p in (resources.DRAFTS_DIR / "smollm2-135m-draft").iterdir()),
+    "draft_files": sorted(str(p) for p in (resources.DRAFTS_DIR / "smollm2-135m-eagle").iterdir()),
     "icon_exists": resources.APP_ICON.is_file(),
     "sys_path": sys.path,
 }))
@@ -95,5 +95,5 @@ def test_an_installed_copy_finds_profiles_style_and_draft_outside_the_repository
     assert all(Path(path).is_relative_to(installed) for path in found["profiles"].values())
     assert found["style_sheet"] == (REPO / "resources" / "style.qss").read_text(encoding="utf-8")
     assert all(Path(path).is_relative_to(installed) for path in found["draft_files"])
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {Path(p).name for p in found["draft_files"]}
+    assert {"config.json", "model.safetensors", "distill_report.json"} <= {Path(p).name for p in found["draft_files"]}
     assert found["icon_exists"]

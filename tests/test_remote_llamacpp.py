@@ -119,6 +119,19 @@ def test_acceptance_and_per_request_draft_counts_are_read(backend):
     assert summary.per_position == figures["per_position"]
 
 
+def test_a_verified_drafts_tokens_arrive_as_one_step(backend):
+    """llama.cpp streams a verification's tokens as a burst of chunks, one per token, a few
+    microseconds apart; they make one step, so its decode speed is the pass's tokens over
+    the pass's time (per chunk it read ~40,000 tok/s)."""
+    events = run(backend, chat("Explain how to boil an egg."), SamplingParams(max_tokens=48))
+    passes = [e for e in events[1:] if e.proposed]
+    assert len(passes) == events[-1].server["drafts"] > 1          # one step per verification
+    # each pass emits its accepted draft tokens and one of the target's (the last may be cut
+    # short by max_tokens or the end of the reply)
+    assert [e.num_tokens for e in passes[:-1]] == [e.accepted + 1 for e in passes[:-1]]
+    assert any(e.accepted for e in passes[:-1])
+
+
 def test_second_chat_turn_hits_the_prefix_cache(backend):
     first = run(backend, chat("Name one spice."))
     reply = "".join(e.text_delta for e in first)
