@@ -35,11 +35,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.distill_data import Sequence, dataset
+from engine.distill_data import Sequence, batched_qkv, dataset
 from engine.loader import SHIPPED_EAGLE_FOLDER, cache_dir
 from engine.metrics import PositionCounts, ratio
 from engine.models.eagle_head import EagleHead, eagle_config, save_eagle, weights_fingerprint
-from engine.models.llama import apply_rope
 
 
 @dataclass
@@ -122,13 +121,7 @@ def unrolled(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, depth: 
 def _layer(layer, x, rope, levels):
     a = layer.self_attn
     b, t, _ = x.shape
-    q, k, v = a.qkv_proj(layer.input_layernorm(x)).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-    q = q.view(b, t, a.num_heads, a.head_dim)
-    k = k.view(b, t, a.num_kv_heads, a.head_dim)
-    v = v.view(b, t, a.num_kv_heads, a.head_dim)
-    if a.qk_norm:
-        q, k = a.q_norm(q), a.k_norm(k)
-    q, k = apply_rope(q, rope), apply_rope(k, rope)
+    q, k, v = batched_qkv(layer, x, rope)
     if not levels:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, scale=a.scale, enable_gqa=True).transpose(1, 2)

@@ -76,6 +76,19 @@ def generate_batch(model: LlamaFamilyModel, prompts: list[list[int]], max_new_to
     return out
 
 
+def batched_qkv(layer, h: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer's q, k, v for [B, N, hidden] inputs, normed and rotated: [B, N, H, D]."""
+    a = layer.self_attn
+    b, n, _ = h.shape
+    q, k, v = a.qkv_proj(layer.input_layernorm(h)).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+    q = q.view(b, n, a.num_heads, a.head_dim)
+    k = k.view(b, n, a.num_kv_heads, a.head_dim)
+    v = v.view(b, n, a.num_kv_heads, a.head_dim)
+    if a.qk_norm:
+        q, k = a.q_norm(q), a.k_norm(k)
+    return apply_rope(q, rope), apply_rope(k, rope), v
+
+
 def _forward(model, ids, caches, start, positions, valid_key):
     """ids [B, N] at columns start.. -> final normed hidden states [B, N, hidden]."""
     b, n = ids.shape
@@ -86,13 +99,7 @@ def _forward(model, ids, caches, start, positions, valid_key):
     mask = valid_key[:, None, None, :] & (torch.arange(start + n)[None, :] <= q_cols[:, None])[None, None]
     for layer, (kc, vc) in zip(model.layers, caches):
         a = layer.self_attn
-        q, k, v = a.qkv_proj(layer.input_layernorm(h)).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = q.view(b, n, a.num_heads, a.head_dim)
-        k = k.view(b, n, a.num_kv_heads, a.head_dim)
-        v = v.view(b, n, a.num_kv_heads, a.head_dim)
-        if a.qk_norm:
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k = apply_rope(q, (cos, sin)), apply_rope(k, (cos, sin))
+        q, k, v = batched_qkv(layer, h, (cos, sin))
         kc[:, :, start:start + n] = k.transpose(1, 2)
         vc[:, :, start:start + n] = v.transpose(1, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :, :start + n], vc[:, :, :start + n],

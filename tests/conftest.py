@@ -1,4 +1,5 @@
 import os
+import socket
 
 import pytest
 import torch
@@ -75,3 +76,13 @@ def transformers_logits(folder, text: str = LOGITS_TEXT) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.fixture
+def silent_port():
+    """A port that accepts connections and never answers (a hung server)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    yield listener.getsockname()[1]
+    listener.close()

@@ -6,7 +6,6 @@ server's HTTP client is closed whenever the app lets go of the server. The serve
 without speculation; these tests never skip: without the binary the fixture fails and names
 the build script."""
 import math
-import socket
 import time
 
 import pytest
@@ -32,16 +31,6 @@ def server():
         pytest.fail(str(e))
     yield running
     running.stop()
-
-
-@pytest.fixture
-def silent_port():
-    """A port that accepts connections and never answers (a hung server)."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    yield listener.getsockname()[1]
-    listener.close()
 
 
 def open_connect_dialog(bench):

@@ -2,7 +2,6 @@
 that says what was wrong and what to do. (The llama.cpp cases — no /metrics, death
 mid-stream, unknown model — are in test_remote_llamacpp.py, on the real server.)"""
 import http.server
-import socket
 import threading
 
 import pytest
@@ -23,16 +22,6 @@ def web_server(tmp_path):
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
-
-
-@pytest.fixture
-def silent_port():
-    """A port that accepts connections and never answers (a hung server)."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    yield listener.getsockname()[1]
-    listener.close()
 
 
 def test_nothing_listening_is_reported_as_unreachable():
