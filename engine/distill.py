@@ -51,9 +51,9 @@ class Recipe:
     depth: int = 3                  # training-time test: draft steps unrolled per position
     steps: int = 500
     batch_size: int = 16            # sequences per step
-    lr: float = 1e-3
-    reg_weight: float = 1.0         # smooth-L1 on the next hidden state (EAGLE's w_reg)
-    cls_weight: float = 0.1         # cross-entropy to the target's distribution (EAGLE's w_cls)
+    lr: float = 2e-3
+    reg_weight: float = 0.2         # smooth-L1 on the next hidden state (EAGLE-1: 1.0)
+    cls_weight: float = 1.0         # cross-entropy to the target's distribution (EAGLE-1: 0.1)
     eval_every: int = 100
     k: int = 4
 
@@ -144,12 +144,13 @@ def _layer(layer, x, rope, levels):
 
 
 def _batch(seqs: list[Sequence], depth: int):
-    """Right-padded tokens [B, T+depth+1] (x_1..), features [B, T, H] and row lengths (features)."""
+    """Right-padded tokens [B, T+depth+1] (x_1..), features [B, T, H], and per row the number
+    of features and the prompt length."""
     t = max(len(s.features) for s in seqs)
     hidden = seqs[0].features.shape[1]
     tokens = torch.zeros(len(seqs), t + depth + 1, dtype=torch.int64)
     feats = torch.zeros(len(seqs), t, hidden)
-    lengths = torch.tensor([len(s.features) for s in seqs])
+    lengths = torch.tensor([[len(s.features), len(s.prompt_ids)] for s in seqs])
     for i, s in enumerate(seqs):
         ids = s.ids[1:]
         tokens[i, :len(ids)] = torch.tensor(ids)
@@ -158,9 +159,10 @@ def _batch(seqs: list[Sequence], depth: int):
 
 
 def loss_fn(head: EagleHead, tokens, feats, lengths, depth: int, recipe: Recipe):
-    """EAGLE's loss summed over the unrolled steps; also the step-1 top-1 agreement. The
-    target's distribution at each position is computed once and shared by every step; the
-    head-sized matmuls run in bf16 (AMX on this CPU), the softmaxes in fp32."""
+    """EAGLE's loss summed over the unrolled steps, on the positions that predict an answer
+    token (drafting happens only there); also the step-1 top-1 agreement. The target's
+    distribution at each position is computed once and shared by every step; the head-sized
+    matmuls run in bf16 (AMX on this CPU), the softmaxes in fp32."""
     t = feats.shape[1]
     w = head.head_weight
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -169,7 +171,9 @@ def loss_fn(head: EagleHead, tokens, feats, lengths, depth: int, recipe: Recipe)
             p_all = (feats @ w.t()).float().softmax(-1)                       # [B, T, R]
     total, agree = 0.0, 0.0
     for d, g in enumerate(outs, start=1):
-        valid = (torch.arange(t - d)[None, :] + d < lengths[:, None])       # f_{j+d} exists
+        j = torch.arange(t - d)[None, :]
+        # f_{j+d} exists, and the token it predicts, x_{j+d+1}, is part of the answer
+        valid = (j + d < lengths[:, :1]) & (j + d + 1 >= lengths[:, 1:])
         if not bool(valid.any()):
             continue
         g = g[:, :t - d][valid]
