@@ -31,7 +31,7 @@ SCRIPT = (
     ({}, "What is the capital of France?"),
     ({"proposer": "ngram"}, "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."),
     ({"kv_cache_dtype": "fp8_e4m3"}, "Now say it once more, then name the animals in it."),
-    ({"proposer": "draft", "draft_model": "self"}, "Give me three tips for writing clear documentation."),
+    ({"proposer": "eagle"}, "Give me three tips for writing clear documentation."),
 )
 CHARACTERS_BEFORE_GRAB = 120      # of the last reply
 LAST_REPLY_MAX_TOKENS = 200
