@@ -32,10 +32,17 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and ONEDNN_LINEAR and not torch.compiler.is_compiling():
+        if self._onednn(x):
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, self.bias)
+
+    def _onednn(self, x: torch.Tensor) -> bool:
+        """Inference on the CPU with matching dtypes (training, autocast, torch.compile and
+        CUDA take F.linear: the oneDNN op has no backward and no mixed dtypes)."""
+        return (ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == self.weight.dtype
+                and not torch.compiler.is_compiling()
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
 
 
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
