@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from engine.distill_data import Sequence, batched_qkv, dataset
 from engine.loader import SHIPPED_EAGLE_FOLDER, cache_dir
-from engine.metrics import PositionCounts, ratio
+from engine.metrics import PositionCounts, attempted_positions, ratio
 from engine.models.eagle_head import EagleHead, eagle_config, save_eagle, weights_fingerprint
 
 
@@ -209,7 +209,7 @@ def evaluate(head: EagleHead, held: list[Sequence], k: int) -> dict:
             m = 0
             while m < n and int(drafts[m, j]) == ids[j + 2 + m]:
                 m += 1
-            positions.add([i < m for i in range(min(m + 1, n))])
+            positions.add(attempted_positions(m, n))
             proposed, accepted, tokens_out, passes = proposed + n, accepted + m, tokens_out + m + 1, passes + 1
             j += m + 1
     return {"per_position": positions.rates(), "acceptance_rate": ratio(accepted, proposed),

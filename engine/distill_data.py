@@ -61,10 +61,10 @@ def generate_batch(model: LlamaFamilyModel, prompts: list[list[int]], max_new_to
         h = _forward(model, new, caches, start, positions[:, start:start + n], valid_key[:, :start + n])
         feats[:, start:start + n] = h
         token = model.logits(h[:, -1]).argmax(-1)                              # [B]
-        for i in range(b):
+        for i, t in enumerate(token.tolist()):                                # one copy, not B reads
             if not done[i]:
-                answers[i].append(int(token[i]))
-                done[i] = int(token[i]) in eos_ids
+                answers[i].append(t)
+                done[i] = t in eos_ids
         start += n
         if bool(done.all()):
             break

@@ -63,8 +63,9 @@ class EagleProposer(Proposer):
         head = self.head
         first = min(self.kv_end, last)
         ids = torch.tensor(token_ids[first + 1:last + 2], dtype=torch.int64, device=self.device)
-        logits, g = head.step(ids, self.features[first - self.base:last - self.base + 1],
-                              self.kv, self._meta(first, last - first + 1), self._rope(first, last - first + 1))
+        meta = self._meta(first, last - first + 1)
+        logits, g = head.step(ids, self.features[first - self.base:last - self.base + 1], self.kv, meta,
+                              meta.positions + self.base)
         self.kv_end = last + 1
         tokens, probs = [], []
         for i in range(k):
@@ -77,7 +78,8 @@ class EagleProposer(Proposer):
             pos = last + 1 + i                      # the position whose input is (g, token)
             self._ensure(pos - self.base + 2)
             ids = torch.tensor([token], dtype=torch.int64, device=self.device)
-            logits, g = head.step(ids, g[-1:], self.kv, self._meta(pos, 1), self._rope(pos, 1))
+            meta = self._meta(pos, 1)
+            logits, g = head.step(ids, g[-1:], self.kv, meta, meta.positions + self.base)
         return Proposal(tokens, torch.stack(probs) if probs else None, time.perf_counter() - t0)
 
     def _pick(self, reduced_logits: torch.Tensor, params: SamplingParams, generator):
@@ -86,11 +88,9 @@ class EagleProposer(Proposer):
         q = probabilities(self.head.full_logits(reduced_logits)[0], params)
         return int(torch.multinomial(q, 1, generator=generator)), q
 
-    def _rope(self, start: int, n: int) -> torch.Tensor:
-        return torch.arange(start, start + n, device=self.device)
-
     def _meta(self, start: int, n: int) -> AttentionMetadata:
-        """The head's cache is contiguous from `base`: slot = position - base."""
+        """The head's cache is contiguous from `base`: slot = position - base (the metadata's
+        positions are slots; RoPE takes slot + base, the target's positions)."""
         local = torch.arange(start - self.base, start - self.base + n, device=self.device)
         context = start - self.base + n
         blocks = torch.arange(-(-context // self.block_size), device=self.device)

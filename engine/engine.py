@@ -18,15 +18,15 @@ import torch
 from engine import loader
 from engine.backend import run_to_end
 from engine.config import BY_KEY, ENGINE, LIVE, NEXT_REQUEST, SETTINGS, EngineConfig, SamplingParams, keys
+from engine.eagle_proposer import EagleProposer
 from engine.errors import ConfigError, PromptTooLongError, WorkbenchError
 from engine.memory_plan import MemoryPlan, plan_memory
 from engine.metrics import RequestStats, StepEvent
 from engine.model_runner import ModelRunner
-from engine.request import Request
-from engine.eagle_proposer import EagleProposer
-from engine.step_costs import PlainStepClock
 from engine.models.eagle_head import EagleHead
+from engine.request import Request
 from engine.spec_decode import DraftModelProposer, NgramProposer, Proposer, check_draft_compatible
+from engine.step_costs import PlainStepClock
 
 SELF_DRAFT = "self"   # draft with the target itself (acceptance 1.0 in greedy mode; a test fixture)
 # Changing these reallocates the KV pool (and drops the prefix cache).

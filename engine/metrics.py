@@ -88,6 +88,12 @@ def speculation_report(running: dict, k: int, plain_step_s: float | None, plain_
             "plain_tok_s": 1.0 / plain_step_s, "plain_source": plain_source}
 
 
+def attempted_positions(accepted: int, proposed: int) -> list[bool]:
+    """One verify step's outcome per draft position: the accepted ones, then the first
+    rejected one if a draft was rejected; positions after it were never attempted."""
+    return [i < accepted for i in range(min(accepted + 1, proposed))]
+
+
 @dataclass
 class PositionCounts:
     """Per-position attempts and accepts. Position i is attempted only when every draft

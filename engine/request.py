@@ -17,7 +17,7 @@ from typing import Protocol
 
 from engine.config import EngineConfig, SamplingParams
 from engine.detokenizer import Detokenizer
-from engine.metrics import TARGET, RequestStats, StepEvent, speculation_report
+from engine.metrics import TARGET, RequestStats, StepEvent, attempted_positions, speculation_report
 from engine.model_runner import ModelRunner
 from engine.sampler import make_generator, probabilities, sample
 from engine.spec_decode import Proposer, greedy_verify, rejection_sample
@@ -31,10 +31,9 @@ class RequestHost(Protocol):
     tokenizer: object
     eos_ids: set[int]
     settings_version: int          # changes whenever settings() may answer differently
+    plain_steps: PlainStepClock    # plain decode step times: the baseline of "does speculation pay"
 
     def apply_pending(self, live_only: bool) -> None: ...
-    plain_steps: PlainStepClock
-
     def plain_step_key(self) -> tuple: ...
     def proposer_in_effect(self) -> str: ...
     def make_proposer(self, name: str) -> Proposer: ...
@@ -124,7 +123,7 @@ class Request:
         target_time = time.perf_counter() - t_target
         # KV is valid for the previous last token and the kept drafts; roll back the rest.
         runner.rollback(self.seq, len(self.token_ids) + verdict.num_accepted)
-        positions = [i < verdict.num_accepted for i in range(min(verdict.num_accepted + 1, len(drafts)))]
+        positions = attempted_positions(verdict.num_accepted, len(drafts))
         event = self._emit(verdict.tokens, verdict.kinds, t0, target_time=target_time,
                            draft_time=proposal.time_s, proposed=len(drafts),
                            accepted=verdict.num_accepted, positions=positions)
