@@ -39,6 +39,7 @@ from engine.distill_data import Sequence, batched_qkv, dataset
 from engine.loader import SHIPPED_EAGLE_FOLDER, cache_dir
 from engine.metrics import PositionCounts, attempted_positions, ratio
 from engine.models.eagle_head import EagleHead, eagle_config, save_eagle, weights_fingerprint
+from engine.models.llama import Linear
 
 
 @dataclass
@@ -68,8 +69,9 @@ def build_head(target, head_token_ids: torch.Tensor) -> EagleHead:
     with torch.device("meta"):
         head = EagleHead(eagle_config(target.hf_config, info), len(head_token_ids), max_positions=src.max_positions)
     head.materialize()
-    head.load_state_dict({f"layers.0.{k}": v.detach().float().clone() for k, v in src.layers[-1].state_dict().items()},
-                         strict=False)
+    layer = src.layers[-1].state_dict()         # a packed target's linears: their dense weights
+    layer.update({f"{name}.weight": m.dense_weight() for name, m in src.layers[-1].named_modules() if isinstance(m, Linear)})
+    head.load_state_dict({f"layers.0.{k}": v.detach().float().clone() for k, v in layer.items()}, strict=False)
     hidden = src.config.hidden_size
     with torch.no_grad():
         head.norm.weight.copy_(src.norm.weight.float())

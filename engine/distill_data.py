@@ -270,8 +270,8 @@ def dataset(target, n_train: int, seed: int, max_new_tokens: int, batch_size: in
         train, info = load_sequences(train_path)
         held, _ = load_sequences(held_path)
         return train, held, info
-    import copy
-    model = copy.deepcopy(target.model).to(torch.bfloat16).eval()
+    from engine.loader import load_model
+    model = load_model(target.folder, dtype=torch.bfloat16, max_positions=target.model.max_positions).model
     log(f"generating held-out answers for {len(HELD_OUT_PROMPTS)} prompts")
     held, _ = generate(model, target.tokenizer, [user(p) for p in HELD_OUT_PROMPTS], max_new_tokens, batch_size, log)
     convs = training_conversations(n_train, seed)

@@ -22,7 +22,7 @@ from engine.eagle_proposer import EagleProposer
 from engine.errors import ConfigError, PromptTooLongError, WorkbenchError
 from engine.memory_plan import MemoryPlan, plan_memory
 from engine.metrics import RequestStats, StepEvent
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, prepare_model
 from engine.models.eagle_head import EagleHead
 from engine.request import Request
 from engine.spec_decode import DraftModelProposer, NgramProposer, Proposer, check_draft_compatible
@@ -47,7 +47,10 @@ def pick_device(name: str) -> torch.device:
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        from engine.cpu_dtype import fastest
+        return fastest(loader.cache_dir() / "cpu_dtype.json")
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
@@ -59,6 +62,7 @@ class LLMEngine:
         self.target_model = target
         self.tokenizer = target.tokenizer
         self.max_model_len = min(config.max_model_len or target.model.max_positions, target.model.max_positions)
+        prepare_model(target.model, device)
         self.plan: MemoryPlan = plan_memory(config, device, target.model)
         self.runner = ModelRunner(target, config, device, num_blocks=self.plan.num_blocks)
         self.draft_runner: ModelRunner | None = None
@@ -110,6 +114,8 @@ class LLMEngine:
         what is free without them."""
         for runner in self.runners():
             runner.release_cache()
+        if draft is not None:
+            prepare_model(draft.model, self.device)
         plan = plan_memory(self.config, self.device, self.target_model.model, draft.model if draft else None)
         self.runner.build_cache(self.config, plan.num_blocks)
         self.settings_version += 1

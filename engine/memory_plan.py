@@ -120,10 +120,16 @@ def ram_bytes() -> int:
 
 
 def weights_bytes(model: torch.nn.Module, shared_with: torch.nn.Module | None = None) -> int:
-    """Bytes of the model's parameters, each storage once; those of `shared_with` excluded."""
-    skip = {p.data_ptr() for p in shared_with.parameters()} if shared_with is not None else set()
-    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
-    return sum(n for ptr, n in seen.items() if ptr not in skip)
+    """Bytes of the model's parameters, each storage once, and of packed copies held beside a
+    plain weight (engine.packed_linear); those of `shared_with` excluded. A packed weight's
+    parameter is a meta tensor of the same shape, which counts its bytes."""
+    def storages(m):
+        held = {(id(p) if p.is_meta else p.data_ptr()): p.numel() * p.element_size() for p in m.parameters()}
+        held.update({id(x.packed): x.packed.numel() * x.packed.element_size() for x in m.modules()
+                     if getattr(x, "packed", None) is not None and not x.weight.is_meta})
+        return held
+    skip = storages(shared_with) if shared_with is not None else {}
+    return sum(n for key, n in storages(model).items() if key not in skip)
 
 
 def activation_bytes(model: torch.nn.Module, tokens: int, kernels: bool) -> int:

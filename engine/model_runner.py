@@ -26,10 +26,18 @@ class RunnerSeq(SeqBlocks):
     num_computed: int = 0
 
 
+def prepare_model(model, device: torch.device) -> None:
+    """Set a loaded model up for inference on `device`, before its memory is planned: on the
+    CPU its linear weights move to oneDNN's layout (engine.packed_linear). Idempotent."""
+    if device.type == "cpu":
+        model.pack_for_cpu()
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device,
                  num_blocks: int | None = None):
         self.loaded, self.model, self.device = loaded, loaded.model, device
+        prepare_model(self.model, device)
         self.model_dtype = next(self.model.parameters()).dtype
         self.compiled: compiled_step.CompiledStep | None = None    # kept across pool rebuilds
         self.last_hidden: torch.Tensor | None = None               # the last pass's, see forward
@@ -54,7 +62,7 @@ class ModelRunner:
 
     def set_compile(self, mode: str, progress=None) -> None:
         """Use the compiled decode/verify step (engine.compiled_step) or the eager reference."""
-        on, self.compile_state = compiled_step.wanted(mode, self.device, self.use_kernels)
+        on, self.compile_state = compiled_step.wanted(mode, self.device, self.model_dtype, self.use_kernels)
         if not on:
             self.compiled = None
         elif self.compiled is None or self.compiled.block_size != self.kv.block_size:

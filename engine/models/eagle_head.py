@@ -53,7 +53,7 @@ class EagleHead(LlamaFamilyModel):
     def attach_target(self, target_model: LlamaFamilyModel) -> None:
         """Share the target's embedding; copy its head rows for the reduced vocabulary."""
         self.embed_tokens = target_model.embed_tokens
-        self.head_weight = target_model.lm_head.weight.detach()[self.head_token_ids].to(self.fc.weight.dtype)
+        self.head_weight = target_model.lm_head.dense_weight().detach()[self.head_token_ids].to(self.fc.weight.dtype)
 
     def step(self, ids: torch.Tensor, features: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
              rope_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +83,7 @@ def weights_fingerprint(model: LlamaFamilyModel) -> str:
     layer's down projection's first row), so a head is never attached to another model of the
     same shape. The rows are rounded to bf16 first, so the same weights loaded in fp32 or bf16,
     from any path, give the same fingerprint."""
-    rows = [model.embed_tokens.weight[::997], model.layers[-1].mlp.down_proj.weight[:1]]
+    rows = [model.embed_tokens.weight[::997], model.layers[-1].mlp.down_proj.dense_weight()[:1]]
     h = hashlib.sha256()
     for r in rows:
         h.update(r.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import packed_linear
 from engine.attention import AttentionMetadata, attention
 from engine.errors import UnsupportedModelError
 from engine.kv_cache import CacheShape, KVCache
@@ -20,18 +21,30 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 class Linear(nn.Module):
     """y = x @ W^T + b, W stored as transformers stores it, [out, in] (a checkpoint's tensor is
-    copied as is: no transpose at load). On the CPU the eager step calls oneDNN's linear
-    (the kernel inductor uses): measured on this 2-core CPU for SmolLM2's shapes it is 1.1-1.8x
-    faster than MKL's matmul for 1 row and about 2x for the 2-9 rows of a verify pass, where
-    MKL's small-M GEMM reads the weights at a fraction of the GEMV's speed (a 5-token pass
-    cost 1.64 one-token passes, now 1.39). Under torch.compile and on CUDA: F.linear."""
+    copied as is: no transpose at load).
+
+    On the CPU, inference runs on oneDNN's linear (the kernel inductor uses), which reads
+    weights 1.1-2x faster than MKL's matmul at SmolLM2's shapes (MKL's small-M GEMM made a
+    5-token pass cost 1.64 one-token passes). Once the model is packed (`pack`, see
+    engine.packed_linear) the weight lives only in oneDNN's layout: the plain parameter
+    becomes a meta tensor of the same shape and dtype (so byte counts stay right), and
+    `dense_weight()` gives the values back. Training, autocast and CUDA take F.linear."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None
+        self.pack_index = -1                    # its place in the model's packed weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            x2 = x.reshape(-1, x.shape[-1])
+            if torch.compiler.is_compiling():
+                y = packed_linear.packed_linear(x2, self.pack_index, self.packed.shape[0], self.bias)
+            else:
+                y = packed_linear.linear(x2, self.packed, self.bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
         if self._onednn(x):
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")
             return y.view(*x.shape[:-1], y.shape[-1])
@@ -43,6 +56,17 @@ class Linear(nn.Module):
         return (ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == self.weight.dtype
                 and not torch.compiler.is_compiling()
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
+
+    def pack(self, index: int, keep_plain: bool) -> torch.Tensor:
+        """Move the weight into oneDNN's layout; `keep_plain` when the parameter is shared
+        (a head tied to the embedding, which still looks rows up)."""
+        self.packed, self.pack_index = packed_linear.pack(self.weight), index
+        if not keep_plain:
+            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+        return self.packed
+
+    def dense_weight(self) -> torch.Tensor:
+        return packed_linear.unpack(self.packed) if self.weight.is_meta else self.weight
 
 
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -188,13 +212,23 @@ class LlamaFamilyModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_weights: list[torch.Tensor] = []     # see pack_for_cpu
         self.tie_weights()
 
     def tie_weights(self) -> None:
         if getattr(self.config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
 
+
+    def pack_for_cpu(self) -> None:
+        """Put every linear weight in oneDNN's layout for CPU inference (engine.packed_linear);
+        once, and only for fp32 / bf16 weights on the CPU. The model is then for inference only."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if self.packed_weights or not all(packed_linear.packable(m.weight) for m in linears):
+            return
+        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        self.packed_weights = [m.pack(i, keep_plain=id(m.weight) in embeddings) for i, m in enumerate(linears)]
 
     @property
     def cache_shape(self) -> CacheShape:

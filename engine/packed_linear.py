@@ -1,0 +1,67 @@
+"""oneDNN's prepacked weights for linear layers in CPU inference.
+
+oneDNN reads a weight fastest in its own blocked layout (VNNI for bf16, which the AMX and
+AVX512-BF16 units consume); given a plain `[out, in]` tensor it reorders the weight on every
+call. Inductor's `freezing` packs weights once, but it also folds them into the compiled
+graph as constants, so its disk cache can never hit. We pack them ourselves, once, when a
+model is set up for CPU inference: the eager step calls the packed kernel directly, and a
+compiled graph calls it through the custom op below, so the weights stay out of the graph
+and inductor's on-disk cache works across processes.
+
+Measured on this 2-core CPU (SmolLM2-135M shapes, 2 threads, one row): bf16 packed reads a
+weight 1.8-2.2x faster than bf16 plain (the 49,152 x 576 head: 1.43 ms against 3.1 ms);
+fp32 is the same for one row and about 2x faster for the 5 rows of a k=4 verify pass. A
+packed weight gives each row the same result whatever the number of rows, so a verify pass
+and a decode step agree bit for bit in bf16 too.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+AVAILABLE = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packable(weight: torch.Tensor) -> bool:
+    return AVAILABLE and weight.device.type == "cpu" and weight.dtype in DTYPES and weight.dim() == 2
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight `[out, in]` in oneDNN's layout (an opaque mkldnn tensor of the same shape)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The plain `[out, in]` weight back, bit for bit."""
+    return packed.to_dense()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, in] -> [M, out] on the packed weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# ---- compiled graphs ---------------------------------------------------------------
+# A packed tensor is opaque to the compiler, so a graph names a weight by its index in the
+# packed weights of the model whose compiled step is running (set by `use`, per thread).
+# Indices follow the model's module order, so the same model gives the same graph, and the
+# same cache key, in every process.
+_running = threading.local()
+
+
+def use(weights: list[torch.Tensor]) -> None:
+    """The packed weights a compiled graph's `workbench::packed_linear` calls refer to."""
+    _running.weights = weights
+
+
+@torch.library.custom_op("workbench::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, index: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return linear(x, _running.weights[index], bias)
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x, index, out_features, bias):
+    return x.new_empty(x.shape[0], out_features)
