@@ -385,7 +385,7 @@ def main(argv=None) -> int:
                     help="weights dtype (default: each scenario's own)")
     ap.add_argument("--synthetic", default=None, choices=sorted(PRESETS),
                     help="load: a random-weight checkpoint of this architecture, written once to the user cache")
-    ap.add_argument("--compile", default="off", choices=["off", "on", "auto"],
+    ap.add_argument("--compile", default="auto", choices=["off", "on", "auto"],
                     help="parity, decode, speculative: run our decode and verify steps compiled "
                     "(engine.compiled_step)")
     ap.add_argument("--prompts", type=int, default=8, help="parity: number of prompts")

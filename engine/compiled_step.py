@@ -1,8 +1,8 @@
 """The decode and verify step, compiled: torch.compile over the paged cache (gpt-fast's way).
 
-One graph per new-token count N (1 for decode, k + 1 for verify); the context is a dynamic
-dimension (the block table and the mask grow with the chat), so a growing context never
-recompiles. Whatever the compiler needs is arranged outside the compiled function: the
+Two graphs: one for decode (1 token) and one for verify (2..17 tokens, a dynamic dimension).
+The context and the pool's size are dynamic too (the block table and the mask grow with the
+chat), so a growing context never recompiles. Whatever the compiler needs is arranged outside the compiled function: the
 block table is padded to at least MIN_TABLE_BLOCKS (a size-1 dimension would be
 specialised), the mask hides padding and the future, and the slots are computed on the
 host. Prefill (many tokens, run once per reply) stays eager.
@@ -79,9 +79,18 @@ class CompiledStep:
         blocks = block_table + [block_table[0]] * max(MIN_TABLE_BLOCKS - len(block_table), 0)   # masked out
         positions, table, slots = pass_positions(start, n, blocks, bs, self.device)
         mask = torch.arange(len(blocks) * bs, device=self.device)[None, :] <= positions[:, None]   # [N, T]
+        ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        # Dynamic dimensions, so one graph serves every context, pool size and verify length
+        # (two graphs in all: 1 token, and 2..MAX_COMPILED_TOKENS), and the disk cache's key
+        # does not depend on which came first.
         torch._dynamo.mark_dynamic(table, 0)
         torch._dynamo.mark_dynamic(mask, 1)
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        if n > 1:
+            for t in (ids_t, positions, slots, mask):
+                torch._dynamo.mark_dynamic(t, 0)
+        for pool in (kv.k, kv.v, kv.k_scale, kv.v_scale):
+            if pool is not None and pool.shape[1] > 1:      # a size-1 dimension is always specialised
+                torch._dynamo.mark_dynamic(pool, 1)
         if n not in self.compiled_counts:
             self.progress(f"compiling the {'decode' if n == 1 else 'verify'} step for {n} token(s) "
                           "(about a minute the first time on a small CPU; seconds from the disk cache)…", 0.0)
