@@ -1,0 +1,106 @@
+"""oneDNN-packed linear weights (engine.packed_linear), the CPU dtype probe (engine.cpu_dtype)
+and the compiled bf16 step on packed weights."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import SamplingParams, packed_linear
+from engine.cpu_dtype import cpu_key, fastest
+from engine.loader import load_model
+from engine.memory_plan import weights_bytes
+from engine.model_runner import prepare_model
+from engine.models.llama import Linear
+from engine.synthetic import write_checkpoint
+
+pytestmark = pytest.mark.skipif(not packed_linear.AVAILABLE, reason="this torch has no oneDNN linear")
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("packed")
+    return {tied: write_checkpoint(root / ("tied" if tied else "untied"), {"preset": "tiny", "tie_word_embeddings": tied},
+                                   seed=3)
+            for tied in (False, True)}
+
+
+def test_a_packed_weight_gives_the_plain_weights_result_and_comes_back_bit_for_bit():
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(96, 64, generator=gen), torch.randn(5, 64, generator=gen)
+    packed = packed_linear.pack(weight)
+    assert torch.equal(packed_linear.unpack(packed), weight)
+    assert torch.allclose(packed_linear.linear(x, packed, None), F.linear(x, weight), atol=1e-5)
+
+
+def test_bf16_rows_do_not_depend_on_how_many_rows_a_pass_has():
+    """A verify pass (k + 1 rows) computes each row as a decode step (1 row) would."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(576, 576, generator=gen).bfloat16()
+    x = torch.randn(5, 576, generator=gen).bfloat16()
+    packed = packed_linear.pack(weight)
+    together = packed_linear.linear(x, packed, None)
+    alone = torch.cat([packed_linear.linear(x[i:i + 1], packed, None) for i in range(5)])
+    assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packing_frees_the_plain_weights_and_keeps_logits_and_byte_counts(tiny_folders, tied):
+    plain = load_model(str(tiny_folders[tied]))
+    packed = load_model(str(tiny_folders[tied]))
+    before = weights_bytes(packed.model)
+    prepare_model(packed.model, torch.device("cpu"))
+    linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
+    assert len(packed.model.packed_weights) == len(linears) == 4 * 2 + 1
+    head = packed.model.lm_head
+    head_bytes = head.packed.numel() * head.packed.element_size()
+    # Every linear's parameter is now a meta tensor (no memory), except a head tied to the
+    # embedding, which keeps its plain rows for the lookup and holds a packed copy beside them.
+    assert all(m.weight.is_meta for m in linears if m is not head)
+    assert head.weight.is_meta == (not tied)
+    assert weights_bytes(packed.model) == before + (head_bytes if tied else 0)
+    for m_plain, m_packed in zip((m for m in plain.model.modules() if isinstance(m, Linear)), linears):
+        assert torch.equal(m_packed.dense_weight(), m_plain.weight)
+    prepare_model(packed.model, torch.device("cpu"))             # idempotent
+    assert len(packed.model.packed_weights) == len(linears)
+
+    from engine import EngineConfig, LLMEngine
+    prompt = list(range(100, 140))
+    outs = [LLMEngine(m, EngineConfig(num_blocks=32, compile="off"), torch.device("cpu")).generate_text(
+        prompt, SamplingParams(max_tokens=8, stop_on_eos=False))[1] for m in (plain, packed)]
+    assert outs[0] == outs[1]
+
+
+def test_compiled_bf16_step_on_packed_weights_is_lossless_under_speculation(tiny_folders):
+    """bf16 with compile auto (the CPU default where bf16 is faster): greedy output with n-gram
+    speculation equals greedy output without it, and the steps ran compiled."""
+    from engine import EngineConfig, LLMEngine
+    loaded = load_model(str(tiny_folders[False]), dtype=torch.bfloat16)
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=64, compile="auto", enable_prefix_caching=False), torch.device("cpu"))
+    assert eng.settings()["compile"] == "on (auto)" and eng.settings()["dtype"] == "bfloat16"
+    question = eng.encode([{"role": "user", "content": "Tell me a story."}])
+    greedy = SamplingParams(max_tokens=12, stop_on_eos=False)
+    prompt = question + eng.generate_text(question, greedy)[1] + question
+    _, plain, _ = eng.generate_text(prompt, greedy)
+    eng.reconfigure(proposer="ngram", num_speculative_tokens=4)
+    _, speculative, stats = eng.generate_text(prompt, greedy)
+    assert speculative == plain
+    assert stats.proposed > 0 and set(eng.runner.compiled.compiled_counts) >= {1, 5}
+
+
+def test_cpu_dtype_probe_measures_once_and_survives_a_corrupt_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "cpu_dtype.json"
+    cache.write_text("{not json")
+    calls = []
+    monkeypatch.setattr("engine.cpu_dtype.measure", lambda: calls.append(1) or {"float32": 2.0, "bfloat16": 1.0})
+    assert fastest(cache) is torch.bfloat16
+    assert json.loads(cache.read_text()) == {cpu_key(): {"float32": 2.0, "bfloat16": 1.0}}
+    assert fastest(cache) is torch.bfloat16 and calls == [1]          # the second answer comes from the file
+    cache.write_text(json.dumps({cpu_key(): {"float32": 1.0, "bfloat16": 3.0}}))
+    assert fastest(cache) is torch.float32
+
+
+def test_cpu_dtype_probe_times_both_dtypes():
+    from engine.cpu_dtype import measure
+    seconds = measure()
+    assert set(seconds) == {"float32", "bfloat16"} and all(s > 0 for s in seconds.values())
