@@ -74,33 +74,42 @@ class CompiledStep:
         return self.model.forward_with_hidden(ids, kv, meta, logits_for), meta.pending_kv
 
     def __call__(self, ids: list[int], kv, start: int, block_table: list[int], logits_for) -> tuple:
-        """(logits, final hidden states [N, hidden])."""
+        """(logits as ModelRunner.forward gives them, final hidden states [N, hidden]).
+
+        One graph serves decode and verify: a decode step runs as a 2-row pass whose second row
+        repeats the first (same token, same position; its K/V are not written). Inductor
+        computes a row the same way whatever the row count, but a graph specialised to one
+        row fuses and rounds differently, and in bf16 that flipped near-tied greedy tokens
+        between plain and speculative decoding. The extra row costs little (a 2-row pass
+        reads the same weights) and halves the compile time."""
         n, bs = len(ids), self.block_size
+        rows = max(n, 2)
         blocks = block_table + [block_table[0]] * max(MIN_TABLE_BLOCKS - len(block_table), 0)   # masked out
         positions, table, slots = pass_positions(start, n, blocks, bs, self.device)
-        mask = torch.arange(len(blocks) * bs, device=self.device)[None, :] <= positions[:, None]   # [N, T]
+        if rows > n:
+            positions, slots, ids = positions.repeat(rows), slots.repeat(rows), ids * rows
+        mask = torch.arange(len(blocks) * bs, device=self.device)[None, :] <= positions[:, None]   # [rows, T]
         ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        # Dynamic dimensions, so one graph serves every context, pool size and verify length
-        # (two graphs in all: 1 token, and 2..MAX_COMPILED_TOKENS), and the disk cache's key
-        # does not depend on which came first.
-        torch._dynamo.mark_dynamic(table, 0)
-        torch._dynamo.mark_dynamic(mask, 1)
-        if n > 1:
-            for t in (ids_t, positions, slots, mask):
-                torch._dynamo.mark_dynamic(t, 0)
+        # Dynamic dimensions: one graph for every row count, context and pool size, and a disk
+        # cache key that does not depend on which came first.
+        for t, dim in ((table, 0), (mask, 1), (ids_t, 0), (positions, 0), (slots, 0), (mask, 0)):
+            torch._dynamo.mark_dynamic(t, dim)
         for pool in (kv.k, kv.v, kv.k_scale, kv.v_scale):
             if pool is not None and pool.shape[1] > 1:      # a size-1 dimension is always specialised
                 torch._dynamo.mark_dynamic(pool, 1)
-        if n not in self.compiled_counts:
-            self.progress(f"compiling the {'decode' if n == 1 else 'verify'} step for {n} token(s) "
-                          "(about a minute the first time on a small CPU; seconds from the disk cache)…", 0.0)
+        first = not self.compiled_counts
+        if first:
+            self.progress("compiling the decode and verify step (about a minute the first time on a small "
+                          "CPU; seconds from the disk cache)…", 0.0)
         t0 = time.perf_counter()
         packed_linear.use(self.model.packed_weights)
-        (logits, hidden), new_kv = self._compiled(ids_t, kv, positions, slots, table, mask, logits_for)
+        (logits, hidden), new_kv = self._compiled(ids_t, kv, positions, slots, table, mask, "all")
         for i, encoded in enumerate(new_kv):       # written here, outside the compiled graph
-            write_kv(kv.layer(i), encoded, slots)
+            write_kv(kv.layer(i), tuple(None if x is None else x[:n] for x in encoded), slots[:n])
         if n not in self.compiled_counts:
             self.compiled_counts.add(n)
             self.compile_seconds[n] = time.perf_counter() - t0
-            self.progress(f"compiled the step for {n} token(s) in {self.compile_seconds[n]:.0f} s", 1.0)
-        return logits, hidden
+            if first:
+                self.progress(f"compiled the decode and verify step in {self.compile_seconds[n]:.0f} s", 1.0)
+        keep = 1 if logits_for == "last" else logits_for
+        return logits[n - keep:n], hidden[:n]
