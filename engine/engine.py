@@ -59,15 +59,15 @@ class LLMEngine:
                  progress: loader.Progress = loader.no_progress):
         self.config = config
         self.device = device
+        self.progress = progress
         self.target_model = target
         self.tokenizer = target.tokenizer
         self.max_model_len = min(config.max_model_len or target.model.max_positions, target.model.max_positions)
         prepare_model(target.model, device)
         self.plan: MemoryPlan = plan_memory(config, device, target.model)
-        self.runner = ModelRunner(target, config, device, num_blocks=self.plan.num_blocks)
+        self.runner = ModelRunner(target, config, device, num_blocks=self.plan.num_blocks, progress=progress)
         self.draft_runner: ModelRunner | None = None
         self.draft_name: str | None = None
-        self.progress = progress
         self.active: Request | None = None
         self.settings_version = 0      # bumped whenever settings() may answer differently
         self._pending: dict = {}
@@ -124,7 +124,8 @@ class LLMEngine:
         elif self.draft_runner is not None and self.draft_runner.loaded is draft:
             self.draft_runner.build_cache(self.config, plan.num_blocks)
         else:
-            self.draft_runner = ModelRunner(draft, self.config, self.device, num_blocks=plan.num_blocks)
+            self.draft_runner = ModelRunner(draft, self.config, self.device, num_blocks=plan.num_blocks,
+                                            progress=self.progress)
         self.plan = plan
 
     def _draft(self) -> loader.LoadedModel | None:
@@ -173,7 +174,7 @@ class LLMEngine:
             self._rebuild_pools_or_revert(old)
         for runner in self.runners():
             runner.set_prefix_caching(self.config.enable_prefix_caching)
-            runner.set_compile(self.config.compile, self.progress)
+            runner.set_compile(self.config.compile)
         if draft != self.draft_name:
             self.set_draft_model(draft)
 

@@ -35,8 +35,9 @@ def prepare_model(model, device: torch.device) -> None:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device,
-                 num_blocks: int | None = None):
+                 num_blocks: int | None = None, progress=None):
         self.loaded, self.model, self.device = loaded, loaded.model, device
+        self.progress = progress            # where a compile reports ("compiling the decode step…")
         prepare_model(self.model, device)
         self.model_dtype = next(self.model.parameters()).dtype
         self.compiled: compiled_step.CompiledStep | None = None    # kept across pool rebuilds
@@ -60,15 +61,13 @@ class ModelRunner:
         self.use_kernels = self._want_kernels(config)
         self.set_compile(config.compile)
 
-    def set_compile(self, mode: str, progress=None) -> None:
+    def set_compile(self, mode: str) -> None:
         """Use the compiled decode/verify step (engine.compiled_step) or the eager reference."""
         on, self.compile_state = compiled_step.wanted(mode, self.device, self.model_dtype, self.use_kernels)
         if not on:
             self.compiled = None
         elif self.compiled is None or self.compiled.block_size != self.kv.block_size:
-            self.compiled = compiled_step.CompiledStep(self.model, self.kv.block_size, self.device, progress)
-        elif progress is not None:
-            self.compiled.progress = progress
+            self.compiled = compiled_step.CompiledStep(self.model, self.kv.block_size, self.device, self.progress)
 
     def release_cache(self) -> None:
         self.kv = None

@@ -114,8 +114,8 @@ def test_ngram_lookup_prefers_longest_most_recent_match():
 
 
 # ---- end to end on the tiny model ----------------------------------------------------
-def _tiny_engine(model, kv="auto"):
-    return LLMEngine(model, EngineConfig(kv_cache_dtype=kv, kv_cache_bytes=8 * 2**20), torch.device("cpu"))
+def _tiny_engine(model, kv="auto", compile="off"):
+    return LLMEngine(model, EngineConfig(kv_cache_dtype=kv, kv_cache_bytes=8 * 2**20, compile=compile), torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -132,24 +132,28 @@ def tiny_prompts(tiny_model):
 
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_model, tiny_prompts):
-    """Target-only greedy outputs, per KV dtype (FP8 changes the numbers, so compare like with like)."""
-    return {kv: [_tiny_engine(tiny_model, kv).generate_text(p, GREEDY)[1] for p in tiny_prompts]
-            for kv in ("auto", "fp8_e4m3")}
+    """Target-only greedy outputs, per KV dtype and compile setting (FP8 and the compiled
+    step's summation order change the numbers, so compare like with like)."""
+    return {(kv, compile): [_tiny_engine(tiny_model, kv, compile).generate_text(p, GREEDY)[1] for p in tiny_prompts]
+            for kv in ("auto", "fp8_e4m3") for compile in ("off", "on")}
 
 
 def _no_blocks_in_use(eng) -> bool:
     return all(r.blocks.num_used_blocks == 0 for r in (eng.runner, eng.draft_runner) if r is not None)
 
 
-@pytest.mark.parametrize("proposer,kv,prefix", list(itertools.product(["ngram", "draft"], ["auto", "fp8_e4m3"], [True, False])))
-def test_greedy_speculation_is_token_identical(make_tiny_engine, tiny_prompts, tiny_reference, proposer, kv, prefix):
-    eng = make_tiny_engine(kv_cache_dtype=kv, enable_prefix_caching=prefix)
+@pytest.mark.parametrize("proposer,kv,prefix,compile",
+                         list(itertools.product(["ngram", "draft"], ["auto", "fp8_e4m3"], [True, False], ["off", "on"])))
+def test_greedy_speculation_is_token_identical(make_tiny_engine, tiny_prompts, tiny_reference, proposer, kv, prefix,
+                                               compile):
+    eng = make_tiny_engine(kv_cache_dtype=kv, enable_prefix_caching=prefix, compile=compile)
+    assert eng.settings()["compile"] == compile
     if proposer == "draft":
         eng.set_draft_model("self:1")                 # early exit: partial acceptance, real rollbacks
     proposed = accepted = 0
     for k in (1, 2, 4, 8):
         eng.reconfigure(proposer=proposer, num_speculative_tokens=k)
-        for prompt, expected in zip(tiny_prompts, tiny_reference[kv]):
+        for prompt, expected in zip(tiny_prompts, tiny_reference[kv, compile]):
             _, out, stats = eng.generate_text(prompt, GREEDY)
             assert out == expected, f"k={k}"
             assert stats.proposed > 0
