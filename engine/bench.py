@@ -267,19 +267,25 @@ def _human(n: int) -> str:
 
 # ---- decode speed ------------------------------------------------------------------
 def bench_decode(args) -> dict:
-    """Ours (at --dtype, --compile) against transformers `generate` in fp32 (its CPU default),
-    the same threads, interleaved; plus the roofline fraction and the verify costs."""
-    from engine import SamplingParams
+    """Ours (at --dtype, --compile; and at the other of fp32 / bf16) against transformers
+    `generate` in fp32 (its CPU default), the same threads, interleaved; plus the roofline
+    fraction, the verify costs and the CPU dtype probe's timings."""
+    from engine import SamplingParams, cpu_dtype
     from engine.step_costs import read_bandwidth, verify_costs, weight_bytes_per_token
     eng = _engine(args, enable_prefix_caching=False, kv_cache_bytes=HF_BESIDE_POOL_BYTES, compile=args.compile)
     baseline = _hf_model(eng, torch.float32)
     same_dtype = _hf_model(eng) if eng.runner.model_dtype != torch.float32 else None
+    # Ours at the other weight dtype too (fp32 <-> bf16, its own `compile` choice), so the
+    # dtype that `auto` picks is checked against what the engine really does.
+    other_name = "float32" if eng.runner.model_dtype != torch.float32 else "bfloat16"
+    other = _engine(argparse.Namespace(**{**vars(args), "dtype": other_name}), enable_prefix_caching=False,
+                    kv_cache_bytes=HF_BESIDE_POOL_BYTES, compile=args.compile)
     ids = eng.encode(chat(CHAT_PROMPTS[1]))
     n = args.tokens
 
-    def ours(tokens):
+    def ours(tokens, engine=eng):
         t0 = time.perf_counter()
-        eng.generate_text(ids, SamplingParams(max_tokens=tokens, stop_on_eos=False))
+        engine.generate_text(ids, SamplingParams(max_tokens=tokens, stop_on_eos=False))
         return time.perf_counter() - t0
 
     def theirs(hf, tokens):
@@ -292,10 +298,11 @@ def bench_decode(args) -> dict:
     def per_token(fn):            # decode time = time(n) - time(1): TTFT excluded, for both alike
         return (fn(n) - fn(1)) / (n - 1)
 
-    ours(4), theirs(baseline, 4)                      # warm-up (and compile, if on)
-    runs = {"ours": [], "hf": [], "hf_same_dtype": []}
+    ours(4), ours(4, other), theirs(baseline, 4)       # warm-up (and compile, if on)
+    runs = {"ours": [], "ours_other_dtype": [], "hf": [], "hf_same_dtype": []}
     for _ in range(args.repeats):                      # interleaved, so drift hits all alike
         runs["ours"].append(per_token(ours))
+        runs["ours_other_dtype"].append(per_token(lambda t: ours(t, other)))
         runs["hf"].append(per_token(lambda t: theirs(baseline, t)))
         if same_dtype is not None:
             runs["hf_same_dtype"].append(per_token(lambda t: theirs(same_dtype, t)))
@@ -308,6 +315,9 @@ def bench_decode(args) -> dict:
             "roofline_fraction": weight_bytes * tok_s["ours"] / bandwidth,
             "weight_bytes_per_token": weight_bytes, "read_bandwidth_gb_s": bandwidth / 1e9,
             "verify_cost": verify_costs(eng.runner), "compile": eng.settings()["compile"],
+            "other_dtype": {"dtype": other_name, "ours_tok_s": tok_s["ours_other_dtype"],
+                            "compile": other.settings()["compile"]},
+            "dtype_probe_s": cpu_dtype.measure() if eng.device.type == "cpu" else None,
             "compile_s": {str(k): v for k, v in sorted(compiled.compile_seconds.items())} if compiled else {},
             "tokens": n, "repeats": args.repeats, "threads": torch.get_num_threads(),
             "device": str(eng.device), "dtype": _dtype(eng), "baseline": "transformers generate, float32"}
