@@ -46,10 +46,15 @@ def wanted(mode: str, device: torch.device, dtype: torch.dtype, use_kernels: boo
 
 
 def configure_compiler(cache_dir: Path) -> None:
-    """Inductor settings for inference, and its on-disk cache in our cache folder."""
+    """Inductor settings for inference, and its on-disk cache in our cache folder unless the
+    user chose one (importing torch._dynamo already sets the variable to torch's /tmp default,
+    which a reboot may wipe, so that value is replaced)."""
     import torch._dynamo
     import torch._inductor.config as inductor
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor")
     inductor.fx_graph_cache = True
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * MAX_COMPILED_TOKENS)
 

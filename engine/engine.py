@@ -214,6 +214,7 @@ class LLMEngine:
         if self.eagle is not None and self.eagle[0] == reference:
             return
         head, _ = loader.load_eagle_head(reference, self.target_model, self.device, self.runner.model_dtype)
+        prepare_model(head, self.device)
         self.eagle = (reference, head)
 
     def make_proposer(self, name: str) -> Proposer:

@@ -45,3 +45,16 @@ def test_compile_setting_is_checked_and_applies_between_requests(make_tiny_engin
         eng.reconfigure(compile="sometimes")
     result = eng.reconfigure(compile="auto")       # fp32 weights on the CPU: auto stays eager
     assert result.applied == {"compile": "auto"} and eng.settings()["compile"].startswith("off (auto")
+
+
+def test_compiled_graphs_are_cached_in_the_user_cache_folder(make_tiny_engine):
+    """Importing torch._dynamo points inductor at torch's /tmp default; ours wins over that."""
+    import os
+    from pathlib import Path
+
+    from engine.loader import cache_dir
+    eng = make_tiny_engine(compile="on")
+    eng.generate_text([1, 2, 3, 4], SamplingParams(max_tokens=3, stop_on_eos=False))
+    folder = cache_dir() / "inductor"
+    assert Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) == folder
+    assert any((folder / "fxgraph").rglob("*"))

@@ -27,11 +27,11 @@ import json
 from pathlib import Path
 
 import torch
-from torch import nn
 
+from engine import packed_linear
 from engine.attention_metadata import AttentionMetadata
 from engine.kv_cache import CacheShape, KVCache
-from engine.models.llama import LlamaFamilyModel
+from engine.models.llama import LlamaFamilyModel, Linear
 
 EAGLE_CONFIG_KEY = "workbench_eagle"      # marks an EAGLE head folder in config.json
 
@@ -43,9 +43,10 @@ class EagleHead(LlamaFamilyModel):
         super().__init__(config, max_positions)
         del self.lm_head                                   # the target's rows, in head_weight
         h = config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=False)
         self.register_buffer("head_token_ids", torch.zeros(head_size, dtype=torch.int64))
         self.register_buffer("head_weight", torch.zeros(head_size, h), persistent=False)
+        self.head_packed: torch.Tensor | None = None      # head_weight in oneDNN's layout, see pack_for_cpu
 
     def tie_weights(self) -> None:
         pass
@@ -63,7 +64,16 @@ class EagleHead(LlamaFamilyModel):
         x = self.fc(torch.cat([self.embed_tokens(ids), features.to(self.fc.weight.dtype)], dim=-1))
         rope = self.rotary.at(rope_positions, x.dtype)
         g = self.norm(self.layers[0](x, kv.layer(0), meta, rope))
+        if self.head_packed is not None:
+            return packed_linear.linear(g, self.head_packed, None).float(), g
         return (g @ self.head_weight.t()).float(), g
+
+    def pack_for_cpu(self) -> None:
+        """The layer, fc and the reduced head in oneDNN's layout (engine.packed_linear): a
+        draft token's eager step in bf16 re-laid every weight out on each call otherwise."""
+        super().pack_for_cpu()
+        if self.head_packed is None and packed_linear.packable(self.head_weight):
+            self.head_packed = packed_linear.pack(self.head_weight)
 
     def full_logits(self, reduced: torch.Tensor) -> torch.Tensor:
         """[N, R] -> [N, vocab]: tokens outside the head get -inf (probability 0)."""
