@@ -38,22 +38,21 @@ class Linear(nn.Module):
         self.pack_index = -1                    # its place in the model's packed weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            x2 = x.reshape(-1, x.shape[-1])
-            if torch.compiler.is_compiling():
-                y = packed_linear.packed_linear(x2, self.pack_index, self.packed.shape[0], self.bias)
-            else:
-                y = packed_linear.linear(x2, self.packed, self.bias)
-            return y.view(*x.shape[:-1], y.shape[-1])
-        if self._onednn(x):
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.weight, self.bias, "none", [], "")
-            return y.view(*x.shape[:-1], y.shape[-1])
-        return F.linear(x, self.weight, self.bias)
+        if self.packed is None and not self._onednn(x):
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.packed is None:
+            y = packed_linear.linear(x2, self.weight, self.bias)        # oneDNN re-lays the weight out
+        elif torch.compiler.is_compiling():
+            y = packed_linear.packed_linear(x2, self.pack_index, self.packed.shape[0], self.bias)
+        else:
+            y = packed_linear.linear(x2, self.packed, self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def _onednn(self, x: torch.Tensor) -> bool:
         """Inference on the CPU with matching dtypes (training, autocast, torch.compile and
         CUDA take F.linear: the oneDNN op has no backward and no mixed dtypes)."""
-        return (ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == self.weight.dtype
+        return (packed_linear.AVAILABLE and x.device.type == "cpu" and x.dtype == self.weight.dtype
                 and not torch.compiler.is_compiling()
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
 
@@ -67,9 +66,6 @@ class Linear(nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         return packed_linear.unpack(self.packed) if self.weight.is_meta else self.weight
-
-
-ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class RMSNorm(nn.Module):
@@ -219,7 +215,6 @@ class LlamaFamilyModel(nn.Module):
     def tie_weights(self) -> None:
         if getattr(self.config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
-
 
     def pack_for_cpu(self) -> None:
         """Put every linear weight in oneDNN's layout for CPU inference (engine.packed_linear);
