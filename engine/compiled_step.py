@@ -69,8 +69,9 @@ class CompiledStep:
         configure_compiler(cache_dir())
         mode = "reduce-overhead" if device.type == "cuda" else None     # CUDA graphs on CUDA
         self._compiled = torch.compile(self._forward, mode=mode, fullgraph=True)
-        self.compiled_counts: set[int] = set()      # token counts already compiled (this process)
-        self.compile_seconds: dict[int, float] = {}
+        self.compiled_counts: set[int] = set()      # token counts already run (this process)
+        self.compile_seconds: dict[int, float] = {}  # the first call's time per token count
+        self.cache_dtypes: set[torch.dtype] = set()  # KV dtypes compiled for: another one recompiles
 
     def _forward(self, ids, kv, positions, slots, table, mask, logits_for):
         """A pure function of the cache: it reads the pool and returns the new K/V (writing the
@@ -102,7 +103,7 @@ class CompiledStep:
         for pool in (kv.k, kv.v, kv.k_scale, kv.v_scale):
             if pool is not None and pool.shape[1] > 1:      # a size-1 dimension is always specialised
                 torch._dynamo.mark_dynamic(pool, 1)
-        first = not self.compiled_counts
+        first = kv.dtype not in self.cache_dtypes
         if first:
             self.progress("compiling the decode and verify step (about a minute the first time on a small "
                           "CPU; seconds from the disk cache)…", 0.0)
@@ -111,10 +112,12 @@ class CompiledStep:
         (logits, hidden), new_kv = self._compiled(ids_t, kv, positions, slots, table, mask, "all")
         for i, encoded in enumerate(new_kv):       # written here, outside the compiled graph
             write_kv(kv.layer(i), tuple(None if x is None else x[:n] for x in encoded), slots[:n])
+        seconds = time.perf_counter() - t0
         if n not in self.compiled_counts:
             self.compiled_counts.add(n)
-            self.compile_seconds[n] = time.perf_counter() - t0
-            if first:
-                self.progress(f"compiled the decode and verify step in {self.compile_seconds[n]:.0f} s", 1.0)
+            self.compile_seconds[n] = seconds
+        if first:
+            self.cache_dtypes.add(kv.dtype)
+            self.progress(f"compiled the decode and verify step in {seconds:.0f} s", 1.0)
         keep = 1 if logits_for == "last" else logits_for
         return logits[n - keep:n], hidden[:n]

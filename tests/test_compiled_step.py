@@ -58,3 +58,17 @@ def test_compiled_graphs_are_cached_in_the_user_cache_folder(make_tiny_engine):
     folder = cache_dir() / "inductor"
     assert Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) == folder
     assert any((folder / "fxgraph").rglob("*"))
+
+
+def test_compiling_is_reported_once_per_cache_dtype(make_tiny_engine):
+    """The app shows "compiling…" while a graph compiles: at the first step, and again when a
+    new KV dtype makes inductor compile once more; not on every new token count."""
+    eng = make_tiny_engine(compile="on", proposer="ngram", num_speculative_tokens=2)
+    messages = []
+    eng.runner.compiled.progress = lambda message, fraction: messages.append((message.split(" ")[0], fraction))
+    prompt = repeating_prompt(make_tiny_engine())
+    eng.generate_text(prompt, GREEDY)
+    assert messages == [("compiling", 0.0), ("compiled", 1.0)]
+    eng.reconfigure(kv_cache_dtype="fp8_e4m3")                  # a new pool, same compiled step
+    eng.generate_text(prompt, GREEDY)
+    assert messages == [("compiling", 0.0), ("compiled", 1.0)] * 2
