@@ -21,19 +21,23 @@ def encode_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor) -> tuple:
 
 
 def write_kv(cache: LayerCache, encoded: tuple, slot_mapping: torch.Tensor) -> None:
-    """Write encode_kv's output into the given slots."""
+    """Write encode_kv's output into the given slots. The cache may also be every layer's
+    pool at once ([L, num_blocks, block_size, ...] with encoded [L, N, ...]): one copy per
+    tensor for all layers."""
     k, v, ks, vs = encoded
-    k_flat = cache.k.view(-1, *cache.k.shape[2:])   # [num_blocks * block_size, H_kv, D]
-    v_flat = cache.v.view(-1, *cache.v.shape[2:])
+    dim = cache.k.dim() - 4                         # 0 for one layer, 1 for all of them
+
+    def flat(pool, tail: int):                      # [..., num_blocks * block_size, *tail dims]
+        return pool.view(*pool.shape[:dim], -1, *pool.shape[pool.dim() - tail:])
     if ks is None:
-        k_flat.index_copy_(0, slot_mapping, k)
-        v_flat.index_copy_(0, slot_mapping, v)
+        flat(cache.k, 2).index_copy_(dim, slot_mapping, k)
+        flat(cache.v, 2).index_copy_(dim, slot_mapping, v)
         return
     # index_copy_ has no FP8 kernel on CPU; copy the raw bytes instead.
-    k_flat.view(torch.uint8).index_copy_(0, slot_mapping, k.view(torch.uint8))
-    v_flat.view(torch.uint8).index_copy_(0, slot_mapping, v.view(torch.uint8))
-    cache.k_scale.view(-1, cache.k_scale.shape[-1]).index_copy_(0, slot_mapping, ks)
-    cache.v_scale.view(-1, cache.v_scale.shape[-1]).index_copy_(0, slot_mapping, vs)
+    flat(cache.k, 2).view(torch.uint8).index_copy_(dim, slot_mapping, k.view(torch.uint8))
+    flat(cache.v, 2).view(torch.uint8).index_copy_(dim, slot_mapping, v.view(torch.uint8))
+    flat(cache.k_scale, 1).index_copy_(dim, slot_mapping, ks)
+    flat(cache.v_scale, 1).index_copy_(dim, slot_mapping, vs)
 
 
 def store_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

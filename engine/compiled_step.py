@@ -29,6 +29,7 @@ from engine import packed_linear
 from engine.attention import write_kv
 from engine.attention_metadata import AttentionMetadata, pass_positions
 from engine.config import MAX_SPEC_TOKENS
+from engine.kv_cache import LayerCache
 
 MAX_COMPILED_TOKENS = MAX_SPEC_TOKENS + 1
 MIN_TABLE_BLOCKS = 2
@@ -77,7 +78,9 @@ class CompiledStep:
         """A pure function of the cache: it reads the pool and returns the new K/V (writing the
         pool inside the graph made inductor copy the whole pool every step)."""
         meta = AttentionMetadata(positions, slots, table, table.shape[0] * self.block_size, False, mask, [])
-        return self.model.forward_with_hidden(ids, kv, meta, logits_for), meta.pending_kv
+        out = self.model.forward_with_hidden(ids, kv, meta, logits_for)
+        # Every layer's new K/V (and FP8 scales) stacked, [L, N, ...]: written in one copy each.
+        return out, [None if parts[0] is None else torch.stack(parts) for parts in zip(*meta.pending_kv)]
 
     def __call__(self, ids: list[int], kv, start: int, block_table: list[int], logits_for) -> tuple:
         """(logits as ModelRunner.forward gives them, final hidden states [N, hidden]).
@@ -110,8 +113,8 @@ class CompiledStep:
         t0 = time.perf_counter()
         packed_linear.use(self.model.packed_weights)
         (logits, hidden), new_kv = self._compiled(ids_t, kv, positions, slots, table, mask, "all")
-        for i, encoded in enumerate(new_kv):       # written here, outside the compiled graph
-            write_kv(kv.layer(i), tuple(None if x is None else x[:n] for x in encoded), slots[:n])
+        pools = LayerCache(kv.k, kv.v, kv.k_scale, kv.v_scale)      # all layers: written after the graph
+        write_kv(pools, tuple(None if x is None else x[:, :n] for x in new_kv), slots[:n])
         seconds = time.perf_counter() - t0
         if n not in self.compiled_counts:
             self.compiled_counts.add(n)
