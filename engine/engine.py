@@ -65,7 +65,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or target.model.max_positions, target.model.max_positions)
         prepare_model(target.model, device)
         self.plan: MemoryPlan = plan_memory(config, device, target.model)
-        self.runner = ModelRunner(target, config, device, num_blocks=self.plan.num_blocks, progress=progress)
+        self.runner = ModelRunner(target, config, device, num_blocks=self.plan.num_blocks, progress=progress,
+                                  on_settings_changed=self._settings_changed)
         self.draft_runner: ModelRunner | None = None
         self.draft_name: str | None = None
         self.active: Request | None = None
@@ -125,7 +126,7 @@ class LLMEngine:
             self.draft_runner.build_cache(self.config, plan.num_blocks)
         else:
             self.draft_runner = ModelRunner(draft, self.config, self.device, num_blocks=plan.num_blocks,
-                                            progress=self.progress)
+                                            progress=self.progress, on_settings_changed=self._settings_changed)
         self.plan = plan
 
     def _draft(self) -> loader.LoadedModel | None:
@@ -185,6 +186,10 @@ class LLMEngine:
             self.config = old
             self.build_pools(self._draft())
             raise
+
+    def _settings_changed(self) -> None:
+        """A runner gave up its compiled step: the next event carries the new settings()."""
+        self.settings_version += 1
 
     def settings(self) -> dict:
         """The settings in effect (what the UI shows)."""

@@ -35,12 +35,14 @@ def prepare_model(model, device: torch.device) -> None:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device,
-                 num_blocks: int | None = None, progress=None):
+                 num_blocks: int | None = None, progress=None, on_settings_changed=None):
         self.loaded, self.model, self.device = loaded, loaded.model, device
         self.progress = progress            # where a compile reports ("compiling the decode step…")
+        self.on_settings_changed = on_settings_changed or (lambda: None)   # e.g. the compiled step was given up
         prepare_model(self.model, device)
         self.model_dtype = next(self.model.parameters()).dtype
         self.compiled: compiled_step.CompiledStep | None = None    # kept across pool rebuilds
+        self.compile_error: str | None = None      # why the compiled step was given up, if it was
         self.last_hidden: torch.Tensor | None = None               # the last pass's, see forward
         self.build_cache(config, num_blocks)
 
@@ -62,12 +64,23 @@ class ModelRunner:
         self.set_compile(config.compile)
 
     def set_compile(self, mode: str) -> None:
-        """Use the compiled decode/verify step (engine.compiled_step) or the eager reference."""
+        """Use the compiled decode/verify step (engine.compiled_step) or the eager reference.
+        Once compiling or running it has failed, this runner stays eager and says why."""
         on, self.compile_state = compiled_step.wanted(mode, self.device, self.model_dtype, self.use_kernels)
+        if on and self.compile_error is not None:
+            on, self.compile_state = False, self.compile_error
         if not on:
             self.compiled = None
         elif self.compiled is None or self.compiled.block_size != self.kv.block_size:
             self.compiled = compiled_step.CompiledStep(self.model, self.kv.block_size, self.device, self.progress)
+
+    def _compile_failed(self, error: Exception) -> None:
+        """The compiled step is a pure function of the pool (its K/V are written after the
+        graph), so a failed call left nothing behind: the pass is simply run eagerly."""
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        self.compile_error = f"off: the compiled step failed ({type(error).__name__}: {first_line}); running eagerly"
+        self.compile_state, self.compiled = self.compile_error, None
+        self.on_settings_changed()
 
     def release_cache(self) -> None:
         self.kv = None
@@ -115,9 +128,13 @@ class ModelRunner:
         start, n = seq.num_computed, len(new_tokens)
         self.blocks.ensure_capacity(seq, start + n)
         if self.compiled is not None and n <= compiled_step.MAX_COMPILED_TOKENS and logits_for != "all":
-            logits, self.last_hidden = self.compiled(new_tokens, self.kv, start, seq.block_table, logits_for)
-            seq.num_computed = start + n
-            return logits
+            try:
+                logits, self.last_hidden = self.compiled(new_tokens, self.kv, start, seq.block_table, logits_for)
+            except Exception as error:      # compiling, or CUDA graph capture, failed: eager from now on
+                self._compile_failed(error)
+            else:
+                seq.num_computed = start + n
+                return logits
         positions, table, slots = pass_positions(start, n, seq.block_table, self.kv.block_size, self.device)
         # Built once per pass, shared by every layer (the kernels mask by positions themselves).
         mask = None if self.use_kernels else causal_mask(positions, start + n)

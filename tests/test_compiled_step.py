@@ -72,3 +72,24 @@ def test_compiling_is_reported_once_per_cache_dtype(make_tiny_engine):
     eng.reconfigure(kv_cache_dtype="fp8_e4m3")                  # a new pool, same compiled step
     eng.generate_text(prompt, GREEDY)
     assert messages == [("compiling", 0.0), ("compiled", 1.0)] * 2
+
+
+def test_a_failing_compiled_step_falls_back_to_eager_and_says_why(make_tiny_engine):
+    """E.g. CUDA graph capture failing on a driver: the reply goes on eagerly, token for token
+    what the eager path gives, and settings() (sent with the next event) names the reason."""
+    prompt = repeating_prompt(make_tiny_engine())
+    expected = make_tiny_engine(compile="off").generate_text(prompt, GREEDY)[1]
+    eng = make_tiny_engine(compile="on")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA graph capture failed: operation not permitted\nthe rest of the trace")
+    eng.runner.compiled._compiled = broken
+    events = list(eng.generate(prompt, GREEDY))
+    assert [t for e in events for t in e.token_ids] == expected
+    reason = ("off: the compiled step failed (RuntimeError: CUDA graph capture failed: operation not permitted); "
+              "running eagerly")
+    assert eng.settings()["compile"] == reason and eng.runner.compiled is None
+    assert [e.settings["compile"] for e in events if e.settings] == ["on", reason]
+    eng.reconfigure(compile="off")
+    eng.reconfigure(compile="on")                                     # stays off, and still says why
+    assert eng.settings()["compile"] == reason
