@@ -7,7 +7,8 @@ server: `-md <same gguf> --spec-type draft-simple --spec-draft-n-max k`), so acc
 high and the figures show what verification costs. Prefix caching is off on both sides
 (every prompt starts with the same chat template, which would otherwise be served from
 cache). Precision differs and is reported: the local engine dequantizes the GGUF to its
-weights dtype (fp32 on the CPU); llama.cpp computes on the stored quantized weights.
+weights dtype (`auto`: bf16 on a CPU where it reads faster); llama.cpp computes on the stored
+quantized weights.
 
 TTFT: median over prompts, measured by the client from submission to the first token.
 tok/s: decode tokens / decode time over all prompts (engine.metrics). Each measured pass

@@ -1,21 +1,24 @@
 """The decode and verify step, compiled: torch.compile over the paged cache (gpt-fast's way).
 
-Two graphs: one for decode (1 token) and one for verify (2..17 tokens, a dynamic dimension).
-The context and the pool's size are dynamic too (the block table and the mask grow with the
-chat), so a growing context never recompiles. Whatever the compiler needs is arranged outside the compiled function: the
-block table is padded to at least MIN_TABLE_BLOCKS (a size-1 dimension would be
-specialised), the mask hides padding and the future, and the slots are computed on the
-host. Prefill (many tokens, run once per reply) stays eager.
+One graph serves decode and verify: the row count (2..17; a decode step runs as two identical
+rows, see CompiledStep.__call__), the context and the pool's size are dynamic dimensions, so
+neither a growing chat nor a new k recompiles. Whatever the compiler needs is arranged outside
+the compiled function: the block table is padded to at least MIN_TABLE_BLOCKS (a size-1
+dimension would be specialised), the mask hides padding and the future, and the slots are
+computed on the host. Prefill (many tokens, run once per reply) stays eager. A new KV dtype
+(FP8 on or off) compiles once more.
 
 On the CPU the linear layers call oneDNN on weights packed once at load (engine.packed_linear,
 through a custom op), so the weights are graph inputs, not constants: inductor's FX graph
 cache, kept in the user cache folder, then serves every later process. The eager path is the
-reference; the `compile` setting (off / on / auto) picks between them.
+reference; the `compile` setting (off / on / auto) picks between them, and a compiled step
+that fails (compiling, or CUDA graph capture) hands over to it with the reason in settings().
 
-Measured on the 2-core CPU (SmolLM2-135M, bf16, 2 threads): eager 37.9 tok/s, compiled 51.1;
-compiling took 40 s (1 token) and 57 s (2 tokens; from then on the token count is a dynamic
-dimension) on a cold cache and 7 s and 6 s from the disk cache. fp32 gains about 1.1x, not
-worth the wait, so `auto` compiles bf16/fp16 weights on the CPU and everything on CUDA.
+Measured on the 2-core CPU (SmolLM2-135M, bf16, 2 threads, one run): eager about 38 tok/s,
+compiled 41-48 (noisy machine); compiling takes 57-60 s on a cold cache and 8-10 s from the
+disk cache. 73 % of a compiled step is oneDNN's matrix-vector products, which read bf16
+weights at 15-22 GB/s here. fp32 gains about 1.1x from compiling, not worth the wait, so
+`auto` compiles bf16/fp16 weights on the CPU and everything on CUDA.
 """
 from __future__ import annotations
 
