@@ -4,7 +4,8 @@ One graph serves decode and verify: the row count (2..17; a decode step runs as 
 rows, see CompiledStep.__call__), the context and the pool's size are dynamic dimensions, so
 neither a growing chat nor a new k recompiles. Whatever the compiler needs is arranged outside
 the compiled function: the block table is padded to at least MIN_TABLE_BLOCKS (a size-1
-dimension would be specialised), the mask hides padding and the future, and the slots are
+dimension would be specialised; on CUDA it grows in buckets, one CUDA graph each), the mask
+hides padding and the future, and the slots are
 computed on the host. Prefill (many tokens, run once per reply) stays eager. A new KV dtype
 (FP8 on or off) compiles once more.
 
@@ -36,6 +37,10 @@ from engine.kv_cache import LayerCache
 
 MAX_COMPILED_TOKENS = MAX_SPEC_TOKENS + 1
 MIN_TABLE_BLOCKS = 2
+# CUDA graphs record one graph per shape, so on CUDA the block table grows in buckets of this
+# many blocks (one recording per 256 tokens at block size 16, not one per block); the CPU
+# graph is shape-generic, and padding would only add masked reads there.
+TABLE_BUCKET_BLOCKS = {"cuda": 16}
 
 
 def wanted(mode: str, device: torch.device, dtype: torch.dtype, use_kernels: bool) -> tuple[bool, str]:
@@ -76,6 +81,7 @@ class CompiledStep:
         self.compiled_counts: set[int] = set()      # token counts already run (this process)
         self.compile_seconds: dict[int, float] = {}  # the first call's time per token count
         self.cache_dtypes: set[torch.dtype] = set()  # KV dtypes compiled for: another one recompiles
+        self.table_bucket = TABLE_BUCKET_BLOCKS.get(device.type, 1)
 
     def _forward(self, ids, kv, positions, slots, table, mask, logits_for):
         """A pure function of the cache: it reads the pool and returns the new K/V (writing the
@@ -96,7 +102,8 @@ class CompiledStep:
         reads the same weights) and halves the compile time."""
         n, bs = len(ids), self.block_size
         rows = max(n, 2)
-        blocks = block_table + [block_table[0]] * max(MIN_TABLE_BLOCKS - len(block_table), 0)   # masked out
+        padded = max(MIN_TABLE_BLOCKS, -(-len(block_table) // self.table_bucket) * self.table_bucket)
+        blocks = block_table + [block_table[0]] * (padded - len(block_table))      # masked out
         positions, table, slots = pass_positions(start, n, blocks, bs, self.device)
         if rows > n:
             positions, slots, ids = positions.repeat(rows), slots.repeat(rows), ids * rows

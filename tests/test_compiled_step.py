@@ -93,3 +93,15 @@ def test_a_failing_compiled_step_falls_back_to_eager_and_says_why(make_tiny_engi
     eng.reconfigure(compile="off")
     eng.reconfigure(compile="on")                                     # stays off, and still says why
     assert eng.settings()["compile"] == reason
+
+
+def test_a_block_table_padded_to_buckets_gives_the_same_tokens(make_tiny_engine):
+    """On CUDA the table grows in buckets (one CUDA graph per bucket); the padding is masked,
+    so the output is the unpadded step's. Checked here with buckets of 8 blocks (the chat
+    fills fewer, so every step reads masked padding)."""
+    prompt = repeating_prompt(make_tiny_engine())
+    plain = make_tiny_engine(compile="on", proposer="ngram", num_speculative_tokens=3)
+    bucketed = make_tiny_engine(compile="on", proposer="ngram", num_speculative_tokens=3)
+    bucketed.runner.compiled.table_bucket = 8
+    assert -(-(len(prompt) + GREEDY.max_tokens) // bucketed.config.block_size) < 8
+    assert bucketed.generate_text(prompt, GREEDY)[1] == plain.generate_text(prompt, GREEDY)[1]
