@@ -5,9 +5,8 @@ rows, see CompiledStep.__call__), the context and the pool's size are dynamic di
 neither a growing chat nor a new k recompiles. Whatever the compiler needs is arranged outside
 the compiled function: the block table is padded to at least MIN_TABLE_BLOCKS (a size-1
 dimension would be specialised; on CUDA it grows in buckets, one CUDA graph each), the mask
-hides padding and the future, and the slots are
-computed on the host. Prefill (many tokens, run once per reply) stays eager. A new KV dtype
-(FP8 on or off) compiles once more.
+hides padding and the future, and the slots are computed on the host. Prefill (many tokens,
+run once per reply) stays eager. A new KV dtype (FP8 on or off) compiles once more.
 
 On the CPU the linear layers call oneDNN on weights packed once at load (engine.packed_linear,
 through a custom op), so the weights are graph inputs, not constants: inductor's FX graph
