@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from engine import packed_linear
 from engine.attention import write_kv
 from engine.attention_metadata import AttentionMetadata, pass_positions
 from engine.config import MAX_SPEC_TOKENS
-from engine.kv_cache import LayerCache
+from engine.kv_cache import dtype_name
 
 MAX_COMPILED_TOKENS = MAX_SPEC_TOKENS + 1
 MIN_TABLE_BLOCKS = 2
@@ -77,10 +78,11 @@ class CompiledStep:
         configure_compiler(cache_dir())
         mode = "reduce-overhead" if device.type == "cuda" else None     # CUDA graphs on CUDA
         self._compiled = torch.compile(self._forward, mode=mode, fullgraph=True)
-        self.compiled_counts: set[int] = set()      # token counts already run (this process)
-        self.compile_seconds: dict[int, float] = {}  # the first call's time per token count
-        self.cache_dtypes: set[torch.dtype] = set()  # KV dtypes compiled for: another one recompiles
+        self.compiled_counts: set[int] = set()       # token counts already run compiled (this process)
+        # Seconds of the first call per KV dtype: the compiles (a new KV dtype compiles again).
+        self.compile_seconds: dict[str, float] = {}
         self.table_bucket = TABLE_BUCKET_BLOCKS.get(device.type, 1)
+        self._dynamic_pool = lambda: None            # weakref to the pool whose block dimension is marked
 
     def _forward(self, ids, kv, positions, slots, table, mask, logits_for):
         """A pure function of the cache: it reads the pool and returns the new K/V (writing the
@@ -112,24 +114,24 @@ class CompiledStep:
         # cache key that does not depend on which came first.
         for t, dim in ((table, 0), (mask, 1), (ids_t, 0), (positions, 0), (slots, 0), (mask, 0)):
             torch._dynamo.mark_dynamic(t, dim)
-        for pool in (kv.k, kv.v, kv.k_scale, kv.v_scale):
-            if pool is not None and pool.shape[1] > 1:      # a size-1 dimension is always specialised
-                torch._dynamo.mark_dynamic(pool, 1)
-        first = kv.dtype not in self.cache_dtypes
+        if kv is not self._dynamic_pool():                   # once per pool, not per step
+            for pool in (kv.k, kv.v, kv.k_scale, kv.v_scale):
+                if pool is not None and pool.shape[1] > 1:  # a size-1 dimension is always specialised
+                    torch._dynamo.mark_dynamic(pool, 1)
+            self._dynamic_pool = weakref.ref(kv)             # a released pool must be freed
+        dtype = dtype_name(kv.dtype)
+        first = dtype not in self.compile_seconds
         if first:
             self.progress("compiling the decode and verify step (about a minute the first time on a small "
                           "CPU; seconds from the disk cache)…", 0.0)
         t0 = time.perf_counter()
         packed_linear.use(self.model.packed_weights)
         (logits, hidden), new_kv = self._compiled(ids_t, kv, positions, slots, table, mask, "all")
-        pools = LayerCache(kv.k, kv.v, kv.k_scale, kv.v_scale)      # all layers: written after the graph
-        write_kv(pools, tuple(None if x is None else x[:, :n] for x in new_kv), slots[:n])
-        seconds = time.perf_counter() - t0
-        if n not in self.compiled_counts:
-            self.compiled_counts.add(n)
-            self.compile_seconds[n] = seconds
+        # Written after the graph, all layers at once; the repeated row of a decode step is not.
+        write_kv(kv.all_layers, tuple(None if x is None else x[:, :n] for x in new_kv), slots[:n])
+        self.compiled_counts.add(n)
         if first:
-            self.cache_dtypes.add(kv.dtype)
-            self.progress(f"compiled the decode and verify step in {seconds:.0f} s", 1.0)
+            self.compile_seconds[dtype] = time.perf_counter() - t0
+            self.progress(f"compiled the decode and verify step in {self.compile_seconds[dtype]:.0f} s", 1.0)
         keep = 1 if logits_for == "last" else logits_for
         return logits[n - keep:n], hidden[:n]

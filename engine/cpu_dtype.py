@@ -65,8 +65,9 @@ def fastest(cache_file: Path) -> torch.dtype:
         known = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         known = {}
-    if not isinstance(known, dict) or not isinstance(known.get(key), dict):
-        known = known if isinstance(known, dict) else {}
+    if not isinstance(known, dict):
+        known = {}
+    if not isinstance(known.get(key), dict):
         known[key] = measure()
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_suffix(".tmp")
