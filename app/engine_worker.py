@@ -26,7 +26,7 @@ import torch
 from engine import LLMEngine
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import WorkbenchError
-from engine.remote import RemoteBackend, list_served_models
+from engine.remote.backend import RemoteBackend, list_served_models
 from engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class EngineWorker(QObject):
         self._loadRequested.emit(reference or "default", config)
 
     def connect_server(self, url: str, model: str = "", api_key_env: str = "") -> None:
-        """Drive an OpenAI-compatible server instead (engine.remote); the current engine
+        """Drive an OpenAI-compatible server instead (engine.remote.backend); the current engine
         stays until the server answers and serves the model. api_key_env: the NAME of the
         environment variable holding the key ("": none); the key never passes through here."""
         self._connectRequested.emit(url, model, api_key_env)
@@ -270,7 +270,7 @@ def leave_a_core_for_the_gui() -> None:
 
 
 class ServerModelLister(QObject):
-    """The models a server serves (GET /v1/models, engine.remote.list_served_models), asked
+    """The models a server serves (GET /v1/models, engine.remote.backend.list_served_models), asked
     on a pool thread; the answer comes back on the GUI thread as plain data."""
     listed = Signal(str, list)          # the URL as asked, the model ids
     listFailed = Signal(str, str)       # the URL as asked, a readable message

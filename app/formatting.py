@@ -50,7 +50,7 @@ def describe_server(settings: dict) -> str:
 
 
 def describe_memory_plan(plan: dict) -> str:
-    """engine.memory_plan.MemoryPlan.as_dict() as one line."""
+    """engine.cache.memory_plan.MemoryPlan.as_dict() as one line."""
     draft = f" (draft {_size(plan['draft_weights_bytes'])})" if plan.get("draft_weights_bytes") else ""
     return (f"<b>Memory plan</b>: weights {_size(plan['weights_bytes'])}{draft}, "
             f"KV pool {_size(plan['kv_pool_bytes'])} = {plan['tokens_that_fit']:,} tokens, "

@@ -130,7 +130,7 @@ class MetricsHistory:
         self.version += 1
 
     def _add_server_positions(self, figures: dict | None) -> None:
-        """A server's per-position counters for a request (engine.server_metrics figures)."""
+        """A server's per-position counters for a request (engine.remote.server_metrics figures)."""
         if figures and figures.get("drafts") is not None and figures.get("accepted_per_position"):
             self.server_positions.merge(PositionCounts.from_cumulative(int(figures["drafts"]),
                                                                        figures["accepted_per_position"]))

@@ -6,7 +6,7 @@
 The default mode chats with the default model, turning optimizations on between replies (so
 the plots show markers and their effect), then grabs the window while the last reply
 streams. --remote starts llama.cpp's llama-server on the embedded GGUF, drafting for itself,
-with --metrics (engine.llama_server; scripts/build_llama_server.sh builds it), connects to it
+with --metrics (engine.remote.llama_server; scripts/build_llama_server.sh builds it), connects to it
 as "Connect to server…" does, and grabs the window after two chat turns: acceptance and TTFT
 from the server's figures, KV usage from its /slots. Settings go to a temporary config
 folder, never the user's.
@@ -22,9 +22,9 @@ from PySide6.QtWidgets import QApplication
 
 from app.__main__ import build
 from app.theme import style_sheet
-from engine.llama_server import LlamaServer
-from engine.loader import default_gguf_path
+from engine.loading.loader import default_gguf_path
 from engine.profiles import ProfileStore
+from engine.remote.llama_server import LlamaServer
 
 # (what to change in the side panel before the message, the message)
 SCRIPT = (

@@ -2,7 +2,7 @@
 
 Two backends satisfy it:
   - `engine.engine.LLMEngine`: our own engine, in this process;
-  - `engine.remote.RemoteBackend`: an OpenAI-compatible server (vLLM, SGLang, llama.cpp's
+  - `engine.remote.backend.RemoteBackend`: an OpenAI-compatible server (vLLM, SGLang, llama.cpp's
     llama-server) whose stream and metrics become the same StepEvents.
 
 The app's worker drives a request one step per turn of its event loop:
@@ -16,10 +16,19 @@ Both are Qt-free. Only `cancel` (backend or request) may be called from another 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator, Protocol, runtime_checkable
 
 from engine.config import SamplingParams
 from engine.metrics import StepEvent
+
+
+@dataclass
+class ReconfigureResult:
+    """What Backend.reconfigure did with each change."""
+    applied: dict
+    deferred: dict      # applied when the running request ends
+
 
 @runtime_checkable
 class BackendRequest(Protocol):
@@ -45,7 +54,7 @@ class Backend(Protocol):
     def generate(self, prompt, params: SamplingParams | None = None) -> Iterator[StepEvent]: ...
 
     def reconfigure(self, **changes):
-        """Change settings between steps; returns engine.engine.ReconfigureResult. A setting
+        """Change settings between steps; returns a ReconfigureResult. A setting
         the backend cannot change raises ConfigError naming what can."""
 
     def cancel(self) -> None: ...

@@ -98,7 +98,7 @@ SETTINGS: tuple[Setting, ...] = (
             "EAGLE head is the shipped draft: proposer 'eagle')",
             group=SPECULATION_GROUP),
     Setting("eagle_head", str, None, ENGINE, LIVE, "EAGLE head", optional=True, off_text="shipped",
-            help="a folder made by python -m engine.distill; None: the head shipped for the default model",
+            help="a folder made by python -m engine.training.distill; None: the head shipped for the default model",
             group=SPECULATION_GROUP),
     Setting("ngram_min", int, 1, ENGINE, LIVE, "N-gram min", low=1, high=16, group=SPECULATION_GROUP),
     Setting("ngram_max", int, 4, ENGINE, LIVE, "N-gram max", low=1, high=16, group=SPECULATION_GROUP),
@@ -129,7 +129,7 @@ SETTINGS: tuple[Setting, ...] = (
             "as vLLM's gpu_memory_utilization"),
     Setting("dtype", str, "auto", ENGINE, LOAD, "Weights dtype",
             choices={"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"},
-            help="auto = bf16 on CUDA; on the CPU the faster of fp32 and bf16, measured once (engine.cpu_dtype)"),
+            help="auto = bf16 on CUDA; on the CPU the faster of fp32 and bf16, measured once (engine.runtime.cpu_dtype)"),
     Setting("max_model_len", int, None, ENGINE, LOAD, "Context length", low=1, optional=True,
             off_text="the model's", help="None: the model's max_position_embeddings"),
     # ---- sampling (the next message) ----

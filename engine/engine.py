@@ -10,33 +10,26 @@ only `cancel` may be called from any thread.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-from engine import loader
-from engine.backend import run_to_end
+from engine.backend import ReconfigureResult, run_to_end
+from engine.cache.memory_plan import MemoryPlan, plan_memory
 from engine.config import BY_KEY, ENGINE, LIVE, NEXT_REQUEST, SETTINGS, EngineConfig, SamplingParams, keys
-from engine.eagle_proposer import EagleProposer
 from engine.errors import ConfigError, PromptTooLongError, WorkbenchError
-from engine.memory_plan import MemoryPlan, plan_memory
+from engine.loading import loader
 from engine.metrics import RequestStats, StepEvent
-from engine.model_runner import ModelRunner, prepare_model
 from engine.models.eagle_head import EagleHead
 from engine.request import Request
-from engine.spec_decode import DraftModelProposer, NgramProposer, Proposer, check_draft_compatible
-from engine.step_costs import PlainStepClock
+from engine.runtime.model_runner import ModelRunner, prepare_model
+from engine.spec.eagle_proposer import EagleProposer
+from engine.spec.spec_decode import DraftModelProposer, NgramProposer, Proposer, check_draft_compatible
+from engine.spec.step_costs import PlainStepClock
 
 SELF_DRAFT = "self"   # draft with the target itself (acceptance 1.0 in greedy mode; a test fixture)
 # Changing these reallocates the KV pool (and drops the prefix cache).
 POOL_SETTINGS = tuple(s.key for s in SETTINGS if s.rebuilds_pool)
-
-
-@dataclass
-class ReconfigureResult:
-    applied: dict
-    deferred: dict      # applied when the running request ends
 
 
 def pick_device(name: str) -> torch.device:
@@ -49,7 +42,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16
-        from engine.cpu_dtype import fastest
+        from engine.runtime.cpu_dtype import fastest
         return fastest(loader.cache_dir() / "cpu_dtype.json")
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 

@@ -34,7 +34,7 @@ class CheckpointError(WorkbenchError):
     truncated shard, a tensor of the wrong shape, ...). The message names the file."""
 
 
-# ---- remote servers (engine/remote.py) ------------------------------------------------
+# ---- remote servers (engine/remote/backend.py) ------------------------------------------------
 class ServerError(WorkbenchError):
     """Something about an OpenAI-compatible server the workbench is attached to."""
 

@@ -169,7 +169,7 @@ class StepEvent:
     summary: "RequestStats | None" = None           # on the last event
     token_count: int | None = None      # tokens this step when their ids are unknown (a remote server streams text)
     kv_usage: float | None = None       # share of the KV cache in use, as a remote server reports it (0..1)
-    server: dict | None = None          # a remote server's own figures (engine.server_metrics); None locally
+    server: dict | None = None          # a remote server's own figures (engine.remote.server_metrics); None locally
     speculation: dict | None = None     # speculation_report of the request so far, once it speculated
 
     @property

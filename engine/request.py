@@ -16,12 +16,12 @@ import time
 from typing import Protocol
 
 from engine.config import EngineConfig, SamplingParams
-from engine.detokenizer import Detokenizer
+from engine.layers.sampler import make_generator, probabilities, sample
 from engine.metrics import TARGET, RequestStats, StepEvent, attempted_positions, speculation_report
-from engine.model_runner import ModelRunner
-from engine.sampler import make_generator, probabilities, sample
-from engine.spec_decode import Proposer, greedy_verify, rejection_sample
-from engine.step_costs import PlainStepClock
+from engine.runtime.detokenizer import Detokenizer
+from engine.runtime.model_runner import ModelRunner
+from engine.spec.spec_decode import Proposer, greedy_verify, rejection_sample
+from engine.spec.step_costs import PlainStepClock
 
 
 class RequestHost(Protocol):

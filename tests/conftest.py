@@ -11,7 +11,7 @@ torch.manual_seed(0)
 @pytest.fixture(scope="session")
 def default_model():
     """The embedded default model, loaded once per test session (converted on first use)."""
-    from engine.loader import load_model
+    from engine.loading.loader import load_model
     return load_model("default")
 
 
@@ -37,12 +37,12 @@ TINY_SEED = 0     # the spec-decode tests' prompts were checked against this see
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """A 2-layer random-weight Llama with the default model's tokenizer (engine.synthetic
+    """A 2-layer random-weight Llama with the default model's tokenizer (engine.loading.synthetic
     "tiny"): real code paths at a fraction of the cost. Its head is untied, so greedy
     output wanders instead of repeating one token, and an early-exit draft "self:1" agrees
     with it only sometimes: speculation sees both accepted and rejected drafts."""
-    from engine.loader import load_model
-    from engine.synthetic import write_checkpoint
+    from engine.loading.loader import load_model
+    from engine.loading.synthetic import write_checkpoint
     return load_model(str(write_checkpoint(tmp_path_factory.mktemp("tiny"), "tiny", seed=TINY_SEED)))
 
 
@@ -63,7 +63,7 @@ LOGITS_TEXT = "The cat sat on the mat. The dog sat on the log."
 def our_logits(loaded, text: str = LOGITS_TEXT) -> torch.Tensor:
     """Our logits for every position of `text`, through the paged cache: [T, V]."""
     from engine import EngineConfig
-    from engine.model_runner import ModelRunner
+    from engine.runtime.model_runner import ModelRunner
     ids = loaded.tokenizer.encode(text)
     runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=16), torch.device("cpu"))
     return runner.forward(runner.start(ids), ids, logits_for="all")

@@ -572,8 +572,8 @@ def test_the_gui_thread_never_runs_the_engine(tiny_bench, qtbot, monkeypatch, st
     """Forward passes, reconfiguring and draft loading all happen on the worker thread,
     even when the user toggles settings and stops mid-reply."""
     from engine.engine import LLMEngine
-    from engine.model_runner import ModelRunner
     from engine.request import Request
+    from engine.runtime.model_runner import ModelRunner
     bench = tiny_bench
     threads = []
 

@@ -22,8 +22,8 @@ UNREACHABLE = "http://127.0.0.1:9"      # the discard port: nothing listens ther
 @pytest.fixture(scope="module")
 def server():
     from engine.errors import LlamaServerMissingError
-    from engine.llama_server import LlamaServer
-    from engine.loader import default_gguf_path
+    from engine.loading.loader import default_gguf_path
+    from engine.remote.llama_server import LlamaServer
     try:
         # one thread: on a busy 2-core machine llama.cpp's spinning threads starve each other
         running = LlamaServer(default_gguf_path(), metrics=True, threads=1).start()
@@ -103,8 +103,8 @@ def test_a_connected_server_streams_replies_into_the_chat_and_the_plots(tiny_ben
 def test_a_speculating_servers_per_position_counters_fill_the_per_position_plot(tiny_bench, qtbot):
     """The server's steps carry no per-position data; its /metrics counters do, and the plot
     shows them, labelled as the server's, with no local speedup verdict (no plain baseline)."""
-    from engine.llama_server import LlamaServer
-    from engine.loader import default_gguf_path
+    from engine.loading.loader import default_gguf_path
+    from engine.remote.llama_server import LlamaServer
     bench = tiny_bench
     gguf = default_gguf_path()
     with LlamaServer(gguf, draft=gguf, metrics=True, threads=1) as speculating:
@@ -176,7 +176,7 @@ def test_the_session_remembers_the_server_but_never_the_api_key(open_workbench, 
 
 
 def test_the_connect_dialog_lists_the_models_the_server_serves(tiny_bench, server, qtbot):
-    from engine.remote import list_served_models
+    from engine.remote.backend import list_served_models
     bench = tiny_bench
     dialog = open_connect_dialog(bench)
     dialog.url_edit.setText(server.url)

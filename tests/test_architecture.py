@@ -1,6 +1,10 @@
-"""Import contracts: engine/ has no import cycles and never imports Qt; inference never
-imports the training recipe; in app/, only the worker (and the fidelity tool, which
-measures the headless engine, and the screenshot tool, which starts a llama-server) reaches the
+"""Import contracts (napari's way: the architecture stated as tests that fail when it breaks).
+
+engine/ is the request path at the top (TOP_LEVEL) and one subpackage per concept
+(docs/architecture.md). Between the subpackages, CONTRACTS say who may not import whom;
+engine/ has no import cycles and never imports Qt; only remote/ speaks HTTP; inference never
+imports bench/ or training/. In app/, only the worker (and the fidelity tool, which measures
+the headless engine, and the screenshot tool, which starts a llama-server) reaches the
 engine's running parts."""
 import ast
 from pathlib import Path
@@ -75,13 +79,92 @@ def test_engine_never_imports_qt():
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-TRAINING = {"engine.distill", "engine.distill_data"}     # the recipe and its data generator
+# The request path: what a newcomer reads first. Everything else lives in a subpackage.
+TOP_LEVEL = {"engine", "engine.engine", "engine.request", "engine.config", "engine.metrics", "engine.errors",
+             "engine.profiles", "engine.backend"}
+SUBPACKAGES = {"cache", "kernels", "layers", "models", "loading", "runtime", "spec", "remote", "bench", "training"}
+REQUEST_PATH = ("engine.engine", "engine.request")
+OFFLINE_TOOLS = ("engine.bench", "engine.training")
+RUNS_MODELS = ("engine.layers", "engine.models", "engine.runtime", "engine.spec", "engine.loading")
+HTTP = ("httpx", "httpx_sse", "prometheus_client")
+
+# (importer, what it may not import, why). A prefix names a package and everything in it.
+CONTRACTS = [
+    ("engine.config", ("engine.",), "plain data: the settings table needs nothing else", ("engine.errors",)),
+    ("engine.errors", ("engine.",), "plain data", ()),
+    ("engine.metrics", ("engine.",), "plain data: every formula from counters alone", ("engine.errors",)),
+    ("engine.cache", REQUEST_PATH + RUNS_MODELS, "the cache holds tensors and block ids; it runs no model", ()),
+    ("engine.kernels", REQUEST_PATH + ("engine.models", "engine.runtime", "engine.spec", "engine.loading"),
+     "kernels see tensors and attention metadata only", ("engine.layers.attention_metadata",)),
+    ("engine.layers", REQUEST_PATH + ("engine.models", "engine.runtime", "engine.spec", "engine.loading"),
+     "building blocks know no model", ()),
+    ("engine.models", REQUEST_PATH + ("engine.runtime", "engine.spec", "engine.loading"),
+     "a model is its forward pass; running and loading it happen elsewhere", ()),
+    ("engine.loading", REQUEST_PATH + ("engine.runtime", "engine.spec"), "loading ends where running starts", ()),
+    ("engine.runtime", REQUEST_PATH + ("engine.spec",), "the runner knows no proposer", ()),
+    ("engine.spec", REQUEST_PATH, "proposers are driven by the request path, never the reverse", ()),
+    ("engine.remote", REQUEST_PATH + RUNS_MODELS + ("engine.cache", "engine.kernels"),
+     "the remote backend runs nothing locally", ()),
+]
 
 
-def test_inference_never_imports_the_training_recipe():
-    importers = [module_name(p) for p in (ROOT / "engine").rglob("*.py")
-                 if imports_of(p) & TRAINING and module_name(p) not in TRAINING]
-    assert importers == []
+def engine_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in (ROOT / "engine").rglob("*.py")}
+
+
+def contract_breaks(modules: dict[str, set[str]]) -> list[str]:
+    """Every import a contract forbids, as 'importer imports imported (why)'."""
+    breaks = []
+    for importer, imports in sorted(modules.items()):
+        for scope, forbidden, why, allowed in CONTRACTS:
+            if importer != scope and not importer.startswith(scope + "."):
+                continue
+            for name in sorted(imports):
+                if name.startswith(scope + ".") or name == scope or name == "engine":
+                    continue
+                if any(name == a or name.startswith(a + ".") for a in allowed):
+                    continue
+                if any(name == f or name.startswith(f if f.endswith(".") else f + ".") for f in forbidden):
+                    breaks.append(f"{importer} imports {name} ({why})")
+    return breaks
+
+
+def engine_imports() -> dict[str, set[str]]:
+    return {name: {m for m in imports_of(path) if m == "engine" or m.startswith("engine.")}
+            for name, path in engine_modules().items()}
+
+
+def test_engine_is_the_request_path_and_one_subpackage_per_concept():
+    outside = sorted(n for n in engine_modules() if n.count(".") < 2 and n not in TOP_LEVEL
+                     and n.removeprefix("engine.") not in SUBPACKAGES)
+    assert outside == [], f"{outside}: put each in the subpackage of its concept (docs/architecture.md)"
+    assert {p.name for p in (ROOT / "engine").iterdir() if p.is_dir() and p.name != "__pycache__"} == SUBPACKAGES
+
+
+def test_the_subpackages_keep_their_contracts():
+    assert contract_breaks(engine_imports()) == []
+
+
+def test_a_broken_contract_is_named():
+    """The checker itself: the cache reaching into the runner breaks the cache's contract."""
+    modules = engine_imports()
+    modules["engine.cache.kv_cache"] = modules["engine.cache.kv_cache"] | {"engine.runtime.model_runner"}
+    assert contract_breaks(modules) == ["engine.cache.kv_cache imports engine.runtime.model_runner "
+                                        "(the cache holds tensors and block ids; it runs no model)"]
+
+
+def test_inference_never_imports_bench_or_training():
+    for name, imports in engine_imports().items():
+        if not name.startswith(OFFLINE_TOOLS):
+            bad = {m for m in imports if m.startswith(OFFLINE_TOOLS)}
+            assert not bad, f"{name} imports {sorted(bad)}: inference never imports bench/ or training/"
+
+
+def test_only_remote_speaks_http():
+    for name, path in engine_modules().items():
+        if not name.startswith("engine.remote"):
+            bad = {m for m in imports_of(path) if m.split(".")[0] in HTTP}
+            assert not bad, f"{name} imports {sorted(bad)}: only engine.remote talks to servers"
 
 
 def test_only_the_worker_runs_the_engine():

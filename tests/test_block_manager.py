@@ -1,9 +1,9 @@
 """Exact block ids, ref counts and free-queue order through allocate / hit / free / evict."""
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.cache.block_manager import BlockManager
+from engine.cache.hashing import chain_keys, root_key
 from engine.errors import CacheTooSmallError
-from engine.hashing import chain_keys, root_key
 
 BS = 4
 ROOT = root_key("model-a", "float32", "none", BS)

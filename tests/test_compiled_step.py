@@ -52,7 +52,7 @@ def test_compiled_graphs_are_cached_in_the_user_cache_folder(make_tiny_engine):
     import os
     from pathlib import Path
 
-    from engine.loader import cache_dir
+    from engine.loading.loader import cache_dir
     eng = make_tiny_engine(compile="on")
     eng.generate_text([1, 2, 3, 4], SamplingParams(max_tokens=3, stop_on_eos=False))
     folder = cache_dir() / "inductor"

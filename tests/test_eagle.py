@@ -1,4 +1,4 @@
-"""The EAGLE draft head: its recipe (engine.distill), its file, its proposer, and the
+"""The EAGLE draft head: its recipe (engine.training.distill), its file, its proposer, and the
 guarantees speculation owes the user with it (greedy identity, the target's distribution)."""
 import json
 
@@ -24,7 +24,7 @@ def one_thread():
 def tiny_head(tmp_path_factory, tiny_model):
     """The whole recipe on the tiny model and a tiny budget: generate, choose the head's
     vocabulary, train with training-time test, evaluate, save."""
-    from engine.distill import Recipe, run
+    from engine.training.distill import Recipe, run
     out = tmp_path_factory.mktemp("eagle") / "tiny-eagle"
     recipe = Recipe(conversations=12, max_new_tokens=24, gen_batch_size=12, head_vocab=512, steps=40,
                     batch_size=6, lr=3e-3, eval_every=20, depth=3)
@@ -34,7 +34,7 @@ def tiny_head(tmp_path_factory, tiny_model):
 
 
 def test_recipe_writes_a_small_head_with_its_report(tiny_head, tiny_model):
-    from engine.loader import load_eagle_head
+    from engine.loading.loader import load_eagle_head
     folder, report = tiny_head
     saved = json.loads((folder / "distill_report.json").read_text())
     assert saved["recipe"]["steps"] == 40 and [c["step"] for c in saved["heldout_curve"]] == [20, 40]
@@ -52,11 +52,11 @@ def test_recipe_writes_a_small_head_with_its_report(tiny_head, tiny_model):
 def test_unrolled_training_forward_is_what_the_proposer_computes(tiny_head, tiny_model):
     """Training-time test trains each draft step on the attention pattern the proposer runs:
     the draft distributions from `distill.unrolled` equal the proposer's, step by step."""
-    from engine.distill import _batch, unrolled
-    from engine.distill_data import Sequence
-    from engine.eagle_proposer import EagleProposer
-    from engine.loader import load_eagle_head
-    from engine.sampler import make_generator
+    from engine.layers.sampler import make_generator
+    from engine.loading.loader import load_eagle_head
+    from engine.spec.eagle_proposer import EagleProposer
+    from engine.training.distill import _batch, unrolled
+    from engine.training.distill_data import Sequence
     head, _ = load_eagle_head(str(tiny_head[0]), tiny_model)
     torch.manual_seed(1)
     prefix = torch.randint(100, 2000, (30,)).tolist()
@@ -128,7 +128,7 @@ def test_sampled_eagle_speculation_keeps_the_target_distribution(make_engine, de
     first = max(set(a for a, _ in pairs), key=lambda a: sum(x == a for x, _ in pairs))
     seconds = [b for a, b in pairs if a == first]
     # the target's own distribution of the second token (top-4, renormalised)
-    from engine.sampler import probabilities
+    from engine.layers.sampler import probabilities
     runner, ids = eng.runner, prompt + [first]
     seq = runner.start(ids)
     logits = runner.forward(seq, ids[seq.num_computed:])

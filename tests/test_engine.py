@@ -112,7 +112,7 @@ def test_a_request_advances_one_step_per_call(make_engine):
 
 
 def test_an_empty_proposal_keeps_its_draft_time(make_engine, monkeypatch):
-    from engine.spec_decode import NgramProposer, Proposal
+    from engine.spec.spec_decode import NgramProposer, Proposal
     monkeypatch.setattr(NgramProposer, "propose", lambda self, *a: Proposal([], None, time_s=0.25))
     eng = make_engine(proposer="ngram")
     _, _, stats = eng.generate_text(chat("Hi"), SamplingParams(max_tokens=4, stop_on_eos=False))
@@ -153,6 +153,6 @@ def test_engine_imports_without_qt():
             "        if name.split('.')[0] in ('PySide6', 'pyqtgraph', 'PyQt5', 'PyQt6'):\n"
             "            raise ImportError('Qt is blocked in this test')\n"
             "sys.meta_path.insert(0, Block())\n"
-            "import engine, engine.engine, engine.bench, engine.spec_decode, engine.profiles\n"
+            "import engine, engine.engine, engine.bench.scenarios, engine.spec.spec_decode, engine.profiles\n"
             "assert not any(m.startswith(('PySide6', 'pyqtgraph')) for m in sys.modules)\n")
     subprocess.run([sys.executable, "-c", code], check=True)

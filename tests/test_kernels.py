@@ -1,4 +1,4 @@
-"""Triton kernels against the torch reference in engine/attention.py, run by the Triton
+"""Triton kernels against the torch reference in engine/layers/attention.py, run by the Triton
 interpreter on CPU (TRITON_INTERPRET=1, set before triton is imported).
 
 Error bounds: an fp32 cache agrees with the reference to ~1e-6 (differences are float32
@@ -21,11 +21,11 @@ triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
 
-from engine.attention import AttentionMetadata, attention, causal_mask, paged_attention_ref, store_kv  # noqa: E402
+from engine.cache.kv_cache import FP8_DTYPE, LayerCache  # noqa: E402
 from engine.kernels import dispatch, paged_attention as pa  # noqa: E402
 from engine.kernels.fp8 import e4m3_decode_div256, e4m3_encode  # noqa: E402
 from engine.kernels.store import store_kv as store_kv_kernel  # noqa: E402
-from engine.kv_cache import FP8_DTYPE, LayerCache  # noqa: E402
+from engine.layers.attention import AttentionMetadata, attention, causal_mask, paged_attention_ref, store_kv  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dispatch.kernels_available("cpu"),
                                 reason="needs TRITON_INTERPRET=1 for Triton kernels on CPU")
@@ -286,8 +286,8 @@ def test_engine_forward_with_kernels_matches_the_torch_path(tmp_path):
     """The whole model through the kernels (interpreter) vs the torch reference, FP8 cache,
     prefill + decode + a verification chunk."""
     from engine.config import EngineConfig
-    from engine.loader import load_model
-    from engine.model_runner import ModelRunner
+    from engine.loading.loader import load_model
+    from engine.runtime.model_runner import ModelRunner
     from tests.test_models import ARCHS, _save_tiny
     _save_tiny(tmp_path, ARCHS["qwen3"])
     loaded = load_model(str(tmp_path))

@@ -1,8 +1,8 @@
 """Exact byte counts and FP8 round-trip error bounds."""
 import torch
 
-from engine.attention import gather_kv, store_kv
-from engine.kv_cache import FP8_DTYPE, CacheShape, KVCache, dequantize_fp8, quantize_fp8
+from engine.cache.kv_cache import FP8_DTYPE, CacheShape, KVCache, dequantize_fp8, quantize_fp8
+from engine.layers.attention import gather_kv, store_kv
 
 SMOL = CacheShape(num_layers=30, num_kv_heads=3, head_dim=64)   # SmolLM2-135M
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint import INDEX_NAME, Checkpoint
 from engine.config import EngineConfig, SamplingParams
 from engine.engine import LLMEngine
 from engine.errors import CheckpointError, WorkbenchError
-from engine.loader import load_model
-from engine.synthetic import write_checkpoint
+from engine.loading.checkpoint import INDEX_NAME, Checkpoint
+from engine.loading.loader import load_model
+from engine.loading.synthetic import write_checkpoint
 from tests.conftest import our_logits, transformers_logits
 
 SMALL_SHARDS = 200_000          # bytes: the tiny presets come out as several shards

@@ -6,7 +6,7 @@ import torch
 
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import CacheTooSmallError
-from engine.memory_plan import (CPU_BUDGET_MAX, CPU_BUDGET_MIN, CUDA_FIXED_RESERVE, GiB, MiB, activation_bytes,
+from engine.cache.memory_plan import (CPU_BUDGET_MAX, CPU_BUDGET_MIN, CUDA_FIXED_RESERVE, GiB, MiB, activation_bytes,
                                 plan_memory, weights_bytes)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")     # plans only: nothing is allocated on CUDA
@@ -54,8 +54,8 @@ def test_kv_cache_bytes_and_num_blocks_override_the_plan(tiny_model):
 
 
 def test_a_draft_shares_the_budget_and_its_own_weights_count(tiny_model, tmp_path):
-    from engine.loader import early_exit_draft, load_model
-    from engine.synthetic import write_checkpoint
+    from engine.loading.loader import early_exit_draft, load_model
+    from engine.loading.synthetic import write_checkpoint
     config = EngineConfig(kv_cache_bytes=8 * MiB)
     alone = plan_memory(config, CPU, tiny_model.model)
     other = load_model(str(write_checkpoint(tmp_path, "tiny", seed=5)))

@@ -7,8 +7,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import ModelNotFoundError, UnsupportedModelError
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
+from engine.loading.loader import load_model
+from engine.runtime.model_runner import ModelRunner
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)

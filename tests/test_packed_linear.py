@@ -1,4 +1,4 @@
-"""oneDNN-packed linear weights (engine.packed_linear), the CPU dtype probe (engine.cpu_dtype)
+"""oneDNN-packed linear weights (engine.layers.packed_linear), the CPU dtype probe (engine.runtime.cpu_dtype)
 and the compiled bf16 step on packed weights."""
 import json
 
@@ -6,13 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import SamplingParams, packed_linear
-from engine.cpu_dtype import cpu_key, fastest
-from engine.loader import load_model
-from engine.memory_plan import weights_bytes
-from engine.model_runner import prepare_model
+from engine import SamplingParams
+from engine.cache.memory_plan import weights_bytes
+from engine.layers import packed_linear
+from engine.loading.loader import load_model
+from engine.loading.synthetic import write_checkpoint
 from engine.models.llama import Linear
-from engine.synthetic import write_checkpoint
+from engine.runtime.cpu_dtype import cpu_key, fastest
+from engine.runtime.model_runner import prepare_model
 
 pytestmark = pytest.mark.skipif(not packed_linear.AVAILABLE, reason="this torch has no oneDNN linear")
 
@@ -92,7 +93,7 @@ def test_cpu_dtype_probe_measures_once_and_survives_a_corrupt_cache(tmp_path, mo
     cache = tmp_path / "cpu_dtype.json"
     cache.write_text("{not json")
     calls = []
-    monkeypatch.setattr("engine.cpu_dtype.measure", lambda: calls.append(1) or {"float32": 2.0, "bfloat16": 1.0})
+    monkeypatch.setattr("engine.runtime.cpu_dtype.measure", lambda: calls.append(1) or {"float32": 2.0, "bfloat16": 1.0})
     assert fastest(cache) is torch.bfloat16
     assert json.loads(cache.read_text()) == {cpu_key(): {"float32": 2.0, "bfloat16": 1.0}}
     assert fastest(cache) is torch.bfloat16 and calls == [1]          # the second answer comes from the file
@@ -101,6 +102,6 @@ def test_cpu_dtype_probe_measures_once_and_survives_a_corrupt_cache(tmp_path, mo
 
 
 def test_cpu_dtype_probe_times_both_dtypes():
-    from engine.cpu_dtype import measure
+    from engine.runtime.cpu_dtype import measure
     seconds = measure()
     assert set(seconds) == {"float32", "bfloat16"} and all(s > 0 for s in seconds.values())

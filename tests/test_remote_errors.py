@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from engine.errors import ConfigError, NotOpenAIServerError, ServerAuthError, ServerUnreachableError
-from engine.llama_server import free_port
-from engine.remote import CONNECT_TIMEOUT_S, RemoteBackend, list_served_models, normalize_url
+from engine.remote.backend import CONNECT_TIMEOUT_S, RemoteBackend, list_served_models, normalize_url
+from engine.remote.llama_server import free_port
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from engine.backend import Backend, BackendRequest
 from engine.config import SamplingParams
 from engine.errors import ServerAuthError, ServerDiedError, ServerSettingFixedError, UnknownServedModelError
 from engine.metrics import SERVER, StepEvent
-from engine.server_metrics import parse_samples, read_metrics
+from engine.remote.server_metrics import parse_samples, read_metrics
 
 K = 4
 GREEDY = SamplingParams(max_tokens=24)
@@ -27,8 +27,8 @@ def chat(*turns: str) -> list[dict]:
 
 def start_server(**kwargs):
     from engine.errors import LlamaServerMissingError
-    from engine.llama_server import LlamaServer
-    from engine.loader import default_gguf_path
+    from engine.loading.loader import default_gguf_path
+    from engine.remote.llama_server import LlamaServer
     gguf = default_gguf_path()
     # one thread: with two on a busy 2-core machine llama.cpp's spinning threads wait on
     # each other and a reply takes ten times as long
@@ -42,7 +42,7 @@ def start_server(**kwargs):
 
 @pytest.fixture(scope="module")
 def spec_server(tmp_path_factory):
-    from engine.loader import default_gguf_path
+    from engine.loading.loader import default_gguf_path
     # --cache-ram 0: no RAM copies of old prompts, so erasing the slots resets the prefix cache
     server = start_server(draft=default_gguf_path(), draft_max=K, metrics=True,
                           slot_save_path=tmp_path_factory.mktemp("slots"), extra=("--cache-ram", "0"))
@@ -52,7 +52,7 @@ def spec_server(tmp_path_factory):
 
 @pytest.fixture
 def backend(spec_server):
-    from engine.remote import RemoteBackend
+    from engine.remote.backend import RemoteBackend
     b = RemoteBackend(spec_server.url)
     yield b
     b.close()
@@ -200,7 +200,7 @@ def test_cancel_stops_the_reply_and_keeps_what_arrived(backend):
 
 
 def test_unknown_model_lists_the_served_ones(spec_server):
-    from engine.remote import RemoteBackend
+    from engine.remote.backend import RemoteBackend
     served = httpx.get(f"{spec_server.url}/v1/models", timeout=5).json()["data"][0]["id"]
     with pytest.raises(UnknownServedModelError) as info:
         RemoteBackend(spec_server.url, model="no-such-model")
@@ -208,7 +208,7 @@ def test_unknown_model_lists_the_served_ones(spec_server):
 
 
 def test_api_key_comes_from_the_environment_and_is_never_reported(monkeypatch):
-    from engine.remote import RemoteBackend
+    from engine.remote.backend import RemoteBackend
     secret = "sk-workbench-test-0123456789"
     server = start_server(metrics=True, extra=("--api-key", secret))
     try:
@@ -231,7 +231,7 @@ def test_api_key_comes_from_the_environment_and_is_never_reported(monkeypatch):
 
 
 def test_server_without_metrics_streams_and_says_plots_use_per_request_data():
-    from engine.remote import RemoteBackend
+    from engine.remote.backend import RemoteBackend
     server = start_server(metrics=False)
     try:
         backend = RemoteBackend(server.url)
@@ -248,7 +248,7 @@ def test_server_without_metrics_streams_and_says_plots_use_per_request_data():
 
 
 def test_server_dying_mid_stream_gives_a_clear_error_after_the_streamed_events():
-    from engine.remote import RemoteBackend
+    from engine.remote.backend import RemoteBackend
     server = start_server(metrics=True)
     backend = RemoteBackend(server.url)
     request = backend.start(chat("Write a very long story about a baker."),
@@ -274,7 +274,7 @@ def test_a_plain_openai_server_gives_totals_only_and_per_step_numbers_stay_missi
     text streams, token counts come once from the final usage, per-step speed and
     acceptance are missing rather than 0."""
     from engine.errors import ServerRequestError
-    from engine.remote import RemoteBackend
+    from engine.remote.backend import RemoteBackend
     backend = RemoteBackend(spec_server.url, kind="openai")
     try:
         events = run(backend, chat("Name a bread."), SamplingParams(max_tokens=12, stop_on_eos=False))

@@ -1,4 +1,4 @@
-"""The per-kind metric mapping (engine.server_metrics, engine.server_kinds) on /metrics
+"""The per-kind metric mapping (engine.remote.server_metrics, engine.remote.server_kinds) on /metrics
 text in the format each server serves. vLLM and SGLang cannot run here, so their text is
 produced the way they produce it: vLLM declares prometheus_client Counters/Gauges/Histograms
 (names, labels and help as in vllm/v1/metrics/loggers.py and vllm/v1/spec_decode/metrics.py)
@@ -8,8 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.metrics import PositionCounts
-from engine.server_kinds import launch_settings
-from engine.server_metrics import kind_of_metrics, read_metrics, request_figures
+from engine.remote.server_kinds import launch_settings
+from engine.remote.server_metrics import kind_of_metrics, read_metrics, request_figures
 
 VLLM_LABELS = {"model_name": "meta-llama/Llama-3.1-8B-Instruct", "engine": "0"}
 

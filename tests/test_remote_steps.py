@@ -1,4 +1,4 @@
-"""How a server's stream becomes steps (engine.remote_request): the chunks of one server step
+"""How a server's stream becomes steps (engine.remote.request): the chunks of one server step
 make one StepEvent, timed from the previous step's end, so per-step decode speed is tokens
 over real time. Driven by a scripted stream with the arrival times a server gave, so the
 grouping is checked exactly; tests/test_remote_llamacpp.py checks it on the real server."""
@@ -7,7 +7,7 @@ import time
 import pytest
 
 from engine.errors import ServerDiedError
-from engine.remote_request import BURST_GAP_S, RemoteRequest
+from engine.remote.request import BURST_GAP_S, RemoteRequest
 
 GAP_INSIDE_A_BURST = BURST_GAP_S / 5
 PASS_TIME_S = 0.1

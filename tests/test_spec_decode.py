@@ -13,7 +13,7 @@ from engine import EngineConfig, SamplingParams
 from engine.engine import LLMEngine
 from engine.errors import DraftIncompatibleError
 from engine.metrics import ACCEPTED, BONUS, RESAMPLED
-from engine.spec_decode import check_draft_compatible, greedy_verify, ngram_lookup, rejection_sample
+from engine.spec.spec_decode import check_draft_compatible, greedy_verify, ngram_lookup, rejection_sample
 from tests.conftest import chat
 
 GREEDY = SamplingParams(max_tokens=20, stop_on_eos=False)

@@ -154,7 +154,7 @@ def test_per_position_acceptance_comes_from_a_servers_counters_when_its_steps_ha
     fake = FakeRequest()
     history.record_step(fake.step(0, SETTINGS))
     last = fake.step(1)
-    last["server"] = {"drafts": 10, "accepted_per_position": [8, 6, 3, 1]}     # engine.server_metrics figures
+    last["server"] = {"drafts": 10, "accepted_per_position": [8, 6, 3, 1]}     # engine.remote.server_metrics figures
     history.record_step(last)
     assert history.per_position_source == SERVER
     assert list(history.per_position_acceptance()) == pytest.approx([0.8, 6 / 8, 3 / 6, 1 / 3])

@@ -1,4 +1,4 @@
-"""Random-weight checkpoints (engine.synthetic): a folder transformers and our loader both
+"""Random-weight checkpoints (engine.loading.synthetic): a folder transformers and our loader both
 read, with the same logits; sharding changes the files, not the weights."""
 import json
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.loader import load_model
-from engine.synthetic import INDEX_NAME, main, make_config, tensor_groups, write_checkpoint
+from engine.loading.loader import load_model
+from engine.loading.synthetic import INDEX_NAME, main, make_config, tensor_groups, write_checkpoint
 from tests.conftest import our_logits, transformers_logits
 
 

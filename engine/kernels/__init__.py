@@ -3,7 +3,7 @@
 store.py            K and V for N tokens into their slots, FP8 quantize-on-store
 paged_attention.py  attention over paged KV for the last Q tokens of each sequence
                     (decode, speculative verification, prefill with prefix-cache hits)
-dispatch.py         `attention(...)`, the entry point `engine.attention` calls
+dispatch.py         `attention(...)`, the entry point `engine.layers.attention` calls
 
 Kernel modules import triton; import them through `dispatch`, which degrades to
 `kernels_available() == False` where triton is missing.

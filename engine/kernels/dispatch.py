@@ -1,4 +1,4 @@
-"""Entry point for `engine.attention.attention(..., meta.use_kernels=True)`: store the new
+"""Entry point for `engine.layers.attention.attention(..., meta.use_kernels=True)`: store the new
 K/V with the store kernel, then attend with the paged-attention kernel.
 
 This module imports without triton; `kernels_available` says whether the kernels can run.
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
+from engine.cache.kv_cache import LayerCache
 from engine.config import MAX_SPEC_TOKENS
 from engine.kernels import interpreting
-from engine.kv_cache import LayerCache
+from engine.layers.attention_metadata import AttentionMetadata
 
 try:
     from engine.kernels.paged_attention import (DECODE_BLOCK_N, DECODE_PARTITION, paged_attention,
@@ -36,7 +36,7 @@ def kernels_available(device: torch.device | str) -> bool:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
               meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [N, H_q, D], k/v [N, H_kv, D] of one sequence -> [N, H_q, D]. Same contract as
-    `engine.attention.attention`."""
+    `engine.layers.attention.attention`."""
     if _IMPORT_ERROR is not None:
         raise RuntimeError("Triton kernels were requested but triton failed to import "
                            f"({_IMPORT_ERROR}); install triton or turn kernels off.") from _IMPORT_ERROR

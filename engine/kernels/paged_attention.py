@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.cache.kv_cache import LayerCache
 from engine.kernels import interpreting
 from engine.kernels.fp8 import e4m3_decode_div256
-from engine.kv_cache import LayerCache
 
 # Launch shapes. Register use was checked by compiling for sm_80/sm_90 (no spills at these
 # sizes); the speeds are untuned: `python -m engine.bench kernels` measures them on a GPU.

@@ -1,14 +1,14 @@
 """Write K and V for N new tokens into their paged slots in one launch.
 
-Same contract as `engine.attention.store_kv`; an FP8 cache gets the values quantized
-exactly as `engine.kv_cache.quantize_fp8` does (same scales, same bits).
+Same contract as `engine.layers.attention.store_kv`; an FP8 cache gets the values quantized
+exactly as `engine.cache.kv_cache.quantize_fp8` does (same scales, same bits).
 """
 import torch
 import triton
 import triton.language as tl
 
+from engine.cache.kv_cache import FP8_MAX, LayerCache
 from engine.kernels.fp8 import e4m3_encode
-from engine.kv_cache import FP8_MAX, LayerCache
 
 
 @triton.jit

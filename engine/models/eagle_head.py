@@ -12,8 +12,8 @@ most often; tokens outside R get probability 0 (logits -inf), which the rejectio
 handles exactly. The embedding and the head rows are the target's, attached at load time;
 the folder stores only fc, the layer, the norm and the token ids (a few MB).
 
-Made by `python -m engine.distill` (training is there, never imported by inference); the
-proposer that runs it is engine.eagle_proposer.
+Made by `python -m engine.training.distill` (training is there, never imported by inference); the
+proposer that runs it is engine.spec.eagle_proposer.
 
 The folder: config.json (the target's config with one layer, plus EAGLE_CONFIG_KEY),
 model.safetensors (fp16 fc, layer and norm weights under transformers' Llama names, and
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from engine import packed_linear
-from engine.attention_metadata import AttentionMetadata
-from engine.kv_cache import CacheShape, KVCache
+from engine.cache.kv_cache import CacheShape, KVCache
+from engine.layers import packed_linear
+from engine.layers.attention_metadata import AttentionMetadata
 from engine.models.llama import LlamaFamilyModel, Linear
 
 EAGLE_CONFIG_KEY = "workbench_eagle"      # marks an EAGLE head folder in config.json
@@ -69,7 +69,7 @@ class EagleHead(LlamaFamilyModel):
         return (g @ self.head_weight.t()).float(), g
 
     def pack_for_cpu(self) -> None:
-        """The layer, fc and the reduced head in oneDNN's layout (engine.packed_linear): a
+        """The layer, fc and the reduced head in oneDNN's layout (engine.layers.packed_linear): a
         draft token's eager step in bf16 re-laid every weight out on each call otherwise."""
         super().pack_for_cpu()
         if self.head_packed is None and packed_linear.packable(self.head_weight):

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import packed_linear
-from engine.attention import AttentionMetadata, attention
+from engine.cache.kv_cache import CacheShape, KVCache
 from engine.errors import UnsupportedModelError
-from engine.kv_cache import CacheShape, KVCache
+from engine.layers import packed_linear
+from engine.layers.attention import AttentionMetadata, attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -26,7 +26,7 @@ class Linear(nn.Module):
     On the CPU, inference runs on oneDNN's linear (the kernel inductor uses), which reads
     weights 1.1-2x faster than MKL's matmul at SmolLM2's shapes (MKL's small-M GEMM made a
     5-token pass cost 1.64 one-token passes). Once the model is packed (`pack`, see
-    engine.packed_linear) the weight lives only in oneDNN's layout: the plain parameter
+    engine.layers.packed_linear) the weight lives only in oneDNN's layout: the plain parameter
     becomes a meta tensor of the same shape and dtype (so byte counts stay right), and
     `dense_weight()` gives the values back. Training, autocast and CUDA take F.linear."""
 
@@ -217,7 +217,7 @@ class LlamaFamilyModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def pack_for_cpu(self) -> None:
-        """Put every linear weight in oneDNN's layout for CPU inference (engine.packed_linear);
+        """Put every linear weight in oneDNN's layout for CPU inference (engine.layers.packed_linear);
         once, and only for fp32 / bf16 weights on the CPU. The model is then for inference only."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         if self.packed_weights or not all(packed_linear.packable(m.weight) for m in linears):

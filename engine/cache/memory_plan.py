@@ -1,0 +1,169 @@
+"""The memory plan: how a device's memory goes to the weights, the KV pool and a reserve for
+activations, and how many tokens of context the pool holds.
+
+- CUDA: as vLLM's gpu_memory_utilization, the engine may use `gpu_memory_fraction` of the
+  device's total memory. What is in use when the plan is made (our weights, the CUDA
+  context, other processes) and the activation reserve are subtracted; the pool gets the rest.
+- CPU: the pool is a byte budget, by default RAM / 32 (at least 256 MiB, at most 8 GiB).
+  The reserve is shown, not subtracted: host memory is not set aside in advance.
+- `kv_cache_bytes`, when set, is the pool budget on any device; `num_blocks` overrides both.
+- A draft model counts in the same plan: its weights (tensors it shares with the target
+  count once) and its pool, which has as many blocks as the target's.
+
+The reserve is an estimate: the largest activations of one forward pass over a prompt of
+`min(context length, RESERVE_PREFILL_TOKENS)` tokens (with the torch attention path's score
+matrices where the Triton kernels do not run), the logits of a verification pass, and on
+CUDA a fixed allowance for cuBLAS workspaces and allocator slack. A longer prompt needs more.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache.kv_cache import resolve_kv_dtype
+from engine.config import MAX_SPEC_TOKENS, EngineConfig
+from engine.errors import CacheTooSmallError
+
+GiB, MiB = 2**30, 2**20
+CPU_RAM_DIVISOR = 32
+CPU_BUDGET_MIN, CPU_BUDGET_MAX = 256 * MiB, 8 * GiB
+RESERVE_PREFILL_TOKENS = 8192
+CUDA_FIXED_RESERVE = 256 * MiB
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device: str
+    total_bytes: int            # the device's memory (CUDA) or RAM (CPU)
+    weights_bytes: int          # target + draft, shared tensors once
+    draft_weights_bytes: int
+    reserve_bytes: int
+    reserve_tokens: int         # the prompt length the reserve is sized for
+    kv_bytes_per_block: int     # target + draft pools, FP8 scales included
+    block_size: int
+    num_blocks: int
+    budget: str                 # which rule sized the pool
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.num_blocks * self.kv_bytes_per_block
+
+    @property
+    def tokens_that_fit(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def as_dict(self) -> dict:
+        """Plain data for the app's "In effect" and `python -m engine.bench memory`."""
+        return {"device": self.device, "total_bytes": self.total_bytes, "weights_bytes": self.weights_bytes,
+                "draft_weights_bytes": self.draft_weights_bytes, "kv_pool_bytes": self.kv_pool_bytes,
+                "reserve_bytes": self.reserve_bytes, "reserve_tokens": self.reserve_tokens,
+                "tokens_that_fit": self.tokens_that_fit, "budget": self.budget}
+
+
+def plan_memory(config: EngineConfig, device: torch.device, target: torch.nn.Module,
+                draft: torch.nn.Module | None = None, memory: tuple[int, int] | None = None) -> MemoryPlan:
+    """The plan for a loaded target (and draft). `memory` = (free, total) bytes of the device
+    as measured now; measured here when not given. Call it with no KV pool allocated."""
+    device = torch.device(device)
+    free, total = memory or device_memory(device)
+    models = [target] + ([draft] if draft is not None else [])
+    target_bytes, draft_bytes = weights_bytes(target), weights_bytes(draft, shared_with=target) if draft else 0
+    tokens = min(RESERVE_PREFILL_TOKENS, target.max_positions)
+    reserve = activation_bytes(target, tokens, kernels=_kernels_likely(config, device))
+    reserve += CUDA_FIXED_RESERVE if device.type == "cuda" else 0
+    per_block = sum(_kv_bytes_per_token(m, config) for m in models) * config.block_size
+    budget, rule = kv_budget(config, device, free, total, reserve)
+    num_blocks = config.num_blocks or budget // per_block
+    plan = MemoryPlan(str(device), total, target_bytes + draft_bytes, draft_bytes, reserve, tokens,
+                      per_block, config.block_size, num_blocks, "num_blocks" if config.num_blocks else rule)
+    if num_blocks < 1:
+        raise CacheTooSmallError(_no_room(plan, budget))
+    return plan
+
+
+def kv_budget(config: EngineConfig, device: torch.device, free: int, total: int, reserve: int) -> tuple[int, str]:
+    """(bytes for the KV pools, which rule gave them)."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes, "kv_cache_bytes"
+    if device.type == "cuda":
+        in_use = total - free
+        fraction = config.gpu_memory_fraction
+        return int(total * fraction) - in_use - reserve, f"gpu_memory_fraction {fraction:g}"
+    return cpu_budget(total), f"RAM/{CPU_RAM_DIVISOR}"
+
+
+def cpu_budget(ram_bytes: int) -> int:
+    return min(max(ram_bytes // CPU_RAM_DIVISOR, CPU_BUDGET_MIN), CPU_BUDGET_MAX)
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes. On CUDA, blocks torch caches but no tensor uses count as free."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)
+    total = ram_bytes()
+    return total, total
+
+
+def ram_bytes() -> int:
+    try:
+        import psutil
+        return psutil.virtual_memory().total
+    except ImportError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):     # no sysconf (Windows without psutil)
+        return 16 * GiB
+
+
+def weights_bytes(model: torch.nn.Module, shared_with: torch.nn.Module | None = None) -> int:
+    """Bytes of the model's parameters, each storage once, and of packed copies held beside a
+    plain weight (engine.layers.packed_linear); those of `shared_with` excluded. A packed weight's
+    parameter is a meta tensor of the same shape, which counts its bytes."""
+    def storages(m):
+        held = {(id(p) if p.is_meta else p.data_ptr()): p.numel() * p.element_size() for p in m.parameters()}
+        held.update({id(x.packed): x.packed.numel() * x.packed.element_size() for x in m.modules()
+                     if getattr(x, "packed", None) is not None and not x.weight.is_meta})
+        return held
+    skip = storages(shared_with) if shared_with is not None else {}
+    return sum(n for key, n in storages(model).items() if key not in skip)
+
+
+def activation_bytes(model: torch.nn.Module, tokens: int, kernels: bool) -> int:
+    """Peak activations of one forward pass over `tokens` tokens (see the module docstring)."""
+    c, attn = model.config, model.layers[0].self_attn
+    itemsize = next(model.parameters()).element_size()
+    hidden, inter = c.hidden_size, c.intermediate_size
+    per_token = max(2 * hidden + 4 * inter, 3 * hidden + 4 * attn.q_size + 4 * attn.kv_size) * itemsize
+    logits = (MAX_SPEC_TOKENS + 1) * c.vocab_size * (itemsize + 4)
+    scores = 0 if kernels else 2 * 4 * attn.num_heads * tokens * tokens     # fp32 scores + probabilities
+    return tokens * per_token + logits + scores
+
+
+def _kv_bytes_per_token(model: torch.nn.Module, config: EngineConfig) -> int:
+    dtype = resolve_kv_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
+    shape = model.cache_shape
+    return shape.bytes_per_token(dtype) + shape.scale_bytes_per_token(dtype)
+
+
+def _kernels_likely(config: EngineConfig, device: torch.device) -> bool:
+    """Whether attention will run in the Triton kernels (no score matrices), as ModelRunner decides."""
+    if device.type != "cuda" or config.attention_backend == "torch":
+        return False
+    from engine.kernels.dispatch import kernels_available      # imports without triton
+    return kernels_available(device)
+
+
+def _no_room(plan: MemoryPlan, budget: int) -> str:
+    return (f"no room for a KV cache on {plan.device}: {_gib(plan.total_bytes)} in all, weights "
+            f"{_gib(plan.weights_bytes)}, activation reserve {_gib(plan.reserve_bytes)}, leaving "
+            f"{_gib(max(budget, 0))} by {plan.budget} (one block needs {plan.kv_bytes_per_block} bytes); "
+            "raise gpu_memory_fraction or kv_cache_bytes, shorten the context, use the FP8 KV cache, "
+            "or load a smaller model or dtype")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"

@@ -1,0 +1,39 @@
+"""What one forward pass tells attention about its sequence: positions, cache slots,
+block table and mask. Its own module so the torch path (engine.layers.attention) and the Triton
+dispatch (engine.kernels.dispatch) share it without importing each other."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One sequence's view of the pool for one forward pass over N new tokens."""
+    positions: torch.Tensor        # [N] int64, absolute positions of the new tokens
+    slot_mapping: torch.Tensor     # [N] int64, block_id * block_size + offset for each new token
+    block_table: torch.Tensor      # [num_seq_blocks] int64 (int32 for kernels)
+    context_len: int               # tokens in the cache once the new ones are written
+    use_kernels: bool = False      # Triton on CUDA; False forces the torch reference
+    causal_mask: torch.Tensor | None = None   # [N, T] bool, key j visible to query i; None: all visible
+    # Set by the compiled step: attention leaves the cache untouched and appends each
+    # layer's encoded (k, v, k_scale, v_scale) here, to be written after the pass.
+    pending_kv: list | None = None
+
+
+def pass_positions(start: int, n: int, block_table: list[int], block_size: int, device) -> tuple:
+    """A pass over n new tokens from position `start`: positions [N], the block table as a
+    tensor, and the cache slot of each new token [N] (built on the host side of the pass)."""
+    positions = torch.arange(start, start + n, device=device)
+    table = torch.tensor(block_table, dtype=torch.int64, device=device)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    return positions, table, slots
+
+
+def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor | None:
+    """[N, T] bool, key j visible to query i iff j <= positions[i]. The new tokens are the
+    last N of the context, so a single one sees every key: None (no mask)."""
+    if positions.numel() == 1:
+        return None
+    return torch.arange(context_len, device=positions.device)[None, :] <= positions[:, None]

@@ -1,0 +1,8 @@
+"""From a model reference to weights on the device: safetensors or GGUF, never pickle by
+default, never trust_remote_code unless the user asks.
+
+loader.py      resolve a reference (local folder, GGUF, hub id on request, the embedded
+               default) and stream its weights into engine.models
+checkpoint.py  a checkpoint on disk: which file holds each tensor, read one at a time
+synthetic.py   random-weight checkpoints of real architectures, for tests and benches
+"""

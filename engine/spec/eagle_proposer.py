@@ -1,0 +1,117 @@
+"""The EAGLE proposer: drafts with engine.models.eagle_head from the target's own hidden states.
+
+Position bookkeeping, for token_ids x_0..x_{n-1} (x_{n-1} sampled, not yet fed to the target):
+  - the target has final hidden states f_j for j <= n-2: every forward pass hands its rows to
+    `target_pass` (prefill, plain decode and verify passes alike: no extra target work);
+  - the head's cache holds true-feature entries for positions base..kv_end-1; the entry at
+    j is computed from (f_j, x_{j+1});
+  - propose: catch up positions kv_end..n-2 in one pass (their features are the target's),
+    the last row drafts d_1; then each next draft feeds (g, d_i) at the next position, where
+    g is the head's own predicted feature. Those entries are speculative: kv_end stays n-1,
+    so the next catch-up overwrites them. That is the head's rollback: after a verify the
+    target's features for the accepted tokens replace the guesses.
+A verify pass writes features for rejected drafts too; they lie past n'-2 for the next
+token_ids (n' tokens), are never read, and the next pass overwrites them.
+When the proposer starts mid-request (speculation switched on) or the prompt came from the
+prefix cache, the head's cache starts at the first position it has a feature for (`base`);
+its attention then sees a shorter context, which costs acceptance, never correctness.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.config import SamplingParams
+from engine.layers.attention_metadata import AttentionMetadata, causal_mask
+from engine.layers.sampler import probabilities
+from engine.models.eagle_head import EagleHead
+from engine.spec.spec_decode import Proposal, Proposer
+
+GROW = 256          # feature and cache room is added in steps of this many positions
+
+
+class EagleProposer(Proposer):
+    def __init__(self, head: EagleHead, block_size: int, device):
+        self.head, self.block_size, self.device = head, block_size, device
+        self.dtype = head.fc.weight.dtype
+        self.base: int | None = None      # first position with a target feature
+        self.have = 0                     # features are known for positions base..have-1
+        self.kv_end = 0                   # head cache holds true-feature entries base..kv_end-1
+        self.features = torch.empty(0, head.config.hidden_size, dtype=self.dtype, device=device)
+        self.kv = None
+
+    def target_pass(self, start: int, hidden: torch.Tensor) -> None:
+        """The target's final hidden states for positions start..start+N-1 (every pass)."""
+        if self.base is None or start > self.have:   # the first pass seen, or one was missed
+            self.base = self.kv_end = self.have = start
+        if start < self.base:                        # rows before the head's first position
+            hidden, start = hidden[self.base - start:], self.base
+        lo = start - self.base
+        self._ensure(lo + hidden.shape[0] + 1)
+        self.features[lo:lo + hidden.shape[0]] = hidden.to(self.dtype)
+        self.have = start + hidden.shape[0]
+        self.kv_end = min(self.kv_end, start)        # entries from `start` on used older features
+
+    @torch.inference_mode()
+    def propose(self, token_ids, k, params: SamplingParams, generator) -> Proposal:
+        t0 = time.perf_counter()
+        n = len(token_ids)
+        last = n - 2                                 # the last position whose feature the head may read
+        if self.base is None or self.have <= last or last < self.base:
+            return Proposal([], None, time.perf_counter() - t0)
+        head = self.head
+        first = min(self.kv_end, last)
+        ids = torch.tensor(token_ids[first + 1:last + 2], dtype=torch.int64, device=self.device)
+        meta = self._meta(first, last - first + 1)
+        logits, g = head.step(ids, self.features[first - self.base:last - self.base + 1], self.kv, meta,
+                              meta.positions + self.base)
+        self.kv_end = last + 1
+        tokens, probs = [], []
+        for i in range(k):
+            token, q = self._pick(logits[-1:], params, generator)
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+            if i + 1 == k:
+                break
+            pos = last + 1 + i                      # the position whose input is (g, token)
+            self._ensure(pos - self.base + 2)
+            ids = torch.tensor([token], dtype=torch.int64, device=self.device)
+            meta = self._meta(pos, 1)
+            logits, g = head.step(ids, g[-1:], self.kv, meta, meta.positions + self.base)
+        return Proposal(tokens, torch.stack(probs) if probs else None, time.perf_counter() - t0)
+
+    def _pick(self, reduced_logits: torch.Tensor, params: SamplingParams, generator):
+        if params.greedy:
+            return int(self.head.head_token_ids[int(reduced_logits.argmax())]), None
+        q = probabilities(self.head.full_logits(reduced_logits)[0], params)
+        return int(torch.multinomial(q, 1, generator=generator)), q
+
+    def _meta(self, start: int, n: int) -> AttentionMetadata:
+        """The head's cache is contiguous from `base`: slot = position - base (the metadata's
+        positions are slots; RoPE takes slot + base, the target's positions)."""
+        local = torch.arange(start - self.base, start - self.base + n, device=self.device)
+        context = start - self.base + n
+        blocks = torch.arange(-(-context // self.block_size), device=self.device)
+        return AttentionMetadata(local, local, blocks, context, False, causal_mask(local, context))
+
+    def _ensure(self, positions: int) -> None:
+        """Room for `positions` head positions (features and cache), grown by copying."""
+        if self.features.shape[0] >= positions and self.kv is not None:
+            return
+        size = -(-max(positions, 1) // GROW) * GROW
+        features = torch.zeros(size, self.features.shape[1], dtype=self.dtype, device=self.device)
+        features[:self.features.shape[0]] = self.features
+        self.features = features
+        kv = self.head.new_cache(size, self.block_size, self.device)
+        if self.kv is not None:
+            old = self.kv.layer(0)
+            new = kv.layer(0)
+            new.k[:old.k.shape[0]] = old.k
+            new.v[:old.v.shape[0]] = old.v
+        self.kv = kv
+
+    def end(self) -> None:
+        self.kv = None
+        self.features = self.features[:0]

@@ -1,0 +1,99 @@
+"""What one decode step costs, measured: the machine's read bandwidth, the weight bytes a
+step reads, the time of an N-token pass relative to a 1-token pass (the verify cost that
+decides whether speculation pays), and the plain decode step the engine keeps measuring
+(PlainStepClock: the baseline of "does speculation pay here?"). Used by `engine.bench.scenarios
+decode` and by the engine."""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+
+import torch
+
+BANDWIDTH_BYTES = 512 * 2**20
+
+
+def read_bandwidth(repeats: int = 7) -> float:
+    """Bytes per second a large-tensor reduction reads (the memory-bound limit a decode step
+    that reads every weight once cannot beat), median of repeats, on this thread count."""
+    x = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return BANDWIDTH_BYTES / statistics.median(times)
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter once (a tied embedding counts
+    once, as the head reads it whole), except the embedding table, of which one row is read."""
+    seen, total = set(), 0
+    embedding = model.embed_tokens.weight
+    head_is_embedding = getattr(model, "lm_head", None) is not None and model.lm_head.weight is embedding
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p is embedding and not head_is_embedding:
+            total += p.shape[1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def pass_seconds(runner, n: int, context: int = 64, repeats: int = 9) -> float:
+    """Median time of one n-token forward pass at `context` tokens, rolled back after each."""
+    prompt = list(range(1000, 1000 + context))
+    seq = runner.start(prompt, reserve_tokens=n)
+    try:
+        runner.forward(seq, prompt)
+        tokens = list(range(2000, 2000 + n))
+        runner.forward(seq, tokens, logits_for=n)          # warm-up (and compile, if on)
+        runner.rollback(seq, context)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.forward(seq, tokens, logits_for=n)
+            times.append(time.perf_counter() - t0)
+            runner.rollback(seq, context)
+    finally:
+        runner.end(seq)
+    return statistics.median(times)
+
+
+def verify_costs(runner, ks=(1, 2, 4, 8)) -> dict[str, float]:
+    """{k: time of a (k+1)-token pass / time of a 1-token pass}."""
+    one = pass_seconds(runner, 1)
+    return {str(k): pass_seconds(runner, k + 1) / one for k in ks}
+
+
+class PlainStepClock:
+    """Wall times of plain (non-speculative) decode steps, per set-up that changes them (KV
+    dtype, compiled or eager, threads): the plain decode speed speculation is compared with.
+    Measured in the session; when a set-up has none yet, a short calibration (5 one-token
+    target passes) stands in until plain steps are seen."""
+
+    KEEP = 64
+
+    def __init__(self):
+        self.times: dict[tuple, deque] = {}
+        self.calibrated: dict[tuple, float] = {}
+
+    def record(self, key: tuple, seconds: float) -> None:
+        self.times.setdefault(key, deque(maxlen=self.KEEP)).append(seconds)
+
+    def estimate(self, key: tuple) -> tuple[float | None, str | None]:
+        """(seconds, "session" | "calibration"), or (None, None)."""
+        seen = self.times.get(key)
+        if seen:
+            return statistics.median(seen), "session"
+        if key in self.calibrated:
+            return self.calibrated[key], "calibration"
+        return None, None
+
+    def calibrate(self, key: tuple, runner, context: int = 64) -> None:
+        if key not in self.times and key not in self.calibrated:
+            self.calibrated[key] = pass_seconds(runner, 1, context=context, repeats=5)
