@@ -27,7 +27,7 @@ from engine import LLMEngine
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import WorkbenchError
 from engine.remote.backend import RemoteBackend, list_served_models
-from engine.request import Request
+from engine.stream import RequestStream
 
 log = logging.getLogger(__name__)
 IDLE, LOADING, GENERATING, LOADING_DRAFT = "", "loading", "generating", "loading draft"
@@ -57,7 +57,7 @@ class EngineWorker(QObject):
     def __init__(self):
         super().__init__()
         self.engine: LLMEngine | RemoteBackend | None = None   # engine.backend.Backend
-        self.request: Request | None = None
+        self.request: RequestStream | None = None
         self.request_id: int | None = None
         self.pending_draft: tuple[str | None] | None = None    # a draft chosen during a reply
         self._request_ids = itertools.count(1)

@@ -72,6 +72,10 @@ def _num(x) -> str:
 
 
 MAX_SPEC_TOKENS = 16
+# Device-dependent defaults of max_num_seqs / max_num_batched_tokens (None in the table).
+# On a small CPU a step of 256 prefill tokens already takes a few hundred ms: more would
+# stall the other requests' decoding for longer than a chat user waits between words.
+SCHEDULER_DEFAULTS = {"cpu": (32, 256), "cuda": (256, 8192)}
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 SETTINGS: tuple[Setting, ...] = (
@@ -100,6 +104,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("eagle_head", str, None, ENGINE, LIVE, "EAGLE head", optional=True, off_text="shipped",
             help="a folder made by python -m engine.training.distill; None: the head shipped for the default model",
             group=SPECULATION_GROUP),
+    Setting("speculation_policy", str, "auto", ENGINE, LIVE, "Draft tokens per step",
+            choices={"auto": "by batch size (measured)", "fixed": "always k"},
+            help="auto: each step verifies the k (up to the k above, 0 included) that the measured pass and draft "
+            "costs at the current batch size say is fastest; fixed: always k"),
     Setting("ngram_min", int, 1, ENGINE, LIVE, "N-gram min", low=1, high=16, group=SPECULATION_GROUP),
     Setting("ngram_max", int, 4, ENGINE, LIVE, "N-gram max", low=1, high=16, group=SPECULATION_GROUP),
     # ---- KV cache ----
@@ -122,6 +130,13 @@ SETTINGS: tuple[Setting, ...] = (
             "(about a minute the first time on a 2-core CPU, seconds later from the disk cache); "
             "auto: on for CUDA and for bf16/fp16 weights on the CPU, off for fp32 on the CPU (1.1x there)",
             group=RUNTIME_GROUP),
+    # ---- many requests at once (engine.scheduler) ----
+    Setting("max_num_seqs", int, None, ENGINE, LIVE, "Max sequences", low=1, high=4096, optional=True,
+            off_text="auto", help="requests running at once; auto: 32 on the CPU, 256 on CUDA"),
+    Setting("max_num_batched_tokens", int, None, ENGINE, LIVE, "Tokens per step", low=1, high=1_000_000,
+            optional=True, off_text="auto",
+            help="the token budget of one step (decodes and drafts first, then prefill chunks); "
+            "auto: 256 on the CPU, 8192 on CUDA"),
     # ---- load time ----
     Setting("device", str, "auto", ENGINE, LOAD, "Device", help="auto = CUDA when present, else the CPU"),
     Setting("gpu_memory_fraction", float, 0.9, ENGINE, LOAD, "GPU memory fraction", low=0.05, high=1.0, step=0.05,

@@ -1,31 +1,45 @@
-"""LLMEngine: load a model, stream generations as step events, cancel, reconfigure.
+"""LLMEngine: load a model, serve many requests at once, stream each one's step events,
+cancel, reconfigure.
 
 The request path reads top to bottom:
-  generate -> start (a Request) -> Request.step (prefill, then decode or speculative
-  steps) -> StepEvent -> Request.close.
-One sequence at a time (a desktop chat). Every setting can change without reloading the
+  submit (a Request, WAITING) -> step: Scheduler.schedule (decodes and drafts first, then
+  prefill chunks, under a token budget; preempt the newest when blocks run out) -> proposers
+  draft -> ModelRunner.forward_batch (ONE pass over every scheduled token) ->
+  Request.finish_pass (sample or verify, commit blocks) -> StepEvents (one per request that
+  advanced, each with its request_id).
+`start` / `generate` follow one request through those steps (engine.stream.RequestStream):
+the app's chat is one request among others. A request's tokens never depend on what else
+is running (tests/test_batching.py). Every setting can change without reloading the
 weights; `engine.config.SETTINGS` says when each change takes effect (live: at the next
-step; next request: when the running reply ends). Drive the engine from one thread;
-only `cancel` may be called from any thread.
+step; next request: when the engine is idle). Drive the engine from one thread; only
+`cancel` may be called from any thread.
 """
 from __future__ import annotations
 
 from typing import Iterator
 
+import itertools
+import time
+from dataclasses import dataclass
+
 import torch
 
 from engine.backend import ReconfigureResult, run_to_end
 from engine.cache.memory_plan import MemoryPlan, plan_memory
-from engine.config import BY_KEY, ENGINE, LIVE, NEXT_REQUEST, SETTINGS, EngineConfig, SamplingParams, keys
-from engine.errors import ConfigError, PromptTooLongError, WorkbenchError
+from engine.config import (BY_KEY, ENGINE, LIVE, NEXT_REQUEST, SCHEDULER_DEFAULTS, SETTINGS, EngineConfig,
+                           SamplingParams, keys)
+from engine.errors import CacheTooSmallError, ConfigError, PromptTooLongError, WorkbenchError
 from engine.loading import loader
-from engine.metrics import RequestStats, StepEvent
+from engine.metrics import EngineStep, RequestStats, StepEvent
 from engine.models.eagle_head import EagleHead
 from engine.request import Request
-from engine.runtime.model_runner import ModelRunner, prepare_model
+from engine.runtime.model_runner import ModelRunner, PassItem, prepare_model
+from engine.scheduler import Scheduler
+from engine.spec.policy import SpeculationPolicy
 from engine.spec.eagle_proposer import EagleProposer
 from engine.spec.spec_decode import DraftModelProposer, NgramProposer, Proposer, check_draft_compatible
 from engine.spec.step_costs import PlainStepClock
+from engine.stream import RequestStream
 
 SELF_DRAFT = "self"   # draft with the target itself (acceptance 1.0 in greedy mode; a test fixture)
 # Changing these reallocates the KV pool (and drops the prefix cache).
@@ -62,7 +76,12 @@ class LLMEngine:
                                   on_settings_changed=self._settings_changed)
         self.draft_runner: ModelRunner | None = None
         self.draft_name: str | None = None
-        self.active: Request | None = None
+        self.scheduler = Scheduler()
+        self.requests: dict[int, Request] = {}      # submitted and not yet finished
+        self._ids = itertools.count()
+        self.step_count = 0
+        self.last_step: EngineStep | None = None
+        self.policy = SpeculationPolicy()
         self.settings_version = 0      # bumped whenever settings() may answer differently
         self._pending: dict = {}
         self.eos_ids = _eos_ids(target)
@@ -89,7 +108,7 @@ class LLMEngine:
         """Load (or clear) the draft model now. Checks tokenizer compatibility first; a
         draft that fails to load leaves the previous one in place. Both pools are planned
         again (the draft's weights and cache share the memory plan); the prefix cache goes."""
-        if self.active is not None:
+        if self.has_work:
             raise ConfigError("the draft model can change only between requests")
         for runner in self.runners():
             runner.release_cache()          # room for the draft's weights
@@ -137,7 +156,7 @@ class LLMEngine:
     def reconfigure(self, **changes) -> ReconfigureResult:
         """Change settings without reloading weights. Live settings apply at the next step;
         the others (KV dtype, block size, pool size, draft model) now if idle, else when the
-        running request ends. Invalid values raise ConfigError and change nothing."""
+        last running request ends. Invalid values raise ConfigError and change nothing."""
         for key, value in changes.items():
             setting = BY_KEY.get(key)
             if setting is None or setting.section != ENGINE or setting.applies not in (LIVE, NEXT_REQUEST):
@@ -147,7 +166,7 @@ class LLMEngine:
         if new.proposer == "eagle":
             self.load_eagle_head(new.eagle_head)           # a missing or foreign head fails here
         self._pending.update(changes)
-        if self.active is None:
+        if not self.has_work:
             self.apply_pending(live_only=False)
             return ReconfigureResult(dict(changes), {})
         live = {k: v for k, v in changes.items() if BY_KEY[k].applies == LIVE}
@@ -231,11 +250,20 @@ class LLMEngine:
         """(bytes held by live sequences, bytes allocated) over the target's and draft's pools."""
         return (sum(r.bytes_held() for r in self.runners()), sum(r.kv.bytes_allocated for r in self.runners()))
 
-    def cancel(self) -> None:
-        """Stop the running request at its next step. Safe from any thread."""
-        request = self.active
-        if request is not None:
-            request.cancel()
+    def cancel(self, request_id: int | None = None) -> None:
+        """Stop a request (None: every request) at the next step. Safe from any thread."""
+        for rid, request in list(self.requests.items()):
+            if request_id is None or rid == request_id:
+                request.cancel()
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def scheduler_limits(self) -> tuple[int, int]:
+        """(max_num_seqs, max_num_batched_tokens) in effect: the settings, or the device's defaults."""
+        seqs, tokens = SCHEDULER_DEFAULTS.get(self.device.type, SCHEDULER_DEFAULTS["cpu"])
+        return self.config.max_num_seqs or seqs, self.config.max_num_batched_tokens or tokens
 
     def reset_prefix_cache(self) -> None:
         for runner in self.runners():
@@ -256,13 +284,14 @@ class LLMEngine:
         text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    # ---- generation ------------------------------------------------------------
-    def start(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None) -> Request:
-        """Open a request (no forward pass yet); advance it with Request.step()."""
-        if self.active is not None:
-            raise WorkbenchError("a request is already running: wait for it to finish or cancel it")
+    # ---- requests ----------------------------------------------------------------
+    def submit(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. Its events come from `step()`. A prompt that can
+        never be served (empty, longer than the context, more blocks than the pool) raises
+        here and queues nothing."""
         params = params or SamplingParams()
-        self.apply_pending(live_only=False)
+        if not self.has_work:
+            self.apply_pending(live_only=False)
         token_ids = list(prompt) if _is_token_list(prompt) else self.encode(prompt)
         if not token_ids:
             raise WorkbenchError("the prompt is empty")
@@ -271,16 +300,114 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens but the context holds {self.max_model_len}; "
                 "shorten it or start a new chat")
         max_new = min(params.max_tokens, self.max_model_len - len(token_ids))
-        if self.proposer_in_effect() != "off":       # the baseline "does speculation pay" needs
+        self._check_fits(len(token_ids), max_new)
+        if self.proposer_in_effect() != "off" and not self.has_work:   # the baseline of "does speculation pay"
             self.plain_steps.calibrate(self.plain_step_key(), self.runner)
-        self.active = Request(self, token_ids, max_new, params)
-        return self.active
+        request = Request(self, next(self._ids), token_ids, max_new, params)
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    def _check_fits(self, prompt_tokens: int, max_new: int) -> None:
+        blocks = self.runner.blocks
+        needed = blocks.blocks_for(prompt_tokens + max_new)
+        if needed > blocks.num_blocks:
+            raise CacheTooSmallError(
+                f"the request needs {needed} KV blocks ({prompt_tokens} prompt + {max_new} new tokens) "
+                f"but the cache has {blocks.num_blocks}; raise the KV cache size, use FP8, or lower max tokens")
+
+    def start(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None) -> RequestStream:
+        """Submit a request and follow it: stream.step() advances the engine until its next event."""
+        return RequestStream(self, self.requests[self.submit(prompt, params)])
 
     def request_closed(self, request: Request) -> None:
-        """Called by Request.close: waiting settings apply now."""
-        if request is self.active:
-            self.active = None
+        """A stream was closed: when nothing runs any more, waiting settings apply."""
+        if not self.has_work:
             self.apply_pending(live_only=False)
+
+    def step(self) -> list[StepEvent]:
+        """One engine step: schedule, draft, one forward pass over every scheduled token,
+        settle each request's tokens. One event per request that advanced (or was cancelled)."""
+        t0 = time.perf_counter()
+        self.apply_pending(live_only=self.has_work)
+        events = self._drop_cancelled()
+        if not self.scheduler.has_work:
+            return events
+        max_seqs, budget = self.scheduler_limits()
+        plan = self.scheduler.schedule(self.runner, max_seqs, budget, self._k_for_step())
+        work = [self._prepare(s) for s in plan.scheduled]
+        t_pass = time.perf_counter()
+        results = self.runner.forward_batch([w.item for w in work]) if work else []
+        pass_s = time.perf_counter() - t_pass
+        stepped = []
+        for w, (logits, hidden) in zip(work, results):
+            start = w.item.seq.num_computed - len(w.item.tokens)
+            event = w.request.finish_pass(start, w.item.tokens, logits, hidden, w.proposal, {"pass_s": pass_s})
+            if event is not None:
+                stepped.append(event)
+                if w.drafts:
+                    self.policy.record_verdict(self.proposer_in_effect(), event.accepted_per_position)
+            if w.request.finished:
+                self._forget(w.request)
+        step = self._step_stats(plan, work, stepped, pass_s, time.perf_counter() - t0)
+        for event in stepped:
+            event.engine_step = step.as_dict()
+        if len(work) == 1 and work[0].decode and not work[0].drafts:
+            self.plain_steps.record(self.plain_step_key(), pass_s)
+        return events + stepped
+
+    def _prepare(self, scheduled) -> "_Work":
+        """A scheduled request's rows: a prompt chunk, or its last token and drafts to verify."""
+        request = scheduled.request
+        decode = request.decoding
+        proposal = request.propose(scheduled.max_drafts) if decode and scheduled.max_drafts else None
+        drafts = proposal.tokens if proposal is not None else []
+        if proposal is not None:
+            self.policy.record_draft(len(drafts), proposal.time_s)
+            request.token_ids.extend(drafts)
+        start = request.num_computed
+        n = 1 + len(drafts) if decode else scheduled.num_tokens
+        rows = n if drafts else (1 if start + n == len(request.token_ids) else 0)
+        return _Work(request, PassItem(request.seq, request.token_ids[start:start + n], rows), proposal, decode)
+
+    def _k_for_step(self) -> int:
+        """Draft tokens per decoding sequence this step: k, or the policy's choice by batch size."""
+        c = self.config
+        if self.proposer_in_effect() == "off":
+            return 0
+        if c.speculation_policy == "fixed":
+            return c.num_speculative_tokens
+        decoding = sum(1 for r in self.scheduler.running if r.decoding)
+        return self.policy.choose_k(self.proposer_in_effect(), max(decoding, 1), c.num_speculative_tokens)
+
+    def _step_stats(self, plan, work: list["_Work"], events: list[StepEvent], pass_s: float, step_s: float) -> EngineStep:
+        rows = sum(len(w.item.tokens) for w in work)
+        decode_rows = sum(len(w.item.tokens) for w in work if w.decode)
+        if work:
+            self.policy.record_pass(rows, pass_s)
+        blocks = self.runner.blocks
+        step = EngineStep(step=self.step_count, running=len(self.scheduler.running),
+                          waiting=len(self.scheduler.waiting), batch_size=len(work),
+                          prefill_tokens=rows - decode_rows, decode_tokens=decode_rows,
+                          kv_blocks_used=blocks.num_used_blocks, kv_blocks_free=blocks.num_free_blocks,
+                          preemptions=len(plan.preempted), drafted=sum(len(w.drafts) for w in work),
+                          accepted=sum(e.accepted for e in events),
+                          k=max((s.max_drafts for s in plan.scheduled), default=0), pass_s=pass_s, step_s=step_s)
+        self.step_count += 1
+        self.last_step = step
+        return step
+
+    def _drop_cancelled(self) -> list[StepEvent]:
+        events = []
+        for request in [r for r in self.requests.values() if r.cancelled.is_set()]:
+            self.scheduler.remove(request)
+            events.append(request.cancelled_event())
+            self._forget(request)
+        return events
+
+    def _forget(self, request: Request) -> None:
+        self.scheduler.remove(request)
+        self.requests.pop(request.request_id, None)
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None) -> Iterator[StepEvent]:
         return run_to_end(self, prompt, params)
@@ -292,6 +419,19 @@ class LLMEngine:
             ids.extend(ev.token_ids)
             summary = ev.summary or summary
         return "".join(text), ids, summary
+
+
+@dataclass
+class _Work:
+    """One request's part of a step."""
+    request: Request
+    item: PassItem
+    proposal: object            # engine.spec.spec_decode.Proposal, or None
+    decode: bool                # a decode (or verify) step, not a prompt chunk
+
+    @property
+    def drafts(self) -> list[int]:
+        return self.proposal.tokens if self.proposal is not None else []
 
 
 def reconfigurable() -> tuple[str, ...]:

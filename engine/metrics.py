@@ -8,10 +8,15 @@ show is derived here, and only here:
 - alpha per attempted token = accepted / attempted positions (the i.i.d. model's alpha)
 - TTFT = submission -> first generated token available
 - decode speed = generated tokens after the first / decode wall time (TTFT excluded)
+- ITL = the time between a request's consecutive events (a speculative step's tokens arrive
+  together, as in vLLM's streamed chunks); TPOT = (E2EL - TTFT) / (output tokens - 1);
+  E2EL = submission -> last token; queue time = submission -> first scheduled
+Serving figures over many requests (serving_summary) carry vLLM bench serve's names.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import statistics
+from dataclasses import asdict, dataclass, field, fields
 
 # Kinds of emitted tokens (the app colours them).
 TARGET = "target"         # sampled by the target with no speculation this step
@@ -171,6 +176,8 @@ class StepEvent:
     kv_usage: float | None = None       # share of the KV cache in use, as a remote server reports it (0..1)
     server: dict | None = None          # a remote server's own figures (engine.remote.server_metrics); None locally
     speculation: dict | None = None     # speculation_report of the request so far, once it speculated
+    request_id: int | None = None       # which request advanced (LLMEngine.submit's id)
+    engine_step: dict | None = None     # the engine step that produced it (EngineStep.as_dict)
 
     @property
     def num_tokens(self) -> int:
@@ -216,12 +223,18 @@ class RequestStats:
     positions: PositionCounts = field(default_factory=PositionCounts)
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
+    queue_time_s: float | None = None     # submission -> first scheduled
+    e2e_s: float | None = None            # submission -> last event
+    preemptions: int = 0
+    itl_s: list[float] = field(default_factory=list)    # gaps between its events after the first
 
     def record_step(self, event: StepEvent) -> None:
         self.generated_tokens = event.generated_tokens
         if not event.is_decode:
             self.ttft_s = event.ttft_s
             return   # the prefill step: counted in TTFT, not in decode
+        if event.num_tokens:
+            self.itl_s.append(event.step_time_s)
         self.target_passes = plus(self.target_passes, event.target_passes)
         self.decode_tokens += event.num_tokens
         self.decode_time_s += event.step_time_s
@@ -247,6 +260,11 @@ class RequestStats:
     def per_position(self) -> list[float]:
         return self.positions.rates()
 
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: decode wall time / (tokens - 1)."""
+        return ratio(self.decode_time_s, self.generated_tokens - 1) if self.generated_tokens > 1 else None
+
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
                 "generated_tokens": self.generated_tokens, "ttft_s": self.ttft_s, "decode_tokens": self.decode_tokens,
@@ -255,7 +273,9 @@ class RequestStats:
                 "mean_accepted_len": self.mean_accepted_len, "per_position": self.per_position,
                 "proposed": self.proposed, "accepted": self.accepted, "target_passes": self.target_passes,
                 "alpha": self.positions.alpha(),
-                "draft_time_s": self.draft_time_s, "target_time_s": self.target_time_s}
+                "draft_time_s": self.draft_time_s, "target_time_s": self.target_time_s,
+                "queue_time_s": self.queue_time_s, "e2e_s": self.e2e_s, "tpot_s": self.tpot_s,
+                "preemptions": self.preemptions}
 
 
 # RequestStats' additive counters (its positions add up apart, by PositionCounts.merge).
@@ -283,3 +303,74 @@ def combine_running(runnings: list[dict], positions: PositionCounts | None = Non
     if positions is not None:
         total.positions.merge(positions)
     return total.as_dict()
+
+
+# ---- many requests at once ---------------------------------------------------------------
+@dataclass
+class EngineStep:
+    """One engine step (one forward pass over every scheduled token). Names as vLLM's metrics:
+      running, waiting   vllm:num_requests_running, vllm:num_requests_waiting
+      kv_usage           vllm:kv_cache_usage_perc (blocks held / blocks in the pool, 0..1)
+      preemptions        vllm:num_preemptions (this step)
+      drafted, accepted  vllm:spec_decode_num_draft_tokens, ..._num_accepted_tokens (this step)"""
+    step: int
+    running: int                  # requests holding blocks after the step
+    waiting: int
+    batch_size: int               # requests in the pass
+    prefill_tokens: int           # prompt (or recomputed) tokens in the pass
+    decode_tokens: int            # decode and verify rows in the pass
+    kv_blocks_used: int
+    kv_blocks_free: int
+    preemptions: int
+    drafted: int
+    accepted: int
+    k: int                        # draft tokens per speculating sequence this step (the policy's choice)
+    pass_s: float                 # the forward pass
+    step_s: float                 # the whole step (scheduling, drafting, the pass, sampling)
+
+    @property
+    def kv_usage(self) -> float:
+        return ratio(self.kv_blocks_used, self.kv_blocks_used + self.kv_blocks_free) or 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"kv_usage": self.kv_usage}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def latency_fields(name: str, seconds: list[float]) -> dict:
+    """mean_/median_/p99_{name}_ms, as vLLM's bench serve names them."""
+    ms = [1000 * s for s in seconds]
+    return {f"mean_{name}_ms": statistics.fmean(ms) if ms else None,
+            f"median_{name}_ms": statistics.median(ms) if ms else None,
+            f"p99_{name}_ms": percentile(ms, 99)}
+
+
+def serving_summary(stats: list[RequestStats], duration_s: float) -> dict:
+    """A finished workload's figures, named as vLLM's bench serve saves them:
+      request_throughput     = completed requests / duration
+      output_throughput      = generated tokens / duration
+      total_token_throughput = (prompt + generated tokens) / duration
+      ttft, tpot, itl, e2el  = mean / median / p99 in ms (TPOT over requests with 2+ tokens)."""
+    done = [s for s in stats if s.e2e_s is not None]
+    output = sum(s.generated_tokens for s in done)
+    prompt = sum(s.prompt_tokens for s in done)
+    return {"completed": len(done), "duration_s": duration_s,
+            "total_input_tokens": prompt, "total_output_tokens": output,
+            "request_throughput": ratio(len(done), duration_s), "output_throughput": ratio(output, duration_s),
+            "total_token_throughput": ratio(prompt + output, duration_s),
+            **latency_fields("ttft", [s.ttft_s for s in done if s.generated_tokens]),
+            **latency_fields("tpot", [s.tpot_s for s in done if s.tpot_s is not None]),
+            **latency_fields("itl", [gap for s in done for gap in s.itl_s]),
+            **latency_fields("e2el", [s.e2e_s for s in done]),
+            "preemptions": sum(s.preemptions for s in done),
+            "prefix_hit_tokens": sum(s.prefix_hit_tokens for s in done)}

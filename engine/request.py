@@ -1,27 +1,35 @@
-"""Request: one generation, advanced one step at a time.
+"""Request: one generation's state inside the engine, and what a step does with it.
 
-    request = engine.start(prompt, params)
-    while not request.finished:
-        event = request.step()        # prefill first, then one decode or speculative step
-    request.close()                   # frees its blocks however it ended
+A request is WAITING (queued, or preempted and queued again at the head), RUNNING (it holds
+KV blocks: its tokens are being computed, a prefill chunk or a decode step at a time) or
+FINISHED. As in vLLM v1 there is no prefill phase as such: each step computes some of the
+tokens whose KV is missing (`token_ids[num_computed:]`), and a pass that reaches the last
+token samples the next one. The scheduler (engine.scheduler) decides how many tokens each
+request computes in a step; the engine (engine.engine) runs one forward pass over all of
+them and hands each request its rows (`finish_pass`).
 
-`LLMEngine.generate` is that loop as an iterator; the app's worker runs one step per turn
-of its event loop. The request owns its sequence's blocks and its proposers; settings come
-from the engine's public interface (config, runners, proposer in effect) at every step.
+A request never looks at the others: its tokens are a function of its prompt, its sampling
+parameters and its seed (its own generator), whatever shares its batch.
 """
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Protocol
 
+import torch
+
 from engine.config import EngineConfig, SamplingParams
+from engine.errors import CacheTooSmallError
 from engine.layers.sampler import make_generator, probabilities, sample
 from engine.metrics import TARGET, RequestStats, StepEvent, attempted_positions, speculation_report
 from engine.runtime.detokenizer import Detokenizer
-from engine.runtime.model_runner import ModelRunner
-from engine.spec.spec_decode import Proposer, greedy_verify, rejection_sample
+from engine.runtime.model_runner import ModelRunner, RunnerSeq
+from engine.spec.spec_decode import Proposal, Proposer, greedy_verify, rejection_sample
 from engine.spec.step_costs import PlainStepClock
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
 class RequestHost(Protocol):
@@ -33,114 +41,104 @@ class RequestHost(Protocol):
     settings_version: int          # changes whenever settings() may answer differently
     plain_steps: PlainStepClock    # plain decode step times: the baseline of "does speculation pay"
 
-    def apply_pending(self, live_only: bool) -> None: ...
     def plain_step_key(self) -> tuple: ...
     def proposer_in_effect(self) -> str: ...
     def make_proposer(self, name: str) -> Proposer: ...
     def kv_bytes(self) -> tuple[int, int]: ...
     def settings(self) -> dict: ...
-    def request_closed(self, request: "Request") -> None: ...
 
 
 class Request:
-    def __init__(self, engine: RequestHost, token_ids: list[int], max_new: int, params: SamplingParams):
-        self.engine, self.params, self.max_new = engine, params, max_new
+    def __init__(self, engine: RequestHost, request_id: int, token_ids: list[int], max_new: int,
+                 params: SamplingParams):
+        self.engine, self.request_id, self.params, self.max_new = engine, request_id, params, max_new
         self.prompt_len = len(token_ids)
-        self.token_ids = list(token_ids)
+        self.token_ids = list(token_ids)       # the prompt, then every generated token
+        self.state = WAITING
         self.generator = make_generator(params.seed)
         self.stats = RequestStats(prompt_tokens=len(token_ids))
         self.detok = Detokenizer(engine.tokenizer)
         self.proposers: dict[str, Proposer] = {}
         self.last_pass: tuple | None = None    # (start position, hidden states) of the last target pass
-        self.step_index = 0
-        self.finished = False
+        self.seq: RunnerSeq | None = None      # its KV blocks while RUNNING
+        self.step_index = 0                    # events emitted
         self.cancelled = threading.Event()     # set from any thread; seen at the next step
         self.t_submit = time.perf_counter()
-        self._settings_version = -1    # the first event carries the settings
-        self.seq = engine.runner.start(self.token_ids, reserve_tokens=max_new)
-        self.stats.prefix_hit_tokens = self.seq.num_cached_tokens
+        self.t_last_event = self.t_submit
+        self.prefix_counted = False            # prefix-hit tokens are those of the first admission
+        self.events: deque[StepEvent] | None = None    # kept for a RequestStream, if one reads it
+        self._settings_version = -1            # the first event carries the settings
+
+    # ---- state ---------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.state == FINISHED
+
+    @property
+    def num_computed(self) -> int:
+        return 0 if self.seq is None else self.seq.num_computed
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV is missing: the whole prompt at first, then the last sampled token."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def decoding(self) -> bool:
+        """Only the last sampled token is left to compute: a decode (or verify) step."""
+        return self.seq is not None and self.num_uncomputed == 1 and self.stats.generated_tokens > 0
+
+    @property
+    def room(self) -> int:
+        """Tokens it may still generate."""
+        return self.max_new - self.stats.generated_tokens
 
     def cancel(self) -> None:
         self.cancelled.set()
 
-    def step(self) -> StepEvent:
-        if self.finished:
-            raise RuntimeError("this request has finished")
-        if self.cancelled.is_set():
-            return self._emit([], [], time.perf_counter(), target_passes=0, cancelled=True)
-        if self.step_index == 0:
-            return self._prefill()
-        self.engine.apply_pending(live_only=True)
-        proposer = self._proposer()
-        k = min(self.engine.config.num_speculative_tokens, self.max_new - self.stats.generated_tokens - 1)
-        if proposer is not None and k >= 1:
-            return self._speculative_step(proposer, k)
-        event = self._decode_step(time.perf_counter())
-        self.engine.plain_steps.record(self.engine.plain_step_key(), event.step_time_s)
-        return event
+    def admit(self, seq: RunnerSeq) -> None:
+        """Blocks for it (its prefix-cache hit included): it runs from the next pass."""
+        self.seq, self.state = seq, RUNNING
+        if self.stats.queue_time_s is None:
+            self.stats.queue_time_s = time.perf_counter() - self.t_submit
+        if not self.prefix_counted:
+            self.stats.prefix_hit_tokens, self.prefix_counted = seq.num_cached_tokens, True
 
-    def close(self) -> None:
-        """Free the blocks and proposers; safe to call more than once."""
+    def preempt(self) -> None:
+        """Give its blocks back (its full blocks stay in the prefix cache) and wait again; it
+        keeps its generated tokens and recomputes their KV when it runs again."""
+        self.release()
+        self.state = WAITING
+        self.stats.preemptions += 1
+
+    def release(self) -> None:
+        """Free its blocks and proposers; safe to call more than once."""
         if self.seq is not None:
             self.engine.runner.end(self.seq)
             self.seq = None
         for p in self.proposers.values():
             p.end()
         self.proposers.clear()
-        self.finished = True
-        self.engine.request_closed(self)
+        self.last_pass = None
 
-    # ---- steps -------------------------------------------------------------------
-    def _prefill(self) -> StepEvent:
-        t0 = time.perf_counter()
-        runner = self.engine.runner
-        logits = self._target_pass(self.token_ids[self.seq.num_computed:])
-        runner.commit(self.seq, self.token_ids)
-        token = sample(logits[-1], self.params, self.generator)
-        return self._emit([token], [TARGET], t0, target_time=time.perf_counter() - t0)
+    def finish(self) -> None:
+        self.release()
+        self.state = FINISHED
 
-    def _decode_step(self, t0: float, draft_time: float = 0.0) -> StepEvent:
-        runner = self.engine.runner
-        t_target = time.perf_counter()
-        logits = self._target_pass(self.token_ids[-1:])
-        runner.commit(self.seq, self.token_ids)
-        token = sample(logits[-1], self.params, self.generator)
-        return self._emit([token], [TARGET], t0, target_time=time.perf_counter() - t_target, draft_time=draft_time)
-
-    def _speculative_step(self, proposer: Proposer, k: int) -> StepEvent:
-        t0 = time.perf_counter()
-        proposal = proposer.propose(self.token_ids, k, self.params, self.generator)
-        if not proposal.tokens:
-            return self._decode_step(t0, draft_time=proposal.time_s)
-        drafts = proposal.tokens
-        runner = self.engine.runner
-        t_target = time.perf_counter()
-        logits = self._target_pass(self.token_ids[-1:] + drafts, logits_for=len(drafts) + 1)   # [k+1, V]
-        if self.params.greedy:
-            verdict = greedy_verify(drafts, logits.argmax(-1).tolist())
-        else:
-            verdict = rejection_sample(drafts, proposal.probs, probabilities(logits, self.params), self.generator)
-        target_time = time.perf_counter() - t_target
-        # KV is valid for the previous last token and the kept drafts; roll back the rest.
-        runner.rollback(self.seq, len(self.token_ids) + verdict.num_accepted)
-        positions = attempted_positions(verdict.num_accepted, len(drafts))
-        event = self._emit(verdict.tokens, verdict.kinds, t0, target_time=target_time,
-                           draft_time=proposal.time_s, proposed=len(drafts),
-                           accepted=verdict.num_accepted, positions=positions)
-        runner.commit(self.seq, self.token_ids)
-        for p in self.proposers.values():
-            p.accepted(self.token_ids)
-        return event
-
-    def _target_pass(self, tokens: list[int], logits_for: str | int = "last"):
-        """One target forward pass; its final hidden states go to the proposers (an EAGLE
-        head drafts from them) and are kept for a proposer that starts later."""
-        start = self.seq.num_computed
-        logits = self.engine.runner.forward(self.seq, tokens, logits_for)
-        self.last_pass = (start, self.engine.runner.last_hidden)
-        for p in self.proposers.values():
-            p.target_pass(*self.last_pass)
-        return logits
+    # ---- speculation ---------------------------------------------------------------
+    def propose(self, k: int) -> Proposal | None:
+        """Draft up to k tokens for a decode step (None: no proposer, or nothing to draft)."""
+        k = min(k, self.room - 1)
+        if k < 1:
+            return None
+        proposer = self._proposer()
+        if proposer is None:
+            return None
+        try:
+            proposal = proposer.propose(self.token_ids, k, self.params, self.generator)
+        except CacheTooSmallError:              # the draft model's own pool is full: draft later
+            return None
+        return proposal
 
     def _proposer(self) -> Proposer | None:
         name = self.engine.proposer_in_effect()
@@ -148,42 +146,85 @@ class Request:
             return None
         if name not in self.proposers:
             p = self.engine.make_proposer(name)
-            p.begin(self.token_ids)
+            try:
+                p.begin(self.token_ids)
+            except CacheTooSmallError:
+                return None
             if self.last_pass is not None:
                 p.target_pass(*self.last_pass)
             self.proposers[name] = p
         return self.proposers[name]
 
+    # ---- after the pass ------------------------------------------------------------
+    def finish_pass(self, start: int, fed: list[int], logits: torch.Tensor, hidden: torch.Tensor,
+                    proposal: Proposal | None, timing: dict) -> StepEvent | None:
+        """Its rows of a pass that fed `fed` at positions start..: settle the tokens, commit
+        the blocks, and return its event (None: a prefill chunk that does not end the prompt)."""
+        runner = self.engine.runner
+        self.last_pass = (start, hidden)
+        for p in self.proposers.values():
+            p.target_pass(start, hidden)
+        if self.num_uncomputed > 0:                  # mid-prompt (or mid-recompute) chunk
+            runner.commit(self.seq, self.token_ids)
+            return None
+        if proposal is None or not proposal.tokens:
+            runner.rollback(self.seq, self.seq.num_computed)     # blocks reserved for drafts not made
+            runner.commit(self.seq, self.token_ids)
+            return self._emit([sample(logits[-1], self.params, self.generator)], [TARGET], timing)
+        drafts = proposal.tokens
+        if self.params.greedy:
+            verdict = greedy_verify(drafts, logits.argmax(-1).tolist())
+        else:
+            verdict = rejection_sample(drafts, proposal.probs, probabilities(logits, self.params), self.generator)
+        # KV is valid for the previous last token and the kept drafts; roll back the rest.
+        runner.rollback(self.seq, len(self.token_ids) - len(drafts) + verdict.num_accepted)
+        del self.token_ids[len(self.token_ids) - len(drafts):]
+        runner.commit(self.seq, self.token_ids + verdict.tokens)
+        event = self._emit(verdict.tokens, verdict.kinds, timing, draft_time=proposal.time_s,
+                           proposed=len(drafts), accepted=verdict.num_accepted,
+                           positions=attempted_positions(verdict.num_accepted, len(drafts)))
+        for p in self.proposers.values():
+            p.accepted(self.token_ids)
+        return event
+
+    def cancelled_event(self) -> StepEvent:
+        return self._emit([], [], {"pass_s": 0.0}, target_passes=0, cancelled=True)
+
     # ---- events ------------------------------------------------------------------
-    def _emit(self, tokens, kinds, t0, target_time=0.0, draft_time=0.0, proposed=0, accepted=0,
+    def _emit(self, tokens, kinds, timing: dict, draft_time=0.0, proposed=0, accepted=0,
               positions=(), target_passes=1, cancelled=False) -> StepEvent:
         eng, stats = self.engine, self.stats
         tokens, kinds, reason = self._clip(tokens, kinds)
         reason = "cancelled" if cancelled else reason
         self.token_ids.extend(tokens)
         now = time.perf_counter()
-        first = self.step_index == 0 and bool(tokens)      # the first token: TTFT
+        first = stats.generated_tokens == 0 and bool(tokens)       # the first token: TTFT
         used, capacity = eng.kv_bytes()
         event = StepEvent(
             step=self.step_index, token_ids=tokens, token_kinds=kinds,
             pieces=self.detok.push(tokens, kinds, final=reason is not None),
-            time_s=now - self.t_submit, step_time_s=now - t0, target_time_s=target_time, draft_time_s=draft_time,
-            target_passes=target_passes, proposed=proposed, accepted=accepted,
+            time_s=now - self.t_submit, step_time_s=now - self.t_last_event, target_time_s=timing["pass_s"],
+            draft_time_s=draft_time, target_passes=target_passes, proposed=proposed, accepted=accepted,
             accepted_per_position=list(positions), kv_bytes_used=used, kv_bytes_capacity=capacity,
             kv_bytes_per_token=eng.runner.kv.bytes_per_token, kv_dtype=eng.runner.kv_dtype_name,
             prefix_hit_tokens=stats.prefix_hit_tokens, prompt_tokens=self.prompt_len,
             generated_tokens=stats.generated_tokens + len(tokens),
             ttft_s=(now - self.t_submit) if first else None, finished=reason is not None,
-            finish_reason=reason, settings=self._settings_if_changed())
+            finish_reason=reason, settings=self._settings_if_changed(), request_id=self.request_id,
+            engine_step=timing.get("engine_step"))
+        self.t_last_event = now
         stats.record_step(event)
         event.running = stats.as_dict()
         if stats.proposed:
             plain_s, source = eng.plain_steps.estimate(eng.plain_step_key())
             event.speculation = speculation_report(event.running, eng.config.num_speculative_tokens, plain_s, source)
         if event.finished:
+            stats.e2e_s = event.time_s
             event.summary = stats
-            self.finished = True
+            self.finish()
         self.step_index += 1
+        if self.events is not None:
+            self.events.append(event)
         return event
 
     def _settings_if_changed(self) -> dict | None:
@@ -202,7 +243,7 @@ class Request:
                 if t in self.engine.eos_ids:
                     tokens, kinds, reason = tokens[:i + 1], kinds[:i + 1], "stop"
                     break
-        room = self.max_new - self.stats.generated_tokens
+        room = self.room
         if len(tokens) >= room:
             tokens, kinds = tokens[:room], kinds[:room]
             reason = reason or "length"

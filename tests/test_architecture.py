@@ -80,10 +80,10 @@ def test_engine_never_imports_qt():
 
 
 # The request path: what a newcomer reads first. Everything else lives in a subpackage.
-TOP_LEVEL = {"engine", "engine.engine", "engine.request", "engine.config", "engine.metrics", "engine.errors",
+TOP_LEVEL = {"engine", "engine.engine", "engine.request", "engine.scheduler", "engine.stream", "engine.config", "engine.metrics", "engine.errors",
              "engine.profiles", "engine.backend"}
 SUBPACKAGES = {"cache", "kernels", "layers", "models", "loading", "runtime", "spec", "remote", "bench", "training"}
-REQUEST_PATH = ("engine.engine", "engine.request")
+REQUEST_PATH = ("engine.engine", "engine.request", "engine.scheduler", "engine.stream")
 OFFLINE_TOOLS = ("engine.bench", "engine.training")
 RUNS_MODELS = ("engine.layers", "engine.models", "engine.runtime", "engine.spec", "engine.loading")
 HTTP = ("httpx", "httpx_sse", "prometheus_client")

@@ -94,6 +94,13 @@ class BlockManager:
         self.ensure_capacity(seq, len(token_ids))
         return seq
 
+    def admit(self, token_ids: list[int]) -> SeqBlocks:
+        """Take the cached prefix blocks only; the scheduler adds blocks a chunk at a time."""
+        hit_ids, keys = self.lookup(token_ids)
+        for b in hit_ids:
+            self._ref(b)
+        return SeqBlocks(block_table=list(hit_ids), keys=keys, num_cached_tokens=len(hit_ids) * self.block_size)
+
     def ensure_capacity(self, seq: SeqBlocks, num_tokens: int) -> None:
         """Grow the table to hold num_tokens tokens."""
         missing = self.blocks_for(num_tokens) - len(seq.block_table)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.attention_metadata import AttentionMetadata, causal_mask  # noqa: F401 (re-exported)
+from engine.layers.attention_metadata import AttentionMetadata, SeqSlice, causal_mask  # noqa: F401 (re-exported)
 from engine.cache.kv_cache import LayerCache, dequantize_fp8, quantize_fp8
 
 
@@ -64,28 +64,87 @@ def gather_kv(cache: LayerCache, block_table: torch.Tensor, context_len: int, dt
     return read(cache.k, cache.k_scale), read(cache.v, cache.v_scale)
 
 
-def paged_attention_ref(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float,
-                        k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
-    """q [N, H_q, D] -> [N, H_q, D]. Query i sees keys at positions <= positions[i].
-    k, v [T, H_kv, D]: the sequence's keys and values if already read, else from the cache.
+# Keys per tile of the torch path. A row's result must not depend on how many keys its pass
+# read past its own position (another sequence's longer context, a later chunk boundary): the
+# context is padded to whole tiles, each tile's weighted values come from one fixed-shape
+# matmul, and the tiles are summed in order (a cumulative sum; padded tiles add exact zeros).
+KEY_TILE = 128
+# Sequences with at most this many new rows (decodes, verify passes, short chunks) attend in
+# one batched call, padded to the longest of them; longer chunks attend alone.
+SHORT_ROWS = 32
 
-    GQA without copying KV heads: the G query heads of a group are folded into the
-    query-length axis, so each KV head is read once for all of them."""
-    n, num_q_heads, head_dim = q.shape
-    if k is None:
-        k, v = gather_kv(cache, meta.block_table, meta.context_len, q.dtype)    # [T, H_kv, D]
-    num_kv_heads = k.shape[1]
-    group = num_q_heads // num_kv_heads
-    qg = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
-    k, v = k.transpose(0, 1), v.transpose(0, 1)                            # [H_kv, T, D]
-    mask = None if meta.causal_mask is None else meta.causal_mask.repeat(group, 1)   # [G*N, T]
-    # Plain matmul-softmax: for one sequence on the CPU it is several times faster than SDPA's
-    # kernel at decode shapes (measured: ~7 ms vs <1 ms per call at T=40 on SmolLM2 shapes).
-    scores = torch.matmul(qg, k.transpose(1, 2)) * scale                  # [H_kv, G*N, T]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.matmul(scores.softmax(-1, dtype=torch.float32).to(v.dtype), v)   # [H_kv, G*N, D]
-    return out.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_q_heads, head_dim)
+
+def paged_attention_ref(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [N, H_q, D] -> [N, H_q, D]: each sequence's rows attend over its cached keys, a row
+    seeing the keys at positions <= its own.
+
+    Batch-invariant: a row's result depends only on its query, its position and its
+    sequence's keys, never on the other rows of the pass, the padding, or where a prefill
+    was chunked (tested in fp32 and bf16). The fixed shapes that make it so: at least two
+    query rows per sequence (a 1-row matmul takes another kernel), whole KEY_TILE tiles of
+    keys, and tiles summed in order. GQA without copying KV heads: a group's G query heads
+    are folded into the query axis, so each KV head is read once for all of them."""
+    out = torch.empty_like(q)
+    seqs = meta.sequences()
+    short = [s for s in seqs if s.count <= SHORT_ROWS]
+    groups = ([short] if short else []) + [[s] for s in seqs if s.count > SHORT_ROWS]
+    for group in groups:
+        rows = _group_rows(group, q.device)                                   # [B, R]
+        result = _attend(q[rows], cache, group, meta.positions[rows], scale)  # [B, R, H_q, D]
+        out[torch.cat([rows[i, :s.count] for i, s in enumerate(group)])] = \
+            torch.cat([result[i, :s.count] for i, s in enumerate(group)])
+    return out
+
+
+def _group_rows(group: list[SeqSlice], device) -> torch.Tensor:
+    """[B, R] row indices, R = max(2, longest); a short sequence repeats its last row."""
+    width = max(2, max(s.count for s in group))
+    index = [[s.start + min(i, s.count - 1) for i in range(width)] for s in group]
+    return torch.tensor(index, dtype=torch.int64, device=device)
+
+
+def _gather_group(cache: LayerCache, group: list[SeqSlice], dtype: torch.dtype):
+    """The group's keys and values, dequantized, padded to whole key tiles: 2 x [B, T, H_kv, D]."""
+    block_size = cache.k.shape[1]
+    tile = max(KEY_TILE, block_size)
+    keys = -(-max(s.context_len for s in group) // tile) * tile
+    width = keys // block_size
+    table = torch.stack([torch.cat([s.block_table, s.block_table.new_zeros(width - s.block_table.shape[0])])
+                         for s in group])                                     # padding reads block 0, masked
+    flat = table.flatten()
+
+    def read(values, scales):
+        x = values.index_select(0, flat).view(len(group), keys, *values.shape[2:])
+        if scales is None:
+            return x.to(dtype)
+        s = scales.index_select(0, flat).view(len(group), keys, *scales.shape[2:])
+        return dequantize_fp8(x, s, dtype)
+    # Slots past a sequence's context were never written (a pool is not zeroed): their keys
+    # are masked, and their values must be zeros, not whatever bytes they hold (0 * NaN).
+    written = torch.arange(keys, device=flat.device) < torch.tensor([s.context_len for s in group],
+                                                                    device=flat.device)[:, None]
+    return read(cache.k, cache.k_scale), read(cache.v, cache.v_scale).masked_fill(~written[:, :, None, None], 0)
+
+
+def _attend(q: torch.Tensor, cache: LayerCache, group: list[SeqSlice], positions: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """q [B, R, H_q, D], positions [B, R] -> [B, R, H_q, D] (see paged_attention_ref)."""
+    b, r, num_q_heads, head_dim = q.shape
+    k, v = _gather_group(cache, group, q.dtype)                               # [B, T, H_kv, D]
+    num_kv_heads, keys = k.shape[2], k.shape[1]
+    g, tiles = num_q_heads // num_kv_heads, keys // KEY_TILE
+    qg = q.view(b, r, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(b, num_kv_heads, g * r, head_dim)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale                 # [B, H_kv, G*R, T]
+    visible = torch.arange(keys, device=q.device) <= positions[:, None, :, None]        # [B, 1, R, T]
+    visible = visible.expand(b, g, r, keys).reshape(b, 1, g * r, keys)
+    scores = scores.float().masked_fill(~visible, float("-inf"))
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))             # fp32, unnormalised
+    tiled = weights.view(b, num_kv_heads, g * r, tiles, KEY_TILE)
+    total = tiled.sum(-1).cumsum(-1)[..., -1]                                # [B, H_kv, G*R]
+    v_tiles = v.float().permute(0, 2, 1, 3).reshape(b, num_kv_heads, tiles, KEY_TILE, head_dim)
+    parts = torch.matmul(tiled.transpose(2, 3), v_tiles)                     # [B, H_kv, tiles, G*R, D]
+    out = (parts.cumsum(2)[:, :, -1] / total[..., None]).to(q.dtype)        # [B, H_kv, G*R, D]
+    return out.view(b, num_kv_heads, g, r, head_dim).permute(0, 3, 1, 2, 4).reshape(b, r, num_q_heads, head_dim)
 
 
 def attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -93,11 +152,23 @@ def attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float)
     from the cache (so an FP8 cache affects every token's attention, prefill included)."""
     if meta.use_kernels:
         from engine.kernels import dispatch
-        return dispatch.attention(q, k, v, cache, meta, scale)
+        if meta.seqs is None:
+            return dispatch.attention(q, k, v, cache, meta, scale)
+        return torch.cat([dispatch.attention(q[s.start:s.start + s.count], k[s.start:s.start + s.count],
+                                             v[s.start:s.start + s.count], cache, one_sequence(meta, s), scale)
+                          for s in meta.seqs])
     if meta.pending_kv is not None:
         return _attention_without_store(q, k, v, cache, meta, scale)
     store_kv(cache, k, v, meta.slot_mapping)
     return paged_attention_ref(q, cache, meta, scale)
+
+
+def one_sequence(meta: AttentionMetadata, s: SeqSlice) -> AttentionMetadata:
+    """A batched pass's metadata for one of its sequences (the kernels take one at a time)."""
+    rows = slice(s.start, s.start + s.count)
+    positions = meta.positions[rows]
+    return AttentionMetadata(positions, meta.slot_mapping[rows], s.block_table, s.context_len, meta.use_kernels,
+                             causal_mask(positions, s.context_len))
 
 
 def _attention_without_store(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

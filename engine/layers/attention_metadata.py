@@ -1,6 +1,10 @@
-"""What one forward pass tells attention about its sequence: positions, cache slots,
-block table and mask. Its own module so the torch path (engine.layers.attention) and the Triton
-dispatch (engine.kernels.dispatch) share it without importing each other."""
+"""What one forward pass tells attention about its sequences: positions, cache slots, block
+tables and mask. Its own module so the torch path (engine.layers.attention) and the Triton
+dispatch (engine.kernels.dispatch) share it without importing each other.
+
+A pass over one sequence fills the single-sequence fields; a batched pass (the scheduler's
+step over many requests) lists each sequence's rows, table and context in `seqs`, with the
+flattened positions and slots of every row."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,8 +13,17 @@ import torch
 
 
 @dataclass
+class SeqSlice:
+    """One sequence's part of a batched pass: rows start..start+count-1 of the pass."""
+    start: int
+    count: int
+    block_table: torch.Tensor      # [num_seq_blocks] int64
+    context_len: int               # its tokens in the cache once its new ones are written
+
+
+@dataclass
 class AttentionMetadata:
-    """One sequence's view of the pool for one forward pass over N new tokens."""
+    """The pool as one forward pass over N new tokens sees it."""
     positions: torch.Tensor        # [N] int64, absolute positions of the new tokens
     slot_mapping: torch.Tensor     # [N] int64, block_id * block_size + offset for each new token
     block_table: torch.Tensor      # [num_seq_blocks] int64 (int32 for kernels)
@@ -20,6 +33,12 @@ class AttentionMetadata:
     # Set by the compiled step: attention leaves the cache untouched and appends each
     # layer's encoded (k, v, k_scale, v_scale) here, to be written after the pass.
     pending_kv: list | None = None
+    seqs: list[SeqSlice] | None = None       # a batched pass; None: one sequence (the fields above)
+
+    def sequences(self) -> list[SeqSlice]:
+        if self.seqs is not None:
+            return self.seqs
+        return [SeqSlice(0, self.positions.shape[0], self.block_table, self.context_len)]
 
 
 def pass_positions(start: int, n: int, block_table: list[int], block_size: int, device) -> tuple:

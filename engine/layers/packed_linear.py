@@ -11,8 +11,13 @@ and inductor's on-disk cache works across processes.
 Measured on this 2-core CPU (SmolLM2-135M shapes, 2 threads, one row): bf16 packed reads a
 weight 1.8-2.2x faster than bf16 plain (the 49,152 x 576 head: 1.43 ms against 3.1 ms);
 fp32 is the same for one row and about 2x faster for the 5 rows of a k=4 verify pass. A
-packed weight gives each row the same result whatever the number of rows, so a verify pass
-and a decode step agree bit for bit in bf16 too.
+packed weight alone does not make a row's result independent of the pass it is in: the
+1536 -> 576 down projection rounds a bf16 row differently once a call has 8 rows or more, and
+in fp32 a 1-row call (a matrix-vector kernel) differs from every multi-row call. So every call
+has exactly ROW_TILE rows (the last tile padded): a row's result is then a function of that
+row alone, whatever shares its pass (other requests, a prefill chunk, drafts to verify).
+That is what makes the engine batch-invariant (engine.scheduler); one ROW_TILE-row call costs
+about 1.1 one-row calls here, so a decode step pays little for it.
 """
 from __future__ import annotations
 
@@ -39,9 +44,18 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return packed.to_dense()
 
 
+ROW_TILE = 16      # rows per oneDNN call; up to 16 rows cost about one row's weight read
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, in] -> [M, out] on the packed weight."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """x [M, in] -> [M, out] on the packed (or plain) weight, ROW_TILE rows per call."""
+    rows = x.shape[0]
+    pad = -rows % ROW_TILE
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    tiles = [torch.ops.mkldnn._linear_pointwise(tile, packed, bias, "none", [], "") for tile in x.split(ROW_TILE)]
+    out = tiles[0] if len(tiles) == 1 else torch.cat(tiles)
+    return out[:rows] if pad else out
 
 
 # ---- compiled graphs ---------------------------------------------------------------

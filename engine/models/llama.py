@@ -243,9 +243,12 @@ class LlamaFamilyModel(nn.Module):
 
     def forward_with_hidden(self, input_ids, kv: KVCache, meta: AttentionMetadata, logits_for: str | int = "last"):
         """(logits as forward gives them, final normed hidden states of every new token [N, hidden]):
-        the hidden states feed an EAGLE draft head at no extra cost."""
+        the hidden states feed an EAGLE draft head at no extra cost. logits_for may also be a
+        tensor of row indices (a batched pass: each sequence's last rows)."""
         h = self.hidden_states(input_ids, kv, meta)
-        if logits_for == "last":
+        if isinstance(logits_for, torch.Tensor):
+            rows = h.index_select(0, logits_for)
+        elif logits_for == "last":
             rows = h[-1:]
         elif isinstance(logits_for, int):
             rows = h[-logits_for:]

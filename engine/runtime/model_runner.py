@@ -1,5 +1,6 @@
 """A model with its own paged KV cache and block manager: the target has one, a draft
-model has another. Runs forward passes for one sequence at a time."""
+model has another. Runs forward passes over one sequence (`forward`) or many at once
+(`forward_batch`: the scheduler's step, one pass over every scheduled token)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from engine.cache.kv_cache import FP8_DTYPE, KVCache, dtype_name, resolve_kv_dty
 from engine.cache.memory_plan import plan_memory
 from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata, causal_mask
-from engine.layers.attention_metadata import pass_positions
+from engine.layers.attention_metadata import SeqSlice, pass_positions
 from engine.loading.loader import LoadedModel
 from engine.models.llama import rope_identity
 from engine.runtime import compiled_step
@@ -24,6 +25,15 @@ SCALE_MODE = "per_token_head_fp32"
 class RunnerSeq(SeqBlocks):
     """Blocks plus how many tokens have KV in the cache."""
     num_computed: int = 0
+
+
+@dataclass
+class PassItem:
+    """One sequence's part of a batched pass: its new tokens (fed at positions num_computed..)
+    and how many of its last rows need logits (0: a prefill chunk that does not end the prompt)."""
+    seq: RunnerSeq
+    tokens: list[int]
+    logits_rows: int = 1
 
 
 def prepare_model(model, device: torch.device) -> None:
@@ -111,6 +121,11 @@ class ModelRunner:
         seq.num_computed = blocks.num_cached_tokens
         return seq
 
+    def admit(self, token_ids: list[int]) -> RunnerSeq:
+        """A sequence holding only its prefix-cache hit (the scheduler's admission)."""
+        blocks = self.blocks.admit(token_ids)
+        return RunnerSeq(blocks.block_table, blocks.keys, blocks.num_cached_tokens, blocks.num_cached_tokens)
+
     def end(self, seq: RunnerSeq) -> None:
         self.blocks.free(seq)
 
@@ -143,6 +158,37 @@ class ModelRunner:
         logits, self.last_hidden = self.model.forward_with_hidden(ids, self.kv, meta, logits_for)
         seq.num_computed = start + n
         return logits
+
+    @torch.inference_mode()
+    def forward_batch(self, items: list[PassItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One eager forward pass over every item's new tokens: flattened ids and positions,
+        each sequence's own block table and context. Returns per item (float32 logits of its
+        last logits_rows rows [logits_rows, V], final hidden states of its new tokens [n, hidden]).
+        A row's numbers do not depend on the other items (layers.attention, layers.packed_linear)."""
+        slices, positions, slots, ids, wanted = [], [], [], [], []
+        row = 0
+        for item in items:
+            start, n = item.seq.num_computed, len(item.tokens)
+            self.blocks.ensure_capacity(item.seq, start + n)
+            pos, table, slot = pass_positions(start, n, item.seq.block_table, self.kv.block_size, self.device)
+            slices.append(SeqSlice(row, n, table, start + n))
+            positions.append(pos)
+            slots.append(slot)
+            ids.extend(item.tokens)
+            wanted.extend(range(row + n - item.logits_rows, row + n))
+            row += n
+        first = slices[0]
+        meta = AttentionMetadata(torch.cat(positions), torch.cat(slots), first.block_table, first.context_len,
+                                 self.use_kernels, None, seqs=slices)
+        ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        rows_t = torch.tensor(wanted, dtype=torch.int64, device=self.device)
+        logits, hidden = self.model.forward_with_hidden(ids_t, self.kv, meta, rows_t)
+        out, used = [], 0
+        for item, s in zip(items, slices):
+            item.seq.num_computed += s.count
+            out.append((logits[used:used + item.logits_rows], hidden[s.start:s.start + s.count]))
+            used += item.logits_rows
+        return out
 
     def commit(self, seq: RunnerSeq, token_ids: list[int]) -> None:
         """token_ids: the sequence's final tokens; their first num_computed have KV."""
