@@ -127,8 +127,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("compile", str, "auto", ENGINE, NEXT_REQUEST, "Compiled step",
             choices={"off": "off (eager)", "on": "on (torch.compile)", "auto": "auto"},
             help="compile the decode and verify step with torch.compile at the first step that needs it "
-            "(about a minute the first time on a 2-core CPU, seconds later from the disk cache); "
-            "auto: on for CUDA and for bf16/fp16 weights on the CPU, off for fp32 on the CPU (1.1x there)",
+            "(about a minute the first time on a 2-core CPU, seconds later from the disk cache). It serves steps "
+            "where one request decodes alone, and rounds differently from the batched eager pass: with it on, a "
+            "reply can depend on whether it had company. auto: on for CUDA, off on the CPU (batch invariance)",
             group=RUNTIME_GROUP),
     # ---- many requests at once (engine.scheduler) ----
     Setting("max_num_seqs", int, None, ENGINE, LIVE, "Max sequences", low=1, high=4096, optional=True,

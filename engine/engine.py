@@ -337,7 +337,7 @@ class LLMEngine:
         plan = self.scheduler.schedule(self.runner, max_seqs, budget, self._k_for_step())
         work = [self._prepare(s) for s in plan.scheduled]
         t_pass = time.perf_counter()
-        results = self.runner.forward_batch([w.item for w in work]) if work else []
+        results = self._forward(work)
         pass_s = time.perf_counter() - t_pass
         stepped = []
         for w, (logits, hidden) in zip(work, results):
@@ -352,9 +352,22 @@ class LLMEngine:
         step = self._step_stats(plan, work, stepped, pass_s, time.perf_counter() - t0)
         for event in stepped:
             event.engine_step = step.as_dict()
-        if len(work) == 1 and work[0].decode and not work[0].drafts:
-            self.plain_steps.record(self.plain_step_key(), pass_s)
+        if len(work) == 1 and work[0].decode and work[0].max_drafts == 0:
+            self.plain_steps.record(self.plain_step_key(), step.step_s)
         return events + stepped
+
+    def _forward(self, work: list["_Work"]) -> list[tuple]:
+        """One pass over every scheduled token: eager and batch-invariant. With `compile = on`,
+        a step whose only work is one decode (or verify) runs the compiled graph instead:
+        faster alone, but its rounding differs from the batched pass (settings() says so)."""
+        if not work:
+            return []
+        runner = self.runner
+        if runner.compiled is not None and len(work) == 1 and work[0].decode:
+            item = work[0].item
+            logits = runner.forward(item.seq, item.tokens, logits_for=item.logits_rows)
+            return [(logits, runner.last_hidden)]
+        return runner.forward_batch([w.item for w in work])
 
     def _prepare(self, scheduled) -> "_Work":
         """A scheduled request's rows: a prompt chunk, or its last token and drafts to verify."""
@@ -368,7 +381,8 @@ class LLMEngine:
         start = request.num_computed
         n = 1 + len(drafts) if decode else scheduled.num_tokens
         rows = n if drafts else (1 if start + n == len(request.token_ids) else 0)
-        return _Work(request, PassItem(request.seq, request.token_ids[start:start + n], rows), proposal, decode)
+        return _Work(request, PassItem(request.seq, request.token_ids[start:start + n], rows), proposal, decode,
+                     scheduled.max_drafts)
 
     def _k_for_step(self) -> int:
         """Draft tokens per decoding sequence this step: k, or the policy's choice by batch size."""
@@ -428,6 +442,7 @@ class _Work:
     item: PassItem
     proposal: object            # engine.spec.spec_decode.Proposal, or None
     decode: bool                # a decode (or verify) step, not a prompt chunk
+    max_drafts: int = 0         # drafts it was allowed (0: a plain decode step)
 
     @property
     def drafts(self) -> list[int]:

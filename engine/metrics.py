@@ -263,7 +263,8 @@ class RequestStats:
     @property
     def tpot_s(self) -> float | None:
         """Time per output token after the first: decode wall time / (tokens - 1)."""
-        return ratio(self.decode_time_s, self.generated_tokens - 1) if self.generated_tokens > 1 else None
+        tokens = self.generated_tokens or 0          # None: a server that does not count them
+        return ratio(self.decode_time_s, tokens - 1) if tokens > 1 and self.decode_time_s is not None else None
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,

@@ -170,7 +170,8 @@ class Request:
         if proposal is None or not proposal.tokens:
             runner.rollback(self.seq, self.seq.num_computed)     # blocks reserved for drafts not made
             runner.commit(self.seq, self.token_ids)
-            return self._emit([sample(logits[-1], self.params, self.generator)], [TARGET], timing)
+            return self._emit([sample(logits[-1], self.params, self.generator)], [TARGET], timing,
+                              draft_time=proposal.time_s if proposal is not None else 0.0)
         drafts = proposal.tokens
         if self.params.greedy:
             verdict = greedy_verify(drafts, logits.argmax(-1).tolist())

@@ -34,6 +34,16 @@ class RequestStream:
     def request_id(self) -> int:
         return self.request.request_id
 
+    @property
+    def step_index(self) -> int:
+        """Events this request has emitted."""
+        return self.request.step_index
+
+    @property
+    def stats(self):
+        """Its RequestStats so far (engine.metrics)."""
+        return self.request.stats
+
     def step(self) -> StepEvent:
         if self.finished:
             raise RuntimeError("this request has finished")

@@ -22,6 +22,9 @@ def engine_factory(loaded, pool_bytes: int):
 
     def make(**config):
         config.setdefault("kv_cache_bytes", pool_bytes)
+        # Speculation's mechanics are tested on every step's drafts; the batch-size policy
+        # (speculation_policy auto, the default) is tested on its own (test_batching.py).
+        config.setdefault("speculation_policy", "fixed")
         return LLMEngine(loaded, EngineConfig(**config), torch.device("cpu"))
     return make
 

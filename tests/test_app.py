@@ -109,10 +109,11 @@ def open_workbench(qapp, qtbot, tmp_path):
 
 @pytest.fixture
 def tiny_profile(tiny_model):
-    """A session profile on the tiny model, short replies, a small KV pool."""
+    """A session profile on the tiny model, short replies, a small KV pool, and speculation
+    at the k the test sets (the batch-size policy would turn a self draft off: it cannot pay)."""
     def make(**settings):
         return SessionProfile(**{"model": str(tiny_model.folder), "kv_cache_bytes": TINY_POOL_BYTES,
-                                 "max_tokens": 8} | settings)
+                                 "max_tokens": 8, "speculation_policy": "fixed"} | settings)
     return make
 
 
@@ -153,16 +154,16 @@ class StepGate:
 
 @pytest.fixture
 def step_gate(open_workbench, monkeypatch):
-    """A StepGate on Request.step (closed: no step runs until allowed). It opens before the
+    """A StepGate on RequestStream.step (closed: no step runs until allowed). It opens before the
     workbenches shut down (it depends on open_workbench), so no worker is left waiting."""
-    from engine.request import Request
+    from engine.stream import RequestStream
     gate = StepGate()
-    original = Request.step
+    original = RequestStream.step
 
     def gated_step(self):
         gate.wait()
         return original(self)
-    monkeypatch.setattr(Request, "step", gated_step)
+    monkeypatch.setattr(RequestStream, "step", gated_step)
     yield gate
     gate.open()
 
@@ -572,8 +573,8 @@ def test_the_gui_thread_never_runs_the_engine(tiny_bench, qtbot, monkeypatch, st
     """Forward passes, reconfiguring and draft loading all happen on the worker thread,
     even when the user toggles settings and stops mid-reply."""
     from engine.engine import LLMEngine
-    from engine.request import Request
     from engine.runtime.model_runner import ModelRunner
+    from engine.stream import RequestStream
     bench = tiny_bench
     threads = []
 
@@ -582,8 +583,8 @@ def test_the_gui_thread_never_runs_the_engine(tiny_bench, qtbot, monkeypatch, st
             threads.append(threading.current_thread())
             return original(*args, **kwargs)
         return wrapper
-    for cls, name in ((ModelRunner, "forward"), (LLMEngine, "reconfigure"), (LLMEngine, "set_draft_model"),
-                      (LLMEngine, "start"), (LLMEngine, "settings"), (Request, "step")):
+    for cls, name in ((ModelRunner, "forward_batch"), (LLMEngine, "reconfigure"), (LLMEngine, "set_draft_model"),
+                      (LLMEngine, "start"), (LLMEngine, "settings"), (LLMEngine, "step"), (RequestStream, "step")):
         monkeypatch.setattr(cls, name, record(getattr(cls, name)))
     gui_updates = []      # and the other way round: widgets are only touched on the GUI thread
     chat = bench.window.chat

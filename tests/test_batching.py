@@ -243,3 +243,20 @@ def test_default_model_batched_replies_equal_solo_replies():
         for e in eng.step():
             got[e.request_id].extend(e.token_ids)
     assert [got[rid] for rid in ids] == alone
+
+
+# ---- the speculation policy ------------------------------------------------------------
+def test_the_policy_speculates_alone_and_stops_when_a_wide_pass_costs_more_than_it_gains():
+    from engine.spec.policy import SpeculationPolicy
+    policy = SpeculationPolicy()
+    assert policy.choose_k("ngram", batch=1, k_max=4) == 4            # nothing measured yet: try k
+    for _ in range(5):
+        policy.record_pass(rows=5, seconds=0.020)                      # up to 16 rows: one row tile
+        policy.record_pass(rows=80, seconds=0.100)                     # 5 tiles
+        policy.record_verdict("ngram", [True, True, True, False])
+    assert policy.alpha("ngram") == pytest.approx(0.75)
+    assert policy.choose_k("ngram", batch=1, k_max=4) == 4             # 5 rows cost what 1 row costs
+    assert policy.choose_k("ngram", batch=16, k_max=4) == 0            # 16 * tau(0.75, 4) / 0.1 < 16 / 0.02
+    for _ in range(5):
+        policy.record_draft(tokens=4, seconds=0.080)                   # a draft model as slow as the target
+    assert policy.choose_k("ngram", batch=1, k_max=4) == 0

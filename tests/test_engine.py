@@ -102,19 +102,30 @@ def test_cancel_stops_within_one_step_and_is_not_a_target_pass(make_engine):
 def test_a_request_advances_one_step_per_call(make_engine):
     eng = make_engine()
     request = eng.start(chat("Count to five."), SamplingParams(max_tokens=3, stop_on_eos=False))
-    assert eng.runner.blocks.num_used_blocks > 0 and not request.finished
+    assert eng.has_work and eng.runner.blocks.num_used_blocks == 0       # blocks come with its first step
     steps = [request.step() for _ in range(3)]
     assert [e.step for e in steps] == [0, 1, 2] and request.finished and steps[-1].finish_reason == "length"
-    with pytest.raises(WorkbenchError, match="already running"):
-        eng.start("Hi")
+    assert all(e.request_id == request.request_id for e in steps)
     request.close()
-    assert eng.runner.blocks.num_used_blocks == 0 and eng.active is None
+    assert eng.runner.blocks.num_used_blocks == 0 and not eng.has_work
+
+
+def test_two_streams_share_the_engine_steps(make_engine):
+    eng = make_engine()
+    first = eng.start(chat("Count to five."), SamplingParams(max_tokens=4, stop_on_eos=False))
+    second = eng.start(chat("Name a colour."), SamplingParams(max_tokens=4, stop_on_eos=False))
+    first.step()
+    assert second.request.events                   # the same engine step advanced both
+    while not first.finished:
+        first.step()
+    second.close()                                 # cancels it and frees its blocks
+    assert eng.runner.blocks.num_used_blocks == 0 and not eng.has_work
 
 
 def test_an_empty_proposal_keeps_its_draft_time(make_engine, monkeypatch):
     from engine.spec.spec_decode import NgramProposer, Proposal
     monkeypatch.setattr(NgramProposer, "propose", lambda self, *a: Proposal([], None, time_s=0.25))
-    eng = make_engine(proposer="ngram")
+    eng = make_engine(proposer="ngram", speculation_policy="fixed")
     _, _, stats = eng.generate_text(chat("Hi"), SamplingParams(max_tokens=4, stop_on_eos=False))
     assert stats.draft_time_s == pytest.approx(0.5)      # two decode steps tried to draft and stats.proposed == 0
 

@@ -2,7 +2,8 @@
 the scenario registry. The scenarios themselves live beside it (scenarios.py: parity,
 prefix, kv, memory, decode, speculative; kernels.py, load.py, peer.py, gpu.py).
 
-Scenarios: parity, prefix, kv, memory, decode, speculative, kernels, load, all. Each prints
+Scenarios: parity, prefix, kv, memory, decode, speculative, kernels, load, peer, gpu-check,
+serve (many requests at once: engine.bench.serve), all. Each prints
 one JSON object with --json (field names are a contract: scripts read them) and exits 0 when
 it ran. Timings are medians; comparisons are ratios measured in the same run, since the
 machine may be shared and noisy. Every scenario with a model runs on --model (a HF folder
@@ -18,6 +19,7 @@ import torch
 
 from engine.bench.gpu import bench_gpu_check
 from engine.bench.peer import bench_peer
+from engine.bench import serve
 from engine.bench.scenarios import (BUILTIN_SHAPES, bench_decode, bench_kv, bench_memory, bench_parity, bench_prefix,
                                     bench_speculative)
 from engine.loading.synthetic import PRESETS
@@ -35,7 +37,7 @@ def bench_load(args) -> dict:
 
 SCENARIOS = {"parity": bench_parity, "prefix": bench_prefix, "kv": bench_kv, "memory": bench_memory,
              "decode": bench_decode, "speculative": bench_speculative, "kernels": bench_kernels,
-             "load": bench_load, "peer": bench_peer, "gpu-check": bench_gpu_check}
+             "load": bench_load, "peer": bench_peer, "gpu-check": bench_gpu_check, "serve": serve.bench_serve}
 
 
 def main(argv=None) -> int:
@@ -65,7 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", default=None,
                     help="speculative: the draft model (--proposer draft; default self:8, the target's first 8 layers) or the "
                     "EAGLE head folder (--proposer eagle; default the shipped head); memory: counted in the plan")
-    ap.add_argument("--prompt-set", dest="prompts_set", choices=["chat", "repeat"], default=None)
+    ap.add_argument("--prompt-set", dest="prompts_set", choices=["chat", "repeat", "random"], default=None,
+                    help="random: serve only (--input-len random token ids)")
+    serve.add_arguments(ap)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]

@@ -68,7 +68,7 @@ def gather_kv(cache: LayerCache, block_table: torch.Tensor, context_len: int, dt
 # read past its own position (another sequence's longer context, a later chunk boundary): the
 # context is padded to whole tiles, each tile's weighted values come from one fixed-shape
 # matmul, and the tiles are summed in order (a cumulative sum; padded tiles add exact zeros).
-KEY_TILE = 128
+KEY_TILE = 64
 # Sequences with at most this many new rows (decodes, verify passes, short chunks) attend in
 # one batched call, padded to the longest of them; longer chunks attend alone.
 SHORT_ROWS = 32
@@ -119,8 +119,8 @@ def _gather_group(cache: LayerCache, group: list[SeqSlice], dtype: torch.dtype):
             return x.to(dtype)
         s = scales.index_select(0, flat).view(len(group), keys, *scales.shape[2:])
         return dequantize_fp8(x, s, dtype)
-    # Slots past a sequence's context were never written (a pool is not zeroed): their keys
-    # are masked, and their values must be zeros, not whatever bytes they hold (0 * NaN).
+    # Slots past a sequence's context may hold anything (another sequence's old values, or
+    # bytes never written): their keys are masked, and their values must be zeros (0 * NaN).
     written = torch.arange(keys, device=flat.device) < torch.tensor([s.context_len for s in group],
                                                                     device=flat.device)[:, None]
     return read(cache.k, cache.k_scale), read(cache.v, cache.v_scale).masked_fill(~written[:, :, None, None], 0)
@@ -141,9 +141,9 @@ def _attend(q: torch.Tensor, cache: LayerCache, group: list[SeqSlice], positions
     weights = torch.exp(scores - scores.amax(-1, keepdim=True))             # fp32, unnormalised
     tiled = weights.view(b, num_kv_heads, g * r, tiles, KEY_TILE)
     total = tiled.sum(-1).cumsum(-1)[..., -1]                                # [B, H_kv, G*R]
-    v_tiles = v.float().permute(0, 2, 1, 3).reshape(b, num_kv_heads, tiles, KEY_TILE, head_dim)
-    parts = torch.matmul(tiled.transpose(2, 3), v_tiles)                     # [B, H_kv, tiles, G*R, D]
-    out = (parts.cumsum(2)[:, :, -1] / total[..., None]).to(q.dtype)        # [B, H_kv, G*R, D]
+    v_tiles = v.permute(0, 2, 1, 3).reshape(b, num_kv_heads, tiles, KEY_TILE, head_dim)
+    parts = torch.matmul(tiled.transpose(2, 3).to(v.dtype), v_tiles)        # [B, H_kv, tiles, G*R, D]
+    out = (parts.float().cumsum(2)[:, :, -1] / total[..., None]).to(q.dtype)   # [B, H_kv, G*R, D]
     return out.view(b, num_kv_heads, g, r, head_dim).permute(0, 3, 1, 2, 4).reshape(b, r, num_q_heads, head_dim)
 
 

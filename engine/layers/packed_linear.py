@@ -11,13 +11,14 @@ and inductor's on-disk cache works across processes.
 Measured on this 2-core CPU (SmolLM2-135M shapes, 2 threads, one row): bf16 packed reads a
 weight 1.8-2.2x faster than bf16 plain (the 49,152 x 576 head: 1.43 ms against 3.1 ms);
 fp32 is the same for one row and about 2x faster for the 5 rows of a k=4 verify pass. A
-packed weight alone does not make a row's result independent of the pass it is in: the
-1536 -> 576 down projection rounds a bf16 row differently once a call has 8 rows or more, and
-in fp32 a 1-row call (a matrix-vector kernel) differs from every multi-row call. So every call
-has exactly ROW_TILE rows (the last tile padded): a row's result is then a function of that
-row alone, whatever shares its pass (other requests, a prefill chunk, drafts to verify).
-That is what makes the engine batch-invariant (engine.scheduler); one ROW_TILE-row call costs
-about 1.1 one-row calls here, so a decode step pays little for it.
+packed weight alone does not make a row's result independent of the pass it is in: a 1-row
+call takes oneDNN's matrix-vector kernel, which rounds differently from the matrix kernel of
+every call with 2 rows or more (fp32: every shape; bf16: the 1536 -> 576 down projection).
+So a 1-row input is padded to 2 rows. From 2 rows up, every row count gave each row the same
+bits on this CPU (2..512 rows, every shape of the default model, fp32 and bf16); pack time
+checks that on the machine it runs on (`check_rows`), and where it does not hold, every call
+is cut into fixed ROW_TILE-row tiles instead (a function of the row alone by construction).
+That is what makes the engine batch-invariant (engine.scheduler).
 """
 from __future__ import annotations
 
@@ -44,18 +45,46 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return packed.to_dense()
 
 
-ROW_TILE = 16      # rows per oneDNN call; up to 16 rows cost about one row's weight read
+MIN_ROWS = 2        # a 1-row call takes another kernel
+ROW_TILE = 16       # rows per call where row counts from 2 up do not agree on this CPU
+CHECK_ROWS = (2, 3, 16, 64)
+_fixed_tiles = False
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, in] -> [M, out] on the packed (or plain) weight, ROW_TILE rows per call."""
+    """x [M, in] -> [M, out] on the packed (or plain) weight; a row's result does not depend
+    on M (see the module docstring)."""
     rows = x.shape[0]
-    pad = -rows % ROW_TILE
+    tile = ROW_TILE if _fixed_tiles else max(rows, MIN_ROWS)
+    pad = -rows % tile
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    tiles = [torch.ops.mkldnn._linear_pointwise(tile, packed, bias, "none", [], "") for tile in x.split(ROW_TILE)]
+    tiles = [_call(t, packed, bias) for t in x.split(tile)]
     out = tiles[0] if len(tiles) == 1 else torch.cat(tiles)
     return out[:rows] if pad else out
+
+
+def _call(x, packed, bias):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def check_rows(weights: list[torch.Tensor]) -> bool:
+    """Whether each row's result is the same for every row count in CHECK_ROWS, for each
+    weight shape; if not, fixed tiles from now on. Returns whether the check passed."""
+    global _fixed_tiles
+    gen = torch.Generator().manual_seed(0)
+    seen = set()
+    for w in weights:
+        key = (tuple(w.shape), w.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        x = torch.randn(max(CHECK_ROWS), w.shape[1], generator=gen).to(w.dtype)
+        full = _call(x, w, None)
+        if not all(torch.equal(_call(x[:n], w, None), full[:n]) for n in CHECK_ROWS[:-1]):
+            _fixed_tiles = True
+            return False
+    return True
 
 
 # ---- compiled graphs ---------------------------------------------------------------

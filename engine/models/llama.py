@@ -224,6 +224,7 @@ class LlamaFamilyModel(nn.Module):
             return
         embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
         self.packed_weights = [m.pack(i, keep_plain=id(m.weight) in embeddings) for i, m in enumerate(linears)]
+        packed_linear.check_rows(self.packed_weights)      # batch invariance on this CPU (see there)
 
     @property
     def cache_shape(self) -> CacheShape:

@@ -1,0 +1,183 @@
+"""`python -m engine.bench serve`: a serving workload on our engine, many requests at once.
+
+The workload follows vLLM's `bench serve`: --num-prompts requests, arriving all at once
+(--request-rate inf) or as a gamma process of that rate (--burstiness 1: Poisson), at most
+--max-concurrency outstanding; prompts from --prompt-set (chat, repeat, or random token ids of
+--input-len), each after a shared system prompt of --shared-prefix-len tokens (SGLang's
+generated-shared-prefix idea), --output-len tokens each (EOS ignored, as vLLM's random
+dataset does), --seed for everything random.
+
+Output fields are named as vLLM's bench serve saves them (engine.metrics.serving_summary),
+plus max_concurrent (the most requests running at once), mean_running, preemptions,
+prefix_hit_tokens, and single_stream_tok_s: one request of the workload alone, in the same
+run (output tokens / its end-to-end time, the same formula as output_throughput), the
+baseline of throughput_vs_single.
+
+--sweep-concurrency 1,4,16 prints one row per level. --compare KEY=A,B runs both arms in
+one process, interleaved level by level (a noisy machine cannot fake a difference between
+arms run at different times), and prints each arm's fields under `arms` and `ratio`: B over
+A for every numeric field.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from engine.config import BY_KEY
+from engine.errors import ConfigError
+from engine.metrics import ratio, serving_summary
+
+
+@dataclass
+class Job:
+    arrival_s: float
+    prompt: list[int]
+    max_tokens: int
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--num-prompts", type=int, default=64, help="serve: requests in the workload")
+    ap.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="serve: requests per second (inf: all at once)")
+    ap.add_argument("--burstiness", type=float, default=1.0, help="serve: gamma shape of arrivals (1: Poisson)")
+    ap.add_argument("--max-concurrency", type=int, default=16, help="serve: most requests outstanding at once")
+    ap.add_argument("--shared-prefix-len", type=int, default=0, help="serve: tokens of a system prompt all share")
+    ap.add_argument("--input-len", type=int, default=256, help="serve: prompt tokens for --prompt-set random")
+    ap.add_argument("--output-len", type=int, default=64, help="serve: tokens generated per request")
+    ap.add_argument("--seed", type=int, default=0, help="serve: workload seed")
+    ap.add_argument("--sweep-concurrency", default=None, help="serve: comma-separated max concurrency levels")
+    ap.add_argument("--compare", default=None, help="serve: KEY=A,B (an engine setting) run interleaved")
+    ap.add_argument("--kv-cache-bytes", type=int, default=None, help="serve: a fixed KV pool (memory pressure)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="serve: the engine's sequence cap")
+
+
+def bench_serve(args) -> dict:
+    from engine.bench.scenarios import _engine
+    config = {"kv_cache_bytes": args.kv_cache_bytes, "max_num_seqs": args.max_num_seqs, "compile": args.compile}
+    eng = _engine(args, **{k: v for k, v in config.items() if v is not None})
+    jobs_for = make_workload(eng, args)
+    levels = [int(c) for c in args.sweep_concurrency.split(",")] if args.sweep_concurrency else [args.max_concurrency]
+    key, values = parse_compare(args.compare) if args.compare else (None, [None])
+    rows = []
+    for level in levels:
+        arms = {}
+        for value in values:
+            if key is not None:
+                eng.reconfigure(**{key: value})
+            arms[_label(value)] = run_arm(eng, jobs_for, args, level)
+        rows.append({"max_concurrency": level, **_arms_or_fields(arms, key)})
+    out = {"model": eng.target_model.display_name, "dtype": str(eng.runner.model_dtype).removeprefix("torch."),
+           "prompt_set": args.prompts_set or "chat", "num_prompts": args.num_prompts,
+           "request_rate": args.request_rate, "output_len": args.output_len,
+           "shared_prefix_len": args.shared_prefix_len, "compare": args.compare,
+           "scheduler": dict(zip(("max_num_seqs", "max_num_batched_tokens"), eng.scheduler_limits()))}
+    if args.sweep_concurrency:
+        return out | {"rows": rows}
+    return out | rows[0]
+
+
+def run_arm(eng, jobs_for, args, level: int) -> dict:
+    """One arm at one concurrency level: a cold prefix cache, one request alone, then the workload."""
+    eng.reset_prefix_cache()
+    jobs = jobs_for()
+    single = run_workload(eng, [Job(0.0, jobs[-1].prompt, jobs[-1].max_tokens)], 1)
+    eng.reset_prefix_cache()
+    fields = run_workload(eng, jobs, level)
+    fields["single_stream_tok_s"] = single["output_throughput"]
+    fields["throughput_vs_single"] = ratio(fields["output_throughput"], single["output_throughput"])
+    fields["settings"] = {k: v for k, v in eng.settings().items()
+                          if k in ("kv_cache_dtype", "enable_prefix_caching", "proposer", "num_speculative_tokens",
+                                   "kv_pool_blocks", "compile", "threads")}
+    return fields
+
+
+def run_workload(eng, jobs: list[Job], max_concurrency: int) -> dict:
+    """Submit each job at its arrival time (at most max_concurrency outstanding), step the
+    engine until all finish; the serving figures."""
+    from engine import SamplingParams
+    pending = sorted(jobs, key=lambda j: j.arrival_s)
+    outstanding, finished = set(), []
+    max_running = preemptions = steps = running_sum = 0
+    t0 = time.perf_counter()
+    while pending or eng.has_work:
+        now = time.perf_counter() - t0
+        while pending and pending[0].arrival_s <= now and len(outstanding) < max_concurrency:
+            job = pending.pop(0)
+            outstanding.add(eng.submit(job.prompt, SamplingParams(max_tokens=job.max_tokens, stop_on_eos=False)))
+        if not eng.has_work:
+            time.sleep(max(0.0, min(pending[0].arrival_s - now, 0.05)))
+            continue
+        for event in eng.step():
+            if event.finished:
+                outstanding.discard(event.request_id)
+                finished.append(event.summary)
+        step = eng.last_step
+        if step is not None:
+            max_running, preemptions = max(max_running, step.running), preemptions + step.preemptions
+            steps, running_sum = steps + 1, running_sum + step.running
+    duration = time.perf_counter() - t0
+    return serving_summary(finished, duration) | {"max_concurrent": max_running, "preemptions": preemptions,
+                                                   "mean_running": ratio(running_sum, steps), "steps": steps}
+
+
+def make_workload(eng, args):
+    """A function giving the same jobs every time it is called (each arm serves the same ones)."""
+    from engine.bench.scenarios import CHAT_PROMPTS, REPEAT_PROMPTS, _system_prompt, chat
+    rng = random.Random(args.seed)
+    system = _system_prompt(eng.tokenizer, args.shared_prefix_len) if args.shared_prefix_len else None
+    prompt_set = args.prompts_set or "chat"
+    prompts = []
+    for i in range(args.num_prompts):
+        if prompt_set == "random":
+            prefix = eng.encode(system)[:args.shared_prefix_len] if system else []
+            prompts.append(prefix + [rng.randrange(100, eng.tokenizer.vocab_size) for _ in range(args.input_len)])
+        else:
+            texts = CHAT_PROMPTS if prompt_set == "chat" else REPEAT_PROMPTS
+            prompts.append(eng.encode(chat(texts[i % len(texts)] + f" (request {i})", system)))
+    arrivals = arrival_times(args.num_prompts, args.request_rate, args.burstiness, rng)
+    jobs = [Job(t, p, args.output_len) for t, p in zip(arrivals, prompts)]
+    return lambda: list(jobs)
+
+
+def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """vLLM's arrivals: all at 0 for an infinite rate, else gamma-distributed gaps with mean
+    1/rate and shape `burstiness` (1: a Poisson process; < 1 burstier, > 1 steadier)."""
+    if rate == float("inf"):
+        return [0.0] * n
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return out
+
+
+def parse_compare(text: str) -> tuple[str, list]:
+    key, _, values = text.partition("=")
+    setting = BY_KEY.get(key)
+    if setting is None or not values or len(values.split(",")) != 2:
+        raise ConfigError(f"--compare takes KEY=A,B with KEY a setting (e.g. kv_cache_dtype=auto,fp8_e4m3), got {text!r}")
+    return key, [_value(setting, v) for v in values.split(",")]
+
+
+def _value(setting, text: str):
+    if setting.type is bool:
+        if text.lower() not in ("true", "false", "on", "off", "1", "0"):
+            raise ConfigError(f"{setting.key} takes true or false, got {text!r}")
+        return text.lower() in ("true", "on", "1")
+    if text.lower() == "none" and setting.optional:
+        return None
+    return setting.validate(setting.type(text))
+
+
+def _label(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _arms_or_fields(arms: dict, key) -> dict:
+    if key is None:
+        return next(iter(arms.values()))
+    a, b = arms.values()
+    return {"arms": arms, "ratio": {k: ratio(b[k], a[k]) for k in a
+                                    if isinstance(a[k], (int, float)) and isinstance(b.get(k), (int, float))
+                                    and not isinstance(a[k], bool)}}
