@@ -251,12 +251,16 @@ def test_the_policy_speculates_alone_and_stops_when_a_wide_pass_costs_more_than_
     policy = SpeculationPolicy()
     assert policy.choose_k("ngram", batch=1, k_max=4) == 4            # nothing measured yet: try k
     for _ in range(5):
-        policy.record_pass(rows=5, seconds=0.020)                      # up to 16 rows: one row tile
-        policy.record_pass(rows=80, seconds=0.100)                     # 5 tiles
+        policy.record_pass(rows=1, seconds=0.020)
+        policy.record_pass(rows=5, seconds=0.021)                      # a verify pass costs a decode step
+        policy.record_pass(rows=16, seconds=0.040)
+        policy.record_pass(rows=80, seconds=0.160)
         policy.record_verdict("ngram", [True, True, True, False])
     assert policy.alpha("ngram") == pytest.approx(0.75)
+    assert policy.predicted_pass_s(48) == pytest.approx(0.100)         # between the measured widths
     assert policy.choose_k("ngram", batch=1, k_max=4) == 4             # 5 rows cost what 1 row costs
-    assert policy.choose_k("ngram", batch=16, k_max=4) == 0            # 16 * tau(0.75, 4) / 0.1 < 16 / 0.02
+    assert policy.choose_k("ngram", batch=16, k_max=4) == 0            # 16 * tau(0.75, 4) / 0.16 < 16 / 0.04
+    assert policy.choose_k("ngram", batch=32, k_max=4) == 4            # 160 rows never measured: tried once
     for _ in range(5):
         policy.record_draft(tokens=4, seconds=0.080)                   # a draft model as slow as the target
     assert policy.choose_k("ngram", batch=1, k_max=4) == 0

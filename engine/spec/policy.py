@@ -10,16 +10,15 @@ maximises expected tokens per second for the batch:
     throughput(k) = B * tau(alpha, k) / (pass_s(B * (k + 1) rows) + B * k * draft_s)
 
 with tau from engine.metrics.expected_accepted_len, alpha the proposer's measured per-token
-acceptance, pass_s the measured time of a pass that wide and draft_s the measured time to
-draft one token. Until a pass that wide has been seen, its time is extrapolated from the
-nearest measured width, in proportion to its row tiles (linears run ROW_TILE rows a call).
+acceptance, pass_s the measured time of a pass that wide (interpolated between the widths
+measured so far, linearly) and draft_s the measured time to draft one token. A width past
+every measured one is tried once (k at its largest) before it is predicted.
 """
 from __future__ import annotations
 
 import statistics
 from collections import deque
 
-from engine.layers.packed_linear import ROW_TILE
 from engine.metrics import PositionCounts, expected_accepted_len
 
 KEEP = 32               # recent measurements per width
@@ -27,19 +26,15 @@ PRIOR_ALPHA = 0.6       # until a proposer has been tried: optimistic, or it wou
 MIN_ATTEMPTS = 16       # attempted draft positions before the measured alpha is trusted
 
 
-def tiles(rows: int) -> int:
-    return max(1, -(-rows // ROW_TILE))
-
-
 class SpeculationPolicy:
     def __init__(self):
-        self.pass_s: dict[int, deque] = {}          # row tiles -> recent pass seconds
+        self.pass_s: dict[int, deque] = {}          # rows in the pass -> recent pass seconds
         self.draft_s: deque = deque(maxlen=KEEP)    # seconds per drafted token
         self.positions: dict[str, PositionCounts] = {}
 
     # ---- measurements --------------------------------------------------------------
     def record_pass(self, rows: int, seconds: float) -> None:
-        self.pass_s.setdefault(tiles(rows), deque(maxlen=KEEP)).append(seconds)
+        self.pass_s.setdefault(rows, deque(maxlen=KEEP)).append(seconds)
 
     def record_draft(self, tokens: int, seconds: float) -> None:
         if tokens:
@@ -55,13 +50,20 @@ class SpeculationPolicy:
         return counts.alpha() or 0.0
 
     def predicted_pass_s(self, rows: int) -> float | None:
-        want = tiles(rows)
-        if not self.pass_s:
+        """The median time of passes this wide, else linear between the nearest measured
+        widths (past the widest: along the last two). None before any measurement."""
+        points = sorted((r, statistics.median(s)) for r, s in self.pass_s.items())
+        if not points:
             return None
-        if want in self.pass_s:
-            return statistics.median(self.pass_s[want])
-        nearest = min(self.pass_s, key=lambda t: abs(t - want))
-        return statistics.median(self.pass_s[nearest]) * want / nearest
+        if len(points) == 1:
+            return points[0][1]
+        below = [p for p in points if p[0] <= rows]
+        above = [p for p in points if p[0] >= rows]
+        (r0, t0), (r1, t1) = (below[-1], above[0]) if below and above else \
+            (points[-2], points[-1]) if below else (points[0], points[1])
+        if r0 == r1:
+            return t0
+        return max(min(t for _, t in points), t0 + (t1 - t0) * (rows - r0) / (r1 - r0))
 
     # ---- the choice ----------------------------------------------------------------
     def choose_k(self, proposer: str, batch: int, k_max: int, other_rows: int = 0) -> int:
@@ -69,8 +71,9 @@ class SpeculationPolicy:
         the same pass). k_max until the pass width has any measurement."""
         if batch < 1 or k_max < 1:
             return 0
-        if self.predicted_pass_s(batch + other_rows) is None:
-            return k_max
+        widest = batch * (k_max + 1) + other_rows
+        if not self.pass_s or max(self.pass_s) < widest:
+            return k_max                       # measure the widest pass once before predicting it
         alpha = min(self.alpha(proposer), 0.999)
         draft = statistics.median(self.draft_s) if self.draft_s else 0.0
 
