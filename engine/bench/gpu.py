@@ -4,7 +4,10 @@
 1. kernels: the Triton decode-attention bench (achieved vs copy bandwidth);
 2. parity: greedy output of the Triton-kernel eager path, the compiled step (torch.compile,
    CUDA graphs) and transformers agree, bf16, on a few prompts;
-3. speed: decode tok/s of each path against transformers `generate` in bf16.
+3. speed: decode tok/s of each path against transformers `generate` in bf16;
+4. batching: the prompts submitted at once through the eager Triton path give their solo
+   tokens (`batched_equals_solo`; cuBLAS is not known to be row-invariant, so this may say
+   false: the CPU path is the one tested invariant), and their output tok/s.
 Without CUDA it says so and exits 0.
 """
 from __future__ import annotations
@@ -27,6 +30,8 @@ def bench_gpu_check(args) -> dict:
         eng = _engine(args, compile_mode)
         outputs[name], speeds[name] = _generate_all(eng)
         result[f"{name}_settings"] = {k: eng.settings()[k] for k in ("kernels", "compile", "dtype")}
+        if name == "eager_kernels":
+            result["batching"] = _batched(eng, outputs[name])
         del eng
         torch.cuda.empty_cache()
     outputs["transformers"], speeds["transformers"] = _transformers(args)
@@ -54,6 +59,24 @@ def _generate_all(eng) -> tuple[list[list[int]], float]:
         tokens += stats.decode_tokens
         seconds += stats.decode_time_s
     return outputs, tokens / seconds
+
+
+def _batched(eng, solo: list[list[int]]) -> dict:
+    """The prompts at once, through the engine's scheduler: the same tokens as alone?"""
+    from engine import SamplingParams
+    params = SamplingParams(max_tokens=TOKENS, stop_on_eos=False)
+    eng.reset_prefix_cache()
+    ids = [eng.submit([{"role": "user", "content": p}], params) for p in PROMPTS]
+    got = {rid: [] for rid in ids}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while eng.has_work:
+        for event in eng.step():
+            got[event.request_id].extend(event.token_ids)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return {"batched_equals_solo": [got[rid] for rid in ids] == solo,
+            "output_tok_s": sum(len(v) for v in got.values()) / seconds}
 
 
 def _timed_generate(hf, ids, tokens: int):

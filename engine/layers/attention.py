@@ -84,60 +84,68 @@ def paged_attention_ref(q: torch.Tensor, cache: LayerCache, meta: AttentionMetad
     query rows per sequence (a 1-row matmul takes another kernel), whole KEY_TILE tiles of
     keys, and tiles summed in order. GQA without copying KV heads: a group's G query heads
     are folded into the query axis, so each KV head is read once for all of them."""
+    if meta.plan is None:                 # the same for every layer: built once per pass
+        meta.plan = [_Group(group, meta.positions, cache.k.shape[1], q.shape[1] // cache.k.shape[2])
+                     for group in _groups(meta.sequences())]
     out = torch.empty_like(q)
-    seqs = meta.sequences()
-    short = [s for s in seqs if s.count <= SHORT_ROWS]
-    groups = ([short] if short else []) + [[s] for s in seqs if s.count > SHORT_ROWS]
-    for group in groups:
-        rows = _group_rows(group, q.device)                                   # [B, R]
-        result = _attend(q[rows], cache, group, meta.positions[rows], scale)  # [B, R, H_q, D]
-        out[torch.cat([rows[i, :s.count] for i, s in enumerate(group)])] = \
-            torch.cat([result[i, :s.count] for i, s in enumerate(group)])
+    for group in meta.plan:
+        result = _attend(q[group.rows], cache, group, scale)                 # [B, R, H_q, D]
+        out[group.real_rows] = result.flatten(0, 1)[group.real_flat]
     return out
 
 
-def _group_rows(group: list[SeqSlice], device) -> torch.Tensor:
-    """[B, R] row indices, R = max(2, longest); a short sequence repeats its last row."""
-    width = max(2, max(s.count for s in group))
-    index = [[s.start + min(i, s.count - 1) for i in range(width)] for s in group]
-    return torch.tensor(index, dtype=torch.int64, device=device)
+def _groups(seqs: list[SeqSlice]) -> list[list[SeqSlice]]:
+    short = [s for s in seqs if s.count <= SHORT_ROWS]
+    return ([short] if short else []) + [[s] for s in seqs if s.count > SHORT_ROWS]
 
 
-def _gather_group(cache: LayerCache, group: list[SeqSlice], dtype: torch.dtype):
+class _Group:
+    """Sequences attending in one call, and what every layer's call needs of them."""
+
+    def __init__(self, seqs: list[SeqSlice], positions: torch.Tensor, block_size: int, group_size: int):
+        device = positions.device
+        width = max(2, max(s.count for s in seqs))        # a short sequence repeats its last row
+        self.rows = torch.tensor([[s.start + min(i, s.count - 1) for i in range(width)] for s in seqs],
+                                 dtype=torch.int64, device=device)                       # [B, R]
+        self.real_rows = torch.cat([self.rows[i, :s.count] for i, s in enumerate(seqs)])
+        self.real_flat = torch.cat([torch.arange(s.count, device=device) + i * width for i, s in enumerate(seqs)])
+        tile = max(KEY_TILE, block_size)
+        self.keys = -(-max(s.context_len for s in seqs) // tile) * tile
+        blocks = self.keys // block_size
+        self.table = torch.stack([torch.cat([s.block_table[:blocks],
+                                             s.block_table.new_zeros(max(0, blocks - s.block_table.shape[0]))])
+                                  for s in seqs]).flatten()          # padding reads block 0, masked
+        contexts = torch.tensor([s.context_len for s in seqs], device=device)
+        # Slots past a context may hold anything (another sequence's old values, or bytes
+        # never written): their keys are masked, and their values must be zeros (0 * NaN).
+        self.unwritten = (torch.arange(self.keys, device=device) >= contexts[:, None])[:, :, None, None]
+        b = len(seqs)
+        hidden = torch.arange(self.keys, device=device) > positions[self.rows][:, None, :, None]   # [B, 1, R, T]
+        self.hidden = hidden.expand(b, group_size, width, self.keys).reshape(b, 1, group_size * width, self.keys)
+
+
+def _gather(cache: LayerCache, group: _Group, dtype: torch.dtype):
     """The group's keys and values, dequantized, padded to whole key tiles: 2 x [B, T, H_kv, D]."""
-    block_size = cache.k.shape[1]
-    tile = max(KEY_TILE, block_size)
-    keys = -(-max(s.context_len for s in group) // tile) * tile
-    width = keys // block_size
-    table = torch.stack([torch.cat([s.block_table, s.block_table.new_zeros(width - s.block_table.shape[0])])
-                         for s in group])                                     # padding reads block 0, masked
-    flat = table.flatten()
+    b = group.rows.shape[0]
 
     def read(values, scales):
-        x = values.index_select(0, flat).view(len(group), keys, *values.shape[2:])
+        x = values.index_select(0, group.table).view(b, group.keys, *values.shape[2:])
         if scales is None:
             return x.to(dtype)
-        s = scales.index_select(0, flat).view(len(group), keys, *scales.shape[2:])
+        s = scales.index_select(0, group.table).view(b, group.keys, *scales.shape[2:])
         return dequantize_fp8(x, s, dtype)
-    # Slots past a sequence's context may hold anything (another sequence's old values, or
-    # bytes never written): their keys are masked, and their values must be zeros (0 * NaN).
-    written = torch.arange(keys, device=flat.device) < torch.tensor([s.context_len for s in group],
-                                                                    device=flat.device)[:, None]
-    return read(cache.k, cache.k_scale), read(cache.v, cache.v_scale).masked_fill(~written[:, :, None, None], 0)
+    return read(cache.k, cache.k_scale), read(cache.v, cache.v_scale).masked_fill(group.unwritten, 0)
 
 
-def _attend(q: torch.Tensor, cache: LayerCache, group: list[SeqSlice], positions: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """q [B, R, H_q, D], positions [B, R] -> [B, R, H_q, D] (see paged_attention_ref)."""
+def _attend(q: torch.Tensor, cache: LayerCache, group: _Group, scale: float) -> torch.Tensor:
+    """q [B, R, H_q, D] -> [B, R, H_q, D] (see paged_attention_ref)."""
     b, r, num_q_heads, head_dim = q.shape
-    k, v = _gather_group(cache, group, q.dtype)                               # [B, T, H_kv, D]
+    k, v = _gather(cache, group, q.dtype)                                    # [B, T, H_kv, D]
     num_kv_heads, keys = k.shape[2], k.shape[1]
     g, tiles = num_q_heads // num_kv_heads, keys // KEY_TILE
     qg = q.view(b, r, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(b, num_kv_heads, g * r, head_dim)
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale                 # [B, H_kv, G*R, T]
-    visible = torch.arange(keys, device=q.device) <= positions[:, None, :, None]        # [B, 1, R, T]
-    visible = visible.expand(b, g, r, keys).reshape(b, 1, g * r, keys)
-    scores = scores.float().masked_fill(~visible, float("-inf"))
+    scores = scores.float().masked_fill(group.hidden, float("-inf"))
     weights = torch.exp(scores - scores.amax(-1, keepdim=True))             # fp32, unnormalised
     tiled = weights.view(b, num_kv_heads, g * r, tiles, KEY_TILE)
     total = tiled.sum(-1).cumsum(-1)[..., -1]                                # [B, H_kv, G*R]

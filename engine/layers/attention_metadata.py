@@ -34,6 +34,7 @@ class AttentionMetadata:
     # layer's encoded (k, v, k_scale, v_scale) here, to be written after the pass.
     pending_kv: list | None = None
     seqs: list[SeqSlice] | None = None       # a batched pass; None: one sequence (the fields above)
+    plan: list | None = None                  # the torch path's per-pass layout, built by its first layer
 
     def sequences(self) -> list[SeqSlice]:
         if self.seqs is not None:
