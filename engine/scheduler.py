@@ -5,7 +5,8 @@ vLLM v1's rules, in nano-vllm's size:
   - each step has a token budget (max_num_batched_tokens): decodes and their draft tokens
     are scheduled first, then prefill chunks, so a long prompt never stalls the others'
     decoding (it is computed a chunk per step);
-  - blocks are taken when a step needs them; when the pool runs out, the newest running
+  - a request is admitted when its whole prompt fits in the free blocks; blocks are taken
+    a chunk at a time, when a step needs them; when the pool runs out, the newest running
     request is preempted by recompute (its blocks go back, its full blocks stay in the
     prefix cache, it waits at the head of the queue keeping its generated tokens), and no
     new request is admitted in that step.
@@ -107,7 +108,7 @@ class Scheduler:
             left = self._chunk_limit(request) - len(hit_ids) * blocks.block_size
             room = (blocks.num_free_blocks - hits_in_free) * blocks.block_size
             chunk = min(left, budget, room)
-            if room < min(left, blocks.block_size):     # not even a block's worth of room: wait
+            if room < left:          # admitted only when its whole prompt fits now (vLLM's rule)
                 return
             if left == 0 and room < blocks.blocks_for(1 + self._drafts(request, k, budget - 1)) * blocks.block_size:
                 return                                  # back from a preemption: its decode step must fit
