@@ -76,6 +76,14 @@ MAX_SPEC_TOKENS = 16
 # On a small CPU a step of 256 prefill tokens already takes a few hundred ms: more would
 # stall the other requests' decoding for longer than a chat user waits between words.
 SCHEDULER_DEFAULTS = {"cpu": (32, 256), "cuda": (256, 8192)}
+
+
+def _scheduler_default(i: int) -> str:
+    """SCHEDULER_DEFAULTS' i-th figure per device, for a setting's help text."""
+    return ", ".join(f"{values[i]} on {'the CPU' if device == 'cpu' else 'CUDA'}"
+                     for device, values in SCHEDULER_DEFAULTS.items())
+
+
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 SETTINGS: tuple[Setting, ...] = (
@@ -133,11 +141,11 @@ SETTINGS: tuple[Setting, ...] = (
             group=RUNTIME_GROUP),
     # ---- many requests at once (engine.scheduler) ----
     Setting("max_num_seqs", int, None, ENGINE, LIVE, "Max sequences", low=1, high=4096, optional=True,
-            off_text="auto", help="requests running at once; auto: 32 on the CPU, 256 on CUDA"),
+            off_text="auto", help="requests running at once; auto: " + _scheduler_default(0)),
     Setting("max_num_batched_tokens", int, None, ENGINE, LIVE, "Tokens per step", low=1, high=1_000_000,
             optional=True, off_text="auto",
             help="the token budget of one step (decodes and drafts first, then prefill chunks); "
-            "auto: 256 on the CPU, 8192 on CUDA"),
+            "auto: " + _scheduler_default(1)),
     # ---- load time ----
     Setting("device", str, "auto", ENGINE, LOAD, "Device", help="auto = CUDA when present, else the CPU"),
     Setting("gpu_memory_fraction", float, 0.9, ENGINE, LOAD, "GPU memory fraction", low=0.05, high=1.0, step=0.05,

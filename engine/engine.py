@@ -16,11 +16,10 @@ step; next request: when the engine is idle). Drive the engine from one thread; 
 """
 from __future__ import annotations
 
-from typing import Iterator
-
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -35,8 +34,8 @@ from engine.models.eagle_head import EagleHead
 from engine.request import Request
 from engine.runtime.model_runner import ModelRunner, PassItem, prepare_model
 from engine.scheduler import Scheduler
-from engine.spec.policy import SpeculationPolicy
 from engine.spec.eagle_proposer import EagleProposer
+from engine.spec.policy import SpeculationPolicy
 from engine.spec.spec_decode import DraftModelProposer, NgramProposer, Proposer, check_draft_compatible
 from engine.spec.step_costs import PlainStepClock
 from engine.stream import RequestStream
@@ -342,7 +341,7 @@ class LLMEngine:
         stepped = []
         for w, (logits, hidden) in zip(work, results):
             start = w.item.seq.num_computed - len(w.item.tokens)
-            event = w.request.finish_pass(start, w.item.tokens, logits, hidden, w.proposal, {"pass_s": pass_s})
+            event = w.request.finish_pass(start, w.item.tokens, logits, hidden, w.proposal, pass_s)
             if event is not None:
                 stepped.append(event)
                 if w.drafts:
@@ -350,8 +349,9 @@ class LLMEngine:
             if w.request.finished:
                 self._forget(w.request)
         step = self._step_stats(plan, work, stepped, pass_s, time.perf_counter() - t0)
+        figures = step.as_dict()                  # one plain-data copy for every event of the step
         for event in stepped:
-            event.engine_step = step.as_dict()
+            event.engine_step = figures
         if len(work) == 1 and work[0].decode and work[0].max_drafts == 0:
             self.plain_steps.record(self.plain_step_key(), step.step_s)
         return events + stepped
@@ -386,13 +386,13 @@ class LLMEngine:
 
     def _k_for_step(self) -> int:
         """Draft tokens per decoding sequence this step: k, or the policy's choice by batch size."""
-        c = self.config
-        if self.proposer_in_effect() == "off":
+        c, proposer = self.config, self.proposer_in_effect()
+        if proposer == "off":
             return 0
         if c.speculation_policy == "fixed":
             return c.num_speculative_tokens
         decoding = sum(1 for r in self.scheduler.running if r.decoding)
-        return self.policy.choose_k(self.proposer_in_effect(), max(decoding, 1), c.num_speculative_tokens)
+        return self.policy.choose_k(proposer, max(decoding, 1), c.num_speculative_tokens)
 
     def _step_stats(self, plan, work: list["_Work"], events: list[StepEvent], pass_s: float, step_s: float) -> EngineStep:
         rows = sum(len(w.item.tokens) for w in work)
@@ -414,7 +414,6 @@ class LLMEngine:
     def _drop_cancelled(self) -> list[StepEvent]:
         events = []
         for request in [r for r in self.requests.values() if r.cancelled.is_set()]:
-            self.scheduler.remove(request)
             events.append(request.cancelled_event())
             self._forget(request)
         return events

@@ -65,7 +65,6 @@ class Request:
         self.cancelled = threading.Event()     # set from any thread; seen at the next step
         self.t_submit = time.perf_counter()
         self.t_last_event = self.t_submit
-        self.prefix_counted = False            # prefix-hit tokens are those of the first admission
         self.events: deque[StepEvent] | None = None    # kept for a RequestStream, if one reads it
         self._settings_version = -1            # the first event carries the settings
 
@@ -99,10 +98,9 @@ class Request:
     def admit(self, seq: RunnerSeq) -> None:
         """Blocks for it (its prefix-cache hit included): it runs from the next pass."""
         self.seq, self.state = seq, RUNNING
-        if self.stats.queue_time_s is None:
+        if self.stats.queue_time_s is None:        # the first admission: its queue time and prefix hit
             self.stats.queue_time_s = time.perf_counter() - self.t_submit
-        if not self.prefix_counted:
-            self.stats.prefix_hit_tokens, self.prefix_counted = seq.num_cached_tokens, True
+            self.stats.prefix_hit_tokens = seq.num_cached_tokens
 
     def preempt(self) -> None:
         """Give its blocks back (its full blocks stay in the prefix cache) and wait again; it
@@ -135,10 +133,9 @@ class Request:
         if proposer is None:
             return None
         try:
-            proposal = proposer.propose(self.token_ids, k, self.params, self.generator)
+            return proposer.propose(self.token_ids, k, self.params, self.generator)
         except CacheTooSmallError:              # the draft model's own pool is full: draft later
             return None
-        return proposal
 
     def _proposer(self) -> Proposer | None:
         name = self.engine.proposer_in_effect()
@@ -157,7 +154,7 @@ class Request:
 
     # ---- after the pass ------------------------------------------------------------
     def finish_pass(self, start: int, fed: list[int], logits: torch.Tensor, hidden: torch.Tensor,
-                    proposal: Proposal | None, timing: dict) -> StepEvent | None:
+                    proposal: Proposal | None, pass_s: float) -> StepEvent | None:
         """Its rows of a pass that fed `fed` at positions start..: settle the tokens, commit
         the blocks, and return its event (None: a prefill chunk that does not end the prompt)."""
         runner = self.engine.runner
@@ -170,7 +167,7 @@ class Request:
         if proposal is None or not proposal.tokens:
             runner.rollback(self.seq, self.seq.num_computed)     # blocks reserved for drafts not made
             runner.commit(self.seq, self.token_ids)
-            return self._emit([sample(logits[-1], self.params, self.generator)], [TARGET], timing,
+            return self._emit([sample(logits[-1], self.params, self.generator)], [TARGET], pass_s,
                               draft_time=proposal.time_s if proposal is not None else 0.0)
         drafts = proposal.tokens
         if self.params.greedy:
@@ -181,7 +178,7 @@ class Request:
         runner.rollback(self.seq, len(self.token_ids) - len(drafts) + verdict.num_accepted)
         del self.token_ids[len(self.token_ids) - len(drafts):]
         runner.commit(self.seq, self.token_ids + verdict.tokens)
-        event = self._emit(verdict.tokens, verdict.kinds, timing, draft_time=proposal.time_s,
+        event = self._emit(verdict.tokens, verdict.kinds, pass_s, draft_time=proposal.time_s,
                            proposed=len(drafts), accepted=verdict.num_accepted,
                            positions=attempted_positions(verdict.num_accepted, len(drafts)))
         for p in self.proposers.values():
@@ -189,10 +186,10 @@ class Request:
         return event
 
     def cancelled_event(self) -> StepEvent:
-        return self._emit([], [], {"pass_s": 0.0}, target_passes=0, cancelled=True)
+        return self._emit([], [], 0.0, target_passes=0, cancelled=True)
 
     # ---- events ------------------------------------------------------------------
-    def _emit(self, tokens, kinds, timing: dict, draft_time=0.0, proposed=0, accepted=0,
+    def _emit(self, tokens, kinds, pass_s: float, draft_time=0.0, proposed=0, accepted=0,
               positions=(), target_passes=1, cancelled=False) -> StepEvent:
         eng, stats = self.engine, self.stats
         tokens, kinds, reason = self._clip(tokens, kinds)
@@ -204,15 +201,14 @@ class Request:
         event = StepEvent(
             step=self.step_index, token_ids=tokens, token_kinds=kinds,
             pieces=self.detok.push(tokens, kinds, final=reason is not None),
-            time_s=now - self.t_submit, step_time_s=now - self.t_last_event, target_time_s=timing["pass_s"],
+            time_s=now - self.t_submit, step_time_s=now - self.t_last_event, target_time_s=pass_s,
             draft_time_s=draft_time, target_passes=target_passes, proposed=proposed, accepted=accepted,
             accepted_per_position=list(positions), kv_bytes_used=used, kv_bytes_capacity=capacity,
             kv_bytes_per_token=eng.runner.kv.bytes_per_token, kv_dtype=eng.runner.kv_dtype_name,
             prefix_hit_tokens=stats.prefix_hit_tokens, prompt_tokens=self.prompt_len,
             generated_tokens=stats.generated_tokens + len(tokens),
             ttft_s=(now - self.t_submit) if first else None, finished=reason is not None,
-            finish_reason=reason, settings=self._settings_if_changed(), request_id=self.request_id,
-            engine_step=timing.get("engine_step"))
+            finish_reason=reason, settings=self._settings_if_changed(), request_id=self.request_id)
         self.t_last_event = now
         stats.record_step(event)
         event.running = stats.as_dict()

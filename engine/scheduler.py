@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.cache.block_manager import BlockManager
-from engine.request import RUNNING, WAITING, Request
+from engine.request import RUNNING, Request
 from engine.runtime.model_runner import ModelRunner
 
 
@@ -32,10 +32,6 @@ class Scheduled:
 class StepPlan:
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled if not s.request.decoding)
 
 
 class Scheduler:
@@ -91,7 +87,7 @@ class Scheduler:
     def _schedule_chunks(self, blocks: BlockManager, plan: StepPlan, budget: int) -> int:
         """Running requests still computing their prompt (or recomputing after a preemption)."""
         for request in self.running:
-            if budget < 1 or request.decoding or any(s.request is request for s in plan.scheduled):
+            if budget < 1 or request.decoding:       # decodes were scheduled (or left) above
                 continue
             chunk = min(self._chunk_limit(request), budget, self._room_for(blocks, request))
             if chunk > 0:
@@ -159,4 +155,3 @@ class Scheduler:
         request.preempt()
         self.waiting.appendleft(request)
         plan.preempted.append(request)
-        assert request.state == WAITING

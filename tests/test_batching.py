@@ -148,7 +148,7 @@ def test_decodes_go_first_and_a_long_prompt_is_chunked(tiny):
 
 def test_the_newest_request_is_preempted_and_resumes_from_the_cache(tiny):
     eng = engine(tiny, num_blocks=6, block_size=16)             # 96 tokens in all
-    a = eng.submit(list(range(100, 140)), SamplingParams(max_tokens=30, stop_on_eos=False))
+    eng.submit(list(range(100, 140)), SamplingParams(max_tokens=30, stop_on_eos=False))     # the older one
     b = eng.submit(list(range(300, 340)), SamplingParams(max_tokens=30, stop_on_eos=False))
     preempted, first_preemption = set(), None
     while eng.has_work:

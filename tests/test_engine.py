@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from engine import SamplingParams
-from engine.errors import CacheTooSmallError, ConfigError, PromptTooLongError, WorkbenchError
+from engine.errors import CacheTooSmallError, ConfigError, PromptTooLongError
 from tests.conftest import chat
 
 GREEDY = SamplingParams(max_tokens=24)

@@ -88,15 +88,15 @@ class BlockManager:
         if fresh > self.num_free_blocks - hits_in_free:
             raise CacheTooSmallError(
                 f"the prompt needs {fresh} free KV blocks but only {self.num_free_blocks - hits_in_free} are free")
-        for b in hit_ids:
-            self._ref(b)
-        seq = SeqBlocks(block_table=list(hit_ids), keys=keys, num_cached_tokens=len(hit_ids) * self.block_size)
+        seq = self._take_hits(hit_ids, keys)
         self.ensure_capacity(seq, len(token_ids))
         return seq
 
     def admit(self, token_ids: list[int]) -> SeqBlocks:
         """Take the cached prefix blocks only; the scheduler adds blocks a chunk at a time."""
-        hit_ids, keys = self.lookup(token_ids)
+        return self._take_hits(*self.lookup(token_ids))
+
+    def _take_hits(self, hit_ids: list[int], keys: list[bytes]) -> SeqBlocks:
         for b in hit_ids:
             self._ref(b)
         return SeqBlocks(block_table=list(hit_ids), keys=keys, num_cached_tokens=len(hit_ids) * self.block_size)

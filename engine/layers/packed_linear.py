@@ -55,7 +55,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     """x [M, in] -> [M, out] on the packed (or plain) weight; a row's result does not depend
     on M (see the module docstring)."""
     rows = x.shape[0]
-    tile = ROW_TILE if _fixed_tiles else max(rows, MIN_ROWS)
+    if rows >= MIN_ROWS and not _fixed_tiles:
+        return _call(x, packed, bias)
+    tile = ROW_TILE if _fixed_tiles else MIN_ROWS
     pad = -rows % tile
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])

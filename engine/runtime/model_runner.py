@@ -116,15 +116,12 @@ class ModelRunner:
 
     # ---- sequences -----------------------------------------------------------
     def start(self, token_ids: list[int], reserve_tokens: int = 0) -> RunnerSeq:
-        blocks = self.blocks.allocate_prompt(token_ids, reserve_tokens)
-        seq = RunnerSeq(blocks.block_table, blocks.keys, blocks.num_cached_tokens)
-        seq.num_computed = blocks.num_cached_tokens
-        return seq
+        """A sequence with blocks for its whole prompt (a single sequence driven by forward)."""
+        return _computed_from_cache(self.blocks.allocate_prompt(token_ids, reserve_tokens))
 
     def admit(self, token_ids: list[int]) -> RunnerSeq:
         """A sequence holding only its prefix-cache hit (the scheduler's admission)."""
-        blocks = self.blocks.admit(token_ids)
-        return RunnerSeq(blocks.block_table, blocks.keys, blocks.num_cached_tokens, blocks.num_cached_tokens)
+        return _computed_from_cache(self.blocks.admit(token_ids))
 
     def end(self, seq: RunnerSeq) -> None:
         self.blocks.free(seq)
@@ -193,6 +190,11 @@ class ModelRunner:
     def commit(self, seq: RunnerSeq, token_ids: list[int]) -> None:
         """token_ids: the sequence's final tokens; their first num_computed have KV."""
         self.blocks.commit(seq, token_ids, seq.num_computed)
+
+
+def _computed_from_cache(blocks: SeqBlocks) -> RunnerSeq:
+    """Its cached prefix has KV already."""
+    return RunnerSeq(blocks.block_table, blocks.keys, blocks.num_cached_tokens, blocks.num_cached_tokens)
 
 
 def _interpreter_on() -> bool:
