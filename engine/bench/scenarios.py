@@ -16,27 +16,9 @@ import time
 import torch
 
 from engine.metrics import combined, speculation_report
-
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Explain what a hash table is in two sentences.",
-    "Write a haiku about the sea.",
-    "Give me three tips for learning to cook.",
-    "What causes the seasons on Earth?",
-    "Describe a cat to someone who has never seen one.",
-    "Why is the sky blue?",
-    "List the planets of the solar system.",
-    "How do I make a cup of tea?",
-    "What is photosynthesis?",
-]
-
-PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a "
-           "single step. All that glitters is not gold. Actions speak louder than words. Every cloud "
-           "has a silver lining. Fortune favours the bold. Knowledge is power. Time is money.")
-REPEAT_PROMPTS = [f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
-                  f"Copy this text exactly:\n\n{PASSAGE}",
-                  f"Please write out this passage again without changes:\n\n{PASSAGE}",
-                  f"Echo back the text below verbatim.\n\n{PASSAGE}"]
+# The prompt sets are the serving workload's (engine.workload), shared with the app's load panel.
+from engine.workload import CHAT_PROMPTS, PASSAGE, REPEAT_PROMPTS, chat, held_out_text  # noqa: F401
+from engine.workload import system_prompt_of as _system_prompt
 
 # Where transformers' copy of the model shares the device (parity, decode), the engine's pool
 # is this fixed budget rather than what the memory plan would give it (most of a GPU).
@@ -46,16 +28,6 @@ BUILTIN_SHAPES = {   # (layers, attention heads, kv heads, head_dim)
     "llama-2-7b": (32, 32, 32, 128),
     "llama-2-7b-gqa8": (32, 32, 8, 128),
 }
-
-
-def held_out_text() -> str:
-    """English documentation that ships with Python (pydoc's topic texts)."""
-    import pydoc_data.topics as topics
-    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-
-
-def chat(text: str, system: str | None = None) -> list[dict]:
-    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
 
 
 def _engine(args, **config):
@@ -146,19 +118,6 @@ def bench_prefix(args) -> dict:
     return {"prompt_tokens": prompt_tokens, "system_prompt_tokens": system_tokens,
             "ttft_cold_ms": a, "ttft_warm_ms": b, "ttft_reduction": 1 - b / a, "hit_tokens": warm.hit,
             "hit_fraction_of_system_prompt": warm.hit / system_tokens, "repeats": args.repeats}
-
-
-def _system_prompt(tokenizer, n_tokens: int) -> str:
-    words = held_out_text().split(" ")
-    text = "You are a careful assistant. Follow these reference notes.\n\n"
-    lo, hi = 0, len(words)
-    while lo < hi:                                   # the longest prefix with <= n_tokens tokens
-        mid = (lo + hi + 1) // 2
-        if len(tokenizer.encode(text + " ".join(words[-mid:]), add_special_tokens=False)) <= n_tokens:
-            lo = mid
-        else:
-            hi = mid - 1
-    return text + " ".join(words[-lo:])
 
 
 # ---- KV cache: bytes and perplexity ----------------------------------------------

@@ -20,32 +20,27 @@ A for every numeric field.
 """
 from __future__ import annotations
 
-import random
-import time
-from dataclasses import dataclass
-
 from engine.config import BY_KEY
 from engine.errors import ConfigError
-from engine.metrics import ratio, serving_summary
+from engine.metrics import ratio
+# The workload itself (fields, prompt sets, arrivals, the driver) is engine.workload's, shared with the app.
+from engine.workload import Job, Workload, arrival_times, make_jobs, run_to_completion  # noqa: F401 (re-exported)
 
-
-@dataclass
-class Job:
-    arrival_s: float
-    prompt: list[int]
-    max_tokens: int
+W = Workload()      # the CLI's defaults are the workload's
 
 
 def add_arguments(ap) -> None:
-    ap.add_argument("--num-prompts", type=int, default=64, help="serve: requests in the workload")
-    ap.add_argument("--request-rate", type=float, default=float("inf"),
+    ap.add_argument("--num-prompts", type=int, default=W.num_prompts, help="serve: requests in the workload")
+    ap.add_argument("--request-rate", type=float, default=W.arrival_rate,
                     help="serve: requests per second (inf: all at once)")
-    ap.add_argument("--burstiness", type=float, default=1.0, help="serve: gamma shape of arrivals (1: Poisson)")
-    ap.add_argument("--max-concurrency", type=int, default=16, help="serve: most requests outstanding at once")
-    ap.add_argument("--shared-prefix-len", type=int, default=0, help="serve: tokens of a system prompt all share")
-    ap.add_argument("--input-len", type=int, default=256, help="serve: prompt tokens for --prompt-set random")
-    ap.add_argument("--output-len", type=int, default=64, help="serve: tokens generated per request")
-    ap.add_argument("--seed", type=int, default=0, help="serve: workload seed")
+    ap.add_argument("--burstiness", type=float, default=W.burstiness, help="serve: gamma shape of arrivals (1: Poisson)")
+    ap.add_argument("--max-concurrency", type=int, default=W.max_concurrency,
+                    help="serve: most requests outstanding at once")
+    ap.add_argument("--shared-prefix-len", type=int, default=W.shared_prefix_len,
+                    help="serve: tokens of a system prompt all share")
+    ap.add_argument("--input-len", type=int, default=W.input_len, help="serve: prompt tokens for --prompt-set random")
+    ap.add_argument("--output-len", type=int, default=W.output_len, help="serve: tokens generated per request")
+    ap.add_argument("--seed", type=int, default=W.seed, help="serve: workload seed")
     ap.add_argument("--sweep-concurrency", default=None, help="serve: comma-separated max concurrency levels")
     ap.add_argument("--compare", default=None, help="serve: KEY=A,B (an engine setting) run interleaved")
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="serve: a fixed KV pool (memory pressure)")
@@ -94,62 +89,23 @@ def run_arm(eng, jobs_for, args, level: int) -> dict:
 
 def run_workload(eng, jobs: list[Job], max_concurrency: int) -> dict:
     """Submit each job at its arrival time (at most max_concurrency outstanding), step the
-    engine until all finish; the serving figures."""
-    from engine import SamplingParams
-    pending = sorted(jobs, key=lambda j: j.arrival_s)
-    outstanding, finished = set(), []
-    max_running = preemptions = steps = running_sum = 0
-    t0 = time.perf_counter()
-    while pending or eng.has_work:
-        now = time.perf_counter() - t0
-        while pending and pending[0].arrival_s <= now and len(outstanding) < max_concurrency:
-            job = pending.pop(0)
-            outstanding.add(eng.submit(job.prompt, SamplingParams(max_tokens=job.max_tokens, stop_on_eos=False)))
-        if not eng.has_work:
-            time.sleep(max(0.0, min(pending[0].arrival_s - now, 0.05)))
-            continue
-        for event in eng.step():
-            if event.finished:
-                outstanding.discard(event.request_id)
-                finished.append(event.summary)
-        step = eng.last_step
-        if step is not None:
-            max_running, preemptions = max(max_running, step.running), preemptions + step.preemptions
-            steps, running_sum = steps + 1, running_sum + step.running
-    duration = time.perf_counter() - t0
-    return serving_summary(finished, duration) | {"max_concurrent": max_running, "preemptions": preemptions,
-                                                   "mean_running": ratio(running_sum, steps), "steps": steps}
+    engine until all finish; the serving figures (engine.workload.WorkloadRun)."""
+    return run_to_completion(eng, jobs, max_concurrency)
 
 
 def make_workload(eng, args):
     """A function giving the same jobs every time it is called (each arm serves the same ones)."""
-    from engine.bench.scenarios import CHAT_PROMPTS, REPEAT_PROMPTS, _system_prompt, chat
-    rng = random.Random(args.seed)
-    system = _system_prompt(eng.tokenizer, args.shared_prefix_len) if args.shared_prefix_len else None
-    prompt_set = args.prompts_set or "chat"
-    prompts = []
-    for i in range(args.num_prompts):
-        if prompt_set == "random":
-            prefix = eng.encode(system)[:args.shared_prefix_len] if system else []
-            prompts.append(prefix + [rng.randrange(100, eng.tokenizer.vocab_size) for _ in range(args.input_len)])
-        else:
-            texts = CHAT_PROMPTS if prompt_set == "chat" else REPEAT_PROMPTS
-            prompts.append(eng.encode(chat(texts[i % len(texts)] + f" (request {i})", system)))
-    arrivals = arrival_times(args.num_prompts, args.request_rate, args.burstiness, rng)
-    jobs = [Job(t, p, args.output_len) for t, p in zip(arrivals, prompts)]
+    jobs = make_jobs(eng, workload_of(args))
     return lambda: list(jobs)
 
 
-def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
-    """vLLM's arrivals: all at 0 for an infinite rate, else gamma-distributed gaps with mean
-    1/rate and shape `burstiness` (1: a Poisson process; < 1 burstier, > 1 steadier)."""
-    if rate == float("inf"):
-        return [0.0] * n
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-    return out
+def workload_of(args) -> Workload:
+    """The command line's workload (a bad value is refused with the field's range)."""
+    rate = None if args.request_rate == float("inf") else args.request_rate
+    return Workload(num_prompts=args.num_prompts, request_rate=rate, burstiness=args.burstiness,
+                    max_concurrency=args.max_concurrency, shared_prefix_len=args.shared_prefix_len,
+                    prompt_set=args.prompts_set or "chat", input_len=args.input_len, output_len=args.output_len,
+                    seed=args.seed)
 
 
 def parse_compare(text: str) -> tuple[str, list]:
