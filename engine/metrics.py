@@ -11,10 +11,13 @@ show is derived here, and only here:
 - ITL = the time between a request's consecutive events (a speculative step's tokens arrive
   together, as in vLLM's streamed chunks); TPOT = (E2EL - TTFT) / (output tokens - 1);
   E2EL = submission -> last token; queue time = submission -> first scheduled
-Serving figures over many requests (serving_summary) carry vLLM bench serve's names.
+Serving figures over many requests (serving_summary) carry vLLM bench serve's names; a
+run's figures for the app's results table (run_figures) come with 95% bootstrap intervals
+over its requests (bootstrap_ci; two runs' difference: bootstrap_difference).
 """
 from __future__ import annotations
 
+import random
 import statistics
 from dataclasses import asdict, dataclass, field, fields
 
@@ -266,6 +269,14 @@ class RequestStats:
         tokens = self.generated_tokens or 0          # None: a server that does not count them
         return ratio(self.decode_time_s, tokens - 1) if tokens > 1 and self.decode_time_s is not None else None
 
+    def to_plain(self) -> dict:
+        """Every field as plain data (for another thread or a file); from_plain reads it back."""
+        return asdict(self)
+
+    @classmethod
+    def from_plain(cls, data: dict) -> "RequestStats":
+        return cls(**data | {"positions": PositionCounts(**data["positions"]), "itl_s": list(data["itl_s"])})
+
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
                 "generated_tokens": self.generated_tokens, "ttft_s": self.ttft_s, "decode_tokens": self.decode_tokens,
@@ -356,22 +367,109 @@ def latency_fields(name: str, seconds: list[float]) -> dict:
             f"p99_{name}_ms": percentile(ms, 99)}
 
 
+def finished_requests(stats: list[RequestStats]) -> list[RequestStats]:
+    """The requests that ran to their end (a cancelled request has no e2e time)."""
+    return [s for s in stats if s.e2e_s is not None]
+
+
+def ttft_values(done: list[RequestStats]) -> list[float]:
+    """TTFT of every request that generated a token (seconds)."""
+    return [s.ttft_s for s in done if s.generated_tokens]
+
+
+def tpot_values(done: list[RequestStats]) -> list[float]:
+    """TPOT of every request with 2+ tokens (seconds)."""
+    return [s.tpot_s for s in done if s.tpot_s is not None]
+
+
 def serving_summary(stats: list[RequestStats], duration_s: float) -> dict:
     """A finished workload's figures, named as vLLM's bench serve saves them:
       request_throughput     = completed requests / duration
       output_throughput      = generated tokens / duration
       total_token_throughput = (prompt + generated tokens) / duration
       ttft, tpot, itl, e2el  = mean / median / p99 in ms (TPOT over requests with 2+ tokens)."""
-    done = [s for s in stats if s.e2e_s is not None]
+    done = finished_requests(stats)
     output = sum(s.generated_tokens for s in done)
     prompt = sum(s.prompt_tokens for s in done)
     return {"completed": len(done), "duration_s": duration_s,
             "total_input_tokens": prompt, "total_output_tokens": output,
             "request_throughput": ratio(len(done), duration_s), "output_throughput": ratio(output, duration_s),
             "total_token_throughput": ratio(prompt + output, duration_s),
-            **latency_fields("ttft", [s.ttft_s for s in done if s.generated_tokens]),
-            **latency_fields("tpot", [s.tpot_s for s in done if s.tpot_s is not None]),
+            **latency_fields("ttft", ttft_values(done)),
+            **latency_fields("tpot", tpot_values(done)),
             **latency_fields("itl", [gap for s in done for gap in s.itl_s]),
             **latency_fields("e2el", [s.e2e_s for s in done]),
             "preemptions": sum(s.preemptions for s in done),
             "prefix_hit_tokens": sum(s.prefix_hit_tokens for s in done)}
+
+
+# ---- a run's figures with confidence intervals (the app's results table) --------------------
+RUN_FIGURES = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "preemptions")
+BOOTSTRAP_RESAMPLES = 1000
+CONFIDENCE = 0.95
+
+
+def run_figures(stats: list[RequestStats], duration_s: float, concurrency: float | None = None) -> dict:
+    """The results table's figures (RUN_FIGURES) of one run's finished requests:
+      output_throughput = generated tokens / request time (sum of E2EL) x concurrency, where
+                          concurrency = sum of E2EL / duration (Little's law: the mean number of
+                          the run's requests in flight), so it equals generated tokens / duration;
+                          a bootstrap resample keeps the run's concurrency and varies the rest
+      median/p99 TTFT and TPOT (ms), as serving_summary (latency_fields)
+      preemptions = the requests' preemptions, added up."""
+    done = finished_requests(stats)
+    busy_s = sum(s.e2e_s for s in done)
+    concurrency = ratio(busy_s, duration_s) if concurrency is None else concurrency
+    per_request_time = ratio(sum(s.generated_tokens for s in done), busy_s)
+    ttft, tpot = latency_fields("ttft", ttft_values(done)), latency_fields("tpot", tpot_values(done))
+    return {"output_throughput": None if per_request_time is None or concurrency is None
+            else per_request_time * concurrency,
+            "median_ttft_ms": ttft["median_ttft_ms"], "p99_ttft_ms": ttft["p99_ttft_ms"],
+            "median_tpot_ms": tpot["median_tpot_ms"], "p99_tpot_ms": tpot["p99_tpot_ms"],
+            "preemptions": sum(s.preemptions for s in done)}
+
+
+def run_statistic(stats: list[RequestStats], duration_s: float):
+    """run_figures of a resample of this run's finished requests, at the run's concurrency."""
+    done = finished_requests(stats)
+    concurrency = ratio(sum(s.e2e_s for s in done), duration_s)
+    return lambda sample: run_figures(sample, duration_s, concurrency)
+
+
+def bootstrap_ci(items: list, statistic, resamples: int = BOOTSTRAP_RESAMPLES, confidence: float = CONFIDENCE,
+                 seed: int = 0) -> dict:
+    """Percentile bootstrap: `resamples` times, draw len(items) items with replacement
+    (random.Random(seed): the same intervals for the same data) and compute statistic(sample),
+    a dict of figures; each figure's interval is (lo, hi), the (1 - confidence) / 2 and
+    (1 + confidence) / 2 percentiles of its resampled values, or None with no items or when
+    the statistic gave it no value."""
+    rng = random.Random(seed)
+    draws = [statistic(rng.choices(items, k=len(items))) for _ in range(resamples)] if items else []
+    return _intervals(draws, confidence)
+
+
+def bootstrap_difference(a_items: list, a_statistic, b_items: list, b_statistic,
+                         resamples: int = BOOTSTRAP_RESAMPLES, confidence: float = CONFIDENCE, seed: int = 0) -> dict:
+    """The interval of statistic(B) - statistic(A) per figure, A's and B's items resampled
+    independently (two runs' requests), as bootstrap_ci; it excludes 0 when lo > 0 or hi < 0."""
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(resamples if a_items and b_items else 0):
+        a = a_statistic(rng.choices(a_items, k=len(a_items)))
+        b = b_statistic(rng.choices(b_items, k=len(b_items)))
+        draws.append({k: None if a.get(k) is None or b.get(k) is None else b[k] - a[k] for k in b})
+    return _intervals(draws, confidence)
+
+
+def excludes_zero(interval: tuple[float, float] | None) -> bool | None:
+    """Whether a difference's interval lies wholly above or below 0 (None: no interval)."""
+    return None if interval is None else interval[0] > 0 or interval[1] < 0
+
+
+def _intervals(draws: list[dict], confidence: float) -> dict:
+    tail = 100 * (1 - confidence) / 2
+    out = {}
+    for key in (draws[0] if draws else {}):
+        values = [d[key] for d in draws if d.get(key) is not None]
+        out[key] = (percentile(values, tail), percentile(values, 100 - tail)) if values else None
+    return out

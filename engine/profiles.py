@@ -2,7 +2,9 @@
 
 A profile file is plain data, never code:
     {"format": "inference-workbench-profile", "version": 2, "name": ..., "model": ..., ...}
-with one key per row of engine.config.SETTINGS (the settings table).
+with one key per row of engine.config.SETTINGS (the settings table), and "workload": the
+load panel's serving workload (engine.workload.Workload, its fields; missing ones at their
+defaults).
 Profiles live in platformdirs' user_config_dir("inference-workbench")/profiles; the
 environment variable WORKBENCH_CONFIG_DIR replaces the config dir (tests use tmp dirs).
 Writes are atomic (temp file + os.replace), so a crash never leaves half a profile.
@@ -21,12 +23,14 @@ from pathlib import Path
 from engine import config
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import ConfigError, WorkbenchError
+from engine.workload import Workload
 from resources import PROFILES_DIR
 
 FORMAT = "inference-workbench-profile"
 # 1: the first 14 settings. 2: every row of engine.config.SETTINGS (n-gram sizes, pool,
 # device, dtype, ...); a version 1 file reads as is, the new settings at their defaults.
-VERSION = 2
+# 3: "workload" (engine.workload); an older file reads with the default workload.
+VERSION = 3
 APP_NAME = "inference-workbench"
 LAST_SESSION_FILE = "last_session.json"
 RECENT_FILE = "recent.json"
@@ -43,7 +47,10 @@ class _ProfileMethods:
         # Every value is checked against its row of the settings table, so a profile can
         # never hold a setting the engine would refuse.
         for key in self.__dataclass_fields__:
-            object.__setattr__(self, key, config.validate(key, getattr(self, key)))
+            if key != WORKLOAD_KEY:
+                object.__setattr__(self, key, config.validate(key, getattr(self, key)))
+        if not isinstance(self.workload, Workload):          # plain data from a file
+            object.__setattr__(self, WORKLOAD_KEY, Workload.from_dict(self.workload))
         self.engine_config()
 
     def engine_config(self, **overrides) -> EngineConfig:
@@ -63,7 +70,7 @@ class _ProfileMethods:
     def from_json_dict(cls, data, source: str = "profile") -> "SessionProfile":
         _check_header(data, source)
         values = {k: v for k, v in data.items() if k not in ("format", "version")}
-        unknown = sorted(set(values) - set(config.BY_KEY))
+        unknown = sorted(set(values) - set(config.BY_KEY) - {WORKLOAD_KEY})
         if unknown:
             raise ProfileError(f"{source}: unknown settings {unknown}; remove them or fix their spelling")
         # An older version lacks the settings added since: they take their defaults.
@@ -73,10 +80,11 @@ class _ProfileMethods:
             raise ProfileError(f"{source}: {exc}") from exc
 
 
-# Every row of the settings table is a profile field, with the table's default.
+# Every row of the settings table is a profile field, with the table's default; and the workload.
+WORKLOAD_KEY = "workload"
 SessionProfile = make_dataclass(
     "SessionProfile", [(s.key, s.type if not s.optional else s.type | None, field(default=s.default))
-                       for s in config.SETTINGS],
+                       for s in config.SETTINGS] + [(WORKLOAD_KEY, Workload, field(default_factory=Workload))],
     bases=(_ProfileMethods,), frozen=True,
     namespace={"__doc__": "Every setting of a session (engine.config.SETTINGS) as plain data.",
                "__module__": __name__})

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -26,7 +27,7 @@ def test_every_setting_survives_save_and_load(store):
     assert path == store.profiles_dir / "mine.json"
     assert store.load("mine") == CUSTOM
     data = json.loads(path.read_text())
-    assert data["format"] == FORMAT and data["version"] == VERSION == 2
+    assert data["format"] == FORMAT and data["version"] == VERSION == 3
 
 
 def test_save_as_writes_a_second_name_and_both_are_listed(store):
@@ -59,7 +60,7 @@ def test_a_version_1_profile_reads_with_the_newer_settings_at_their_defaults(tmp
     profile = read_profile(path)
     assert (profile.proposer, profile.num_speculative_tokens, profile.top_p) == ("ngram", 3, 1.0)
     assert (profile.ngram_min, profile.ngram_max, profile.attention_backend) == (1, 4, "auto")
-    assert profile.to_json_dict()["version"] == 2
+    assert profile.to_json_dict()["version"] == VERSION
 
 
 @pytest.mark.parametrize("content, message", [
@@ -161,3 +162,30 @@ def test_profiles_module_imports_without_qt_or_torch():
             "bad = [m for m in ('PySide6', 'torch') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_load_panels_workload_is_saved_in_the_profile_and_an_older_file_gets_the_default(store, tmp_path):
+    from engine.workload import Workload
+    mine = replace(CUSTOM, workload=Workload(max_concurrency=4, request_rate=2.5, num_prompts=16, shared_prefix_len=300,
+                                             prompt_set="repeat", output_len=32, seed=7))
+    path = store.save(mine)
+    assert json.loads(path.read_text())["workload"] == {
+        "max_concurrency": 4, "request_rate": 2.5, "burstiness": 1.0, "num_prompts": 16, "shared_prefix_len": 300,
+        "prompt_set": "repeat", "input_len": 256, "output_len": 32, "seed": 7}
+    assert store.load("mine").workload == mine.workload
+    v2 = {"format": FORMAT, "version": 2, "name": "v2"}
+    (tmp_path / "v2.json").write_text(json.dumps(v2))
+    assert read_profile(tmp_path / "v2.json").workload == Workload()
+
+
+@pytest.mark.parametrize("workload, message", [
+    ({"max_concurrency": 0}, r"max_concurrency \(Concurrent users\) must be in 1..4096"),
+    ({"prompt_set": "poems"}, "prompt_set must be one of"),
+    ({"users": 4}, r"unknown workload fields \['users'\]"),
+    ([4], "workload must be an object"),
+])
+def test_a_bad_workload_in_a_profile_is_refused_naming_the_field(tmp_path, workload, message):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"format": FORMAT, "version": VERSION, "workload": workload}))
+    with pytest.raises(ProfileError, match=message):
+        read_profile(path)
