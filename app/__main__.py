@@ -13,6 +13,8 @@ from PySide6.QtWidgets import QApplication
 
 from app.controller import Controller
 from app.engine_worker import EngineHost
+from app.load_controller import LoadController
+from app.load_history import LoadHistory
 from app.main_thread_gc import MainThreadGarbageCollector
 from app.main_window import MainWindow
 from app.metrics_history import MetricsHistory
@@ -31,6 +33,7 @@ class Workbench:
     store: ProfileStore
     history: MetricsHistory
     collector: MainThreadGarbageCollector
+    load: LoadController
 
     def shutdown(self, save_session: bool = True) -> None:
         """Save the session, stop the worker thread, give garbage collection back."""
@@ -51,15 +54,16 @@ def build(profile_path: str | None = None, store: ProfileStore | None = None, st
     store = store or ProfileStore()
     profile, warning = store.startup_profile(profile_path)
     profile = with_models(profile, model, draft)
-    history = MetricsHistory()
-    window = MainWindow(history, layout_file=store.root / LAYOUT_FILE)
+    history, load_history = MetricsHistory(), LoadHistory()
+    window = MainWindow(history, layout_file=store.root / LAYOUT_FILE, load_history=load_history)
     host = EngineHost()
     controller = Controller(window, host.worker, store, history, profile, host.model_lister)
+    load = LoadController(controller, host.worker, window.load_panel, load_history)
     if warning:
         window.show_error(warning)
     if start:
         controller.start()
-    return Workbench(window, controller, host, store, history, collector)
+    return Workbench(window, controller, host, store, history, collector, load)
 
 
 def with_models(profile, model: str | None, draft: str | None):

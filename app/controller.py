@@ -253,7 +253,8 @@ class Controller(QObject):
     def current_profile(self, **overrides) -> SessionProfile:
         """The last profile shown, with what the user changed since (panel, system prompt)."""
         values = dict(name=self.profile_name, model=self.model_reference,
-                      system_prompt=self.chat.system_prompt(), **self.connection, **self.panel.values())
+                      system_prompt=self.chat.system_prompt(), **self.connection, **self.panel.values(),
+                      workload=self.window.load_panel.workload())
         return replace(self.profile, **(values | overrides))
 
     def save_profile(self) -> None:
@@ -300,6 +301,7 @@ class Controller(QObject):
         self.profile_name, self.profile = profile.name, profile
         self.connection = {key: getattr(profile, key) for key in CONNECTION_KEYS}
         self.panel.set_values(asdict(profile))
+        self.window.load_panel.set_workload(profile.workload)
         self.chat.set_system_prompt(profile.system_prompt)
         self._show_title()
 

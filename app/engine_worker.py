@@ -9,6 +9,10 @@ with no extra locks, queues or flags. The engine is a local LLMEngine or a Remot
 (engine.backend: both are driven the same way). Results go out as signals carrying plain
 data (dicts, lists, str), never engine objects. The GUI thread never runs a forward pass.
 
+A load run (engine.workload.WorkloadRun, the load panel's Start or Run A/B) is driven the same
+way: one engine step per turn. While it runs it steps the engine for everyone, the chat's
+reply included (its events are routed to the chat as before), so the chat keeps working.
+
 ServerModelLister asks a server for its models ("Connect to server…") on a pool thread of
 its own: the GUI thread never waits on the network, and a listing never waits behind a
 model load or a reply on the worker.
@@ -18,8 +22,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 
-from PySide6.QtCore import QObject, QThread, QThreadPool, Qt, Signal, Slot
+from PySide6.QtCore import QObject, QThread, QThreadPool, QTimer, Qt, Signal, Slot
 
 import torch
 
@@ -28,11 +33,16 @@ from engine.config import EngineConfig, SamplingParams
 from engine.errors import WorkbenchError
 from engine.remote.backend import RemoteBackend, list_served_models
 from engine.stream import RequestStream
+from engine.workload import Workload, WorkloadRun, make_jobs
 
 log = logging.getLogger(__name__)
 IDLE, LOADING, GENERATING, LOADING_DRAFT = "", "loading", "generating", "loading draft"
 # What failed (the first argument of `failed`): the controller reacts by kind, not by text.
 LOAD_MODEL, LOAD_DRAFT, CHANGE_SETTINGS, GENERATE = "load model", "load draft", "change settings", "generate"
+LOAD_TEST = "load test"
+# The settings a results-table row shows (engine.settings() keys).
+RUN_SETTINGS = ("kv_cache_dtype", "enable_prefix_caching", "proposer", "num_speculative_tokens", "speculation_policy",
+                "kv_pool_blocks", "compile", "threads")
 
 
 class EngineWorker(QObject):
@@ -44,6 +54,10 @@ class EngineWorker(QObject):
     settingsChanged = Signal(dict, dict, dict)  # settings in effect, applied, deferred to the request's end
     failed = Signal(str, str, str)              # kind (LOAD_MODEL, ...), what was being done, a readable message
     busyChanged = Signal(str)                   # IDLE, LOADING, GENERATING or LOADING_DRAFT
+    loadStep = Signal(dict)                     # a load run's step: WorkloadRun.step_figures() + "arm", "t"
+    loadArmStarted = Signal(dict)               # {"arm": label, "t": load time, "settings": in effect}
+    loadDone = Signal(dict)                     # a finished arm: its row of the results table (see _arm_row)
+    loadFinished = Signal(bool)                 # the whole load ended (True: stopped)
 
     # ---- in (queued to the worker thread) ------------------------------------------
     _loadRequested = Signal(str, object)
@@ -53,6 +67,9 @@ class EngineWorker(QObject):
     _draftRequested = Signal(object)
     _cancelRequested = Signal()
     _stepRequested = Signal(int)                # the request id the step is for
+    _loadRequested_ = Signal(object, object, object)
+    _loadStopRequested = Signal()
+    _loadStepRequested = Signal()
 
     def __init__(self):
         super().__init__()
@@ -69,6 +86,10 @@ class EngineWorker(QObject):
         self._draftRequested.connect(self._set_draft, queued)
         self._cancelRequested.connect(self._cancel, queued)
         self._stepRequested.connect(self._step, queued)
+        self._loadRequested_.connect(self._start_load, queued)
+        self._loadStopRequested.connect(self._stop_load, queued)
+        self._loadStepRequested.connect(self._load_step, queued)
+        self.load: LoadTest | None = None
 
     # ---- public API: safe from any thread ---------------------------------------
     def load_model(self, reference: str, config: EngineConfig) -> None:
@@ -97,9 +118,20 @@ class EngineWorker(QObject):
         """Stop the running reply at its next step (queued behind what was asked before)."""
         self._cancelRequested.emit()
 
+    def start_load(self, workload: Workload, arms: list[dict], restore: dict | None = None) -> None:
+        """Serve the workload once per arm ({"label", "settings": reconfigure changes or None});
+        two arms run A, B, B, A (each arm's requests pooled into its row), then `restore`
+        (the settings to return to) is applied."""
+        self._loadRequested_.emit(workload, [dict(a) for a in arms], dict(restore or {}))
+
+    def stop_load(self) -> None:
+        """End the load run at its next step: every request cancelled, the finished ones kept."""
+        self._loadStopRequested.emit()
+
     # ---- worker thread: loading ----------------------------------------------------
     @Slot(str, object)
     def _load(self, reference: str, config: EngineConfig) -> None:
+        self._end_load(stopped=True)
         if self.request is not None:
             self._close_request("cancelled")
         self.busyChanged.emit(LOADING)
@@ -119,6 +151,7 @@ class EngineWorker(QObject):
 
     @Slot(str, str, str)
     def _connect_server(self, url: str, model: str, api_key_env: str) -> None:
+        self._end_load(stopped=True)
         if self.request is not None:
             self._close_request("cancelled")
         self.busyChanged.emit(LOADING)
@@ -149,7 +182,7 @@ class EngineWorker(QObject):
     def _set_draft(self, reference: str | None) -> None:
         if not self._need_engine(LOAD_DRAFT, "Setting the draft model"):
             return
-        if self.request is not None:
+        if self.request is not None or self.load is not None:
             self.pending_draft = (reference,)
             self.settingsChanged.emit(self.engine.settings(), {}, {"draft_model": reference})
             return
@@ -213,33 +246,134 @@ class EngineWorker(QObject):
 
     @Slot(int)
     def _step(self, request_id: int) -> None:
-        if self.request is None or request_id != self.request_id:
-            return                                # a step queued for a reply that has ended
+        if self.request is None or request_id != self.request_id or self.load is not None:
+            return                                # a reply that has ended, or the load run steps the engine
         try:
             event = self.request.step()
         except Exception as exc:                  # noqa: BLE001
             self._fail(GENERATE, "Generating", exc)
             self._close_request("error")
             return
+        if not self._chat_event(event):
+            self._stepRequested.emit(request_id)  # behind anything queued meanwhile
+
+    def _chat_event(self, event) -> bool:
+        """Hand the chat its event; True when the reply has ended."""
         self.stepReady.emit(event.as_dict() | {"request_id": self.request_id})
         if event.finished:
             self._close_request(event.finish_reason, event.summary.as_dict())
-        else:
-            self._stepRequested.emit(request_id)  # behind anything queued meanwhile
+        return event.finished
 
     def _close_request(self, finish_reason: str, summary: dict | None = None) -> None:
         request_id, request = self.request_id, self.request
         self.request, self.request_id = None, None
+        if self.load is not None and not request.request.finished:
+            # Its last step must go through the load run, which keeps its own requests' events.
+            request.cancel()
+            while not request.request.finished:
+                self.load.run.step()
+                self.load.record_step(self)
         try:
             request.close()                       # deferred settings apply here
         except Exception as exc:                  # noqa: BLE001
             self._fail(CHANGE_SETTINGS, "Applying the deferred settings", exc)
-        if self.pending_draft is not None:
+        if self.pending_draft is not None and self.load is None:
             (draft,), self.pending_draft = self.pending_draft, None
             self._load_draft(draft)
         self.requestDone.emit({"request_id": request_id, "finish_reason": finish_reason, "summary": summary,
                                "settings": self.engine.settings()})
         self.busyChanged.emit(IDLE)
+
+    # ---- worker thread: a load run, one engine step per turn --------------------------
+    @Slot(object, object, object)
+    def _start_load(self, workload: Workload, arms: list[dict], restore: dict) -> None:
+        if not self._need_engine(LOAD_TEST, "Starting the load test"):
+            self.loadFinished.emit(True)
+            return
+        if not isinstance(self.engine, LLMEngine):
+            self.failed.emit(LOAD_TEST, "Starting the load test", "the load panel drives the local engine; against "
+                             "a server, run python -m engine.bench serve --backend URL")
+            self.loadFinished.emit(True)
+            return
+        self._end_load(stopped=True)
+        try:
+            jobs = make_jobs(self.engine, workload)
+        except Exception as exc:                  # noqa: BLE001 - any failure becomes a message
+            self._fail(LOAD_TEST, "Starting the load test", exc)
+            self.loadFinished.emit(True)
+            return
+        order = [0] if len(arms) == 1 else [0, 1, 1, 0]       # A B B A: a drift over time hits both arms alike
+        self.load = LoadTest(workload, jobs, arms, order, restore)
+        self._next_arm()
+
+    def _next_arm(self) -> None:
+        load = self.load
+        arm = load.arms[load.order[load.position]]
+        self.load = None                          # between arms the load is idle: every change (a draft too) applies now
+        if arm.get("settings"):
+            self._reconfigure(arm["settings"])
+        self.load = load
+        self.engine.reset_prefix_cache()          # each arm starts cold, as the serving bench's
+        load.begin(self.engine)
+        settings = self.engine.settings()
+        self.loadArmStarted.emit({"arm": arm["label"], "t": load.time_s(),
+                                  "settings": {k: settings.get(k) for k in RUN_SETTINGS}})
+        self._loadStepRequested.emit()
+
+    @Slot()
+    def _load_step(self) -> None:
+        load = self.load
+        if load is None:
+            return
+        try:
+            events = load.run.step()
+        except Exception as exc:                  # noqa: BLE001
+            self._fail(LOAD_TEST, "Running the load test", exc)
+            self._end_load(stopped=True)
+            return
+        chat_id = self.request.request_id if self.request is not None else None
+        for event in events:
+            if event.request_id == chat_id and self.request is not None:
+                self._chat_event(self.request.step())        # already queued: no engine step
+        load.record_step(self)
+        if not load.run.done:
+            wait_ms = int(load.run.idle_wait_s() * 1000)
+            if wait_ms:
+                QTimer.singleShot(wait_ms, self._load_step)   # nothing has arrived yet
+            else:
+                self._loadStepRequested.emit()
+            return
+        load.finish_arm()
+        for row in load.take_rows():
+            self.loadDone.emit(row)
+        if load.stopped or load.position + 1 >= len(load.order):
+            self._end_load(stopped=load.stopped)
+        else:
+            load.position += 1
+            self._next_arm()
+
+    @Slot()
+    def _stop_load(self) -> None:
+        if self.load is not None:
+            self.load.stopped = True
+            self.load.run.cancel()
+
+    def _end_load(self, stopped: bool) -> None:
+        load, self.load = self.load, None
+        if load is None:
+            return
+        if not load.run.done:                     # a model load or a new run during this one
+            load.run.cancel()
+            while not load.run.done:
+                load.run.step()
+        if load.restore:
+            self._reconfigure(load.restore)
+        if self.request is not None:
+            self._stepRequested.emit(self.request_id)     # the chat steps on its own again
+        elif self.pending_draft is not None:
+            (draft,), self.pending_draft = self.pending_draft, None
+            self._load_draft(draft)
+        self.loadFinished.emit(stopped)
 
     # ---- helpers ---------------------------------------------------------------
     def _need_engine(self, kind: str, doing: str) -> bool:
@@ -254,6 +388,54 @@ class EngineWorker(QObject):
             log.exception("%s failed", doing)
             message = f"unexpected {type(exc).__name__}: {exc} (details are in the log)"
         self.failed.emit(kind, doing, message)
+
+
+class LoadTest:
+    """A load test on the worker thread: the workload's jobs served once per arm, in `order`
+    (indices into `arms`); each arm's requests and time pooled into its results row."""
+
+    def __init__(self, workload: Workload, jobs, arms: list[dict], order: list[int], restore: dict):
+        self.workload, self.jobs, self.arms, self.order, self.restore = workload, jobs, arms, order, restore
+        self.position = 0
+        self.stopped = False
+        self.run: WorkloadRun | None = None
+        self.t0: float | None = None
+        self.pooled: dict[int, dict] = {}         # arm index -> requests, duration, settings, cancelled
+
+    def time_s(self) -> float:
+        """Seconds since the load test began (every arm on one time axis)."""
+        now = time.perf_counter()
+        self.t0 = now if self.t0 is None else self.t0
+        return now - self.t0
+
+    def begin(self, engine) -> None:
+        self.offset_s = self.time_s()
+        self.run = WorkloadRun(engine, list(self.jobs), self.workload.max_concurrency)
+        self.settings = {k: engine.settings().get(k) for k in RUN_SETTINGS}
+
+    def record_step(self, worker: EngineWorker) -> None:
+        figures = self.run.step_figures()
+        if figures is not None:
+            arm = self.arms[self.order[self.position]]["label"]
+            worker.loadStep.emit(figures | {"t": self.offset_s + figures["t"], "arm": arm,
+                                            "round": self.position, "rounds": len(self.order)})
+
+    def finish_arm(self) -> None:
+        """Pool this round into its arm; the arm's row once its last round ran (or on Stop)."""
+        index = self.order[self.position]
+        pooled = self.pooled.setdefault(index, {"requests": [], "duration_s": 0.0, "cancelled": 0, "rounds": 0,
+                                                "settings": self.settings})
+        pooled["requests"] += [s.to_plain() for s in self.run.finished]
+        pooled["duration_s"] += self.run.elapsed_s()
+        pooled["cancelled"] += self.run.cancelled
+        pooled["rounds"] += 1
+
+    def take_rows(self) -> list[dict]:
+        """The arms' rows, in arm order, once the last round ran (or the run was stopped)."""
+        if not self.stopped and self.position + 1 < len(self.order):
+            return []
+        return [{"label": self.arms[i]["label"], "workload": self.workload.to_dict(), **self.pooled[i],
+                 "stopped": self.stopped, "ab": len(self.arms) > 1} for i in sorted(self.pooled)]
 
 
 def leave_a_core_for_the_gui() -> None:

@@ -13,6 +13,8 @@ from PySide6.QtWidgets import (QDockWidget, QFileDialog, QHBoxLayout, QInputDial
                                QProgressBar, QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
 from app.chat_view import ChatView
+from app.load_history import LoadHistory
+from app.load_panel import LoadPanel
 from app.metrics_history import MetricsHistory
 from app.plots_panel import PlotsPanel
 from app.settings_panel import SettingsPanel
@@ -32,9 +34,10 @@ class MainWindow(QMainWindow):
     deleteProfileRequested = Signal(str)
     closing = Signal()
 
-    def __init__(self, history: MetricsHistory, parent=None, layout_file: Path | None = None):
+    def __init__(self, history: MetricsHistory, parent=None, layout_file: Path | None = None,
+                 load_history: LoadHistory | None = None):
         """`layout_file`: where the window's geometry and docks are kept between runs
-        (app.window_geometry); None keeps nothing."""
+        (app.window_geometry); None keeps nothing. `load_history`: what the load panel draws."""
         super().__init__(parent)
         self.setWindowTitle("Inference Workbench")
         self.setWindowIcon(QIcon(str(APP_ICON)))
@@ -43,6 +46,7 @@ class MainWindow(QMainWindow):
         self.chat = ChatView()
         self.settings = SettingsPanel()
         self.plots = PlotsPanel(history)
+        self.load_panel = LoadPanel(load_history if load_history is not None else LoadHistory())
         self._build_central()
         self._build_docks()
         self._build_status_bar()
@@ -87,12 +91,17 @@ class MainWindow(QMainWindow):
         scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)   # it scrolls down only
         self.settings_dock = self._dock("Settings", scroll, Qt.DockWidgetArea.RightDockWidgetArea)
         self.plots_dock = self._dock("Live metrics", self.plots, Qt.DockWidgetArea.BottomDockWidgetArea)
+        # The load test shares the bottom area with the live metrics, as a tab.
+        self.load_dock = self._dock("Load test", self.load_panel, Qt.DockWidgetArea.BottomDockWidgetArea)
+        self.tabifyDockWidget(self.plots_dock, self.load_dock)
+        self.plots_dock.raise_()
         self.size_docks()
 
     def size_docks(self) -> None:
         """Shares of the window, not pixels, so a laptop screen still leaves the chat room."""
         size = self.size()
-        self.resizeDocks([self.plots_dock], [int(size.height() * PLOTS_HEIGHT_SHARE)], Qt.Orientation.Vertical)
+        self.resizeDocks([self.plots_dock, self.load_dock], [int(size.height() * PLOTS_HEIGHT_SHARE)] * 2,
+                         Qt.Orientation.Vertical)
         settings_width = max(SETTINGS_MIN_WIDTH, int(size.width() * SETTINGS_WIDTH_SHARE))
         self.resizeDocks([self.settings_dock], [settings_width], Qt.Orientation.Horizontal)
 
@@ -140,6 +149,7 @@ class MainWindow(QMainWindow):
         view_menu = self.menuBar().addMenu("&View")
         view_menu.addAction(self.settings_dock.toggleViewAction())
         view_menu.addAction(self.plots_dock.toggleViewAction())
+        view_menu.addAction(self.load_dock.toggleViewAction())
 
     # ---- what the controller shows ----------------------------------------------
     def show_error(self, text: str) -> None:
@@ -172,6 +182,7 @@ class MainWindow(QMainWindow):
         _fill(self.saved_menu, [(name, name) for name in saved], self.loadProfileRequested.emit)
         _fill(self.recent_menu, [(p.stem, str(p)) for p in recent], self.loadProfileRequested.emit)
         _fill(self.builtin_menu, [(name, name) for name in builtins], self.loadProfileRequested.emit)
+        self.load_panel.set_profiles(saved + [name for name in builtins if name not in saved])     # A/B's choices
 
     # ---- dialogs (they only ask; the answer goes out as an intent) ----------------------
     def ask_profile_name(self, suggestion: str = "") -> str | None:

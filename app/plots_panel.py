@@ -12,7 +12,7 @@ from html import escape
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QPushButton, QScrollArea, QVBoxLayout, QWidget
 
 from app.formatting import speculation_verdict
 from app.metrics_history import SERVER, MetricsHistory
@@ -25,14 +25,17 @@ from app.theme import ERROR_COLOUR, PAYS_COLOUR, PLOT_COLOURS as C
 # time stays under PLOT_TIME_BUDGET.
 MIN_REFRESH_MS, MAX_REFRESH_MS = 100, 2000
 PLOT_TIME_BUDGET = 0.03
-LEGEND_HEADROOM = 1.5    # y range = data max x this, so the KV plot's legend never covers data
-DATA_HEADROOM = 1.1      # the plots whose legend sits in the title: a little room above the data
+LEGEND_HEADROOM = 1.5    # the server's KV share: y range = data max x this (room to read the line)
+DATA_HEADROOM = 1.1      # every legend sits in its plot's title row: a little room above the data
+# Each row of plots keeps this height (the panel scrolls when its dock is shorter), so on a
+# 1366x768 screen no plot shrinks to a strip and no axis title is cut.
+PLOT_ROW_MIN_HEIGHT = 230
 TITLE_STYLE = {"size": "11pt"}      # pyqtgraph's title size
 LEGEND_TEXT_COLOUR = "#24292f"
 MARKER_LABEL_ROWS = (0.68, 0.54, 0.4)   # label heights, cycled so close markers do not overlap
 MAX_MARKER_LINES = 64    # per plot; older markers scroll out anyway
-KV_BYTES_AXIS = "memory (MiB, log scale)"
-KV_SHARE_AXIS = "server KV cache in use (%)"
+KV_BYTES_AXIS = "MiB (log scale)"
+KV_SHARE_AXIS = "in use (%)"
 KV_SHARE_MIN_TOP = 5     # %: the KV share axis shows at least 0-10%
 
 
@@ -79,7 +82,12 @@ class PlotsPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addLayout(bar)
-        layout.addWidget(self.graphics, 1)
+        self.graphics.setMinimumHeight(2 * PLOT_ROW_MIN_HEIGHT)
+        self.scroll = QScrollArea()
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setWidget(self.graphics)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        layout.addWidget(self.scroll, 1)
 
     def ask_png_path(self) -> None:
         self._ask_path(self.exportPngRequested, "PNG image (*.png)", "workbench-plots.png")
@@ -121,7 +129,7 @@ class PlotsPanel(QWidget):
             grid.setColumnPreferredWidth(column, 100)
 
     def _build_acceptance(self) -> None:
-        p = self.acceptance_plot = self._new_plot(0, 0, "Acceptance rate", "accepted / proposed (%)", "session step")
+        p = self.acceptance_plot = self._new_plot(0, 0, "Acceptance rate", "accepted (%)", "session step")
         p.setYRange(0, DATA_HEADROOM * 100, padding=0)
         p.getAxis("left").setTicks([[(v, str(v)) for v in range(0, 101, 25)]])
         self.acceptance_heading = _title_with_legend("Acceptance rate", (("●", C["acceptance"], "per step"),
@@ -134,7 +142,7 @@ class PlotsPanel(QWidget):
 
     def _build_positions(self) -> None:
         p = self.positions_plot = self._new_plot(1, 2, "Per-position acceptance", "accepted (%)",
-                                                 "position i, given 1..i−1 accepted", colspan=1)
+                                                 "draft position i", colspan=1)
         p.setYRange(0, 105, padding=0)
         p.getAxis("left").setTicks([[(v, str(v)) for v in range(0, 101, 25)]])
         self.positions_bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush=C["positions"])
@@ -142,16 +150,18 @@ class PlotsPanel(QWidget):
 
     def _build_kv(self) -> None:
         p = self.kv_plot = self._new_plot(0, 2, "KV-cache memory", KV_BYTES_AXIS, "session step")
-        _legend(p)
         self.kv_model_curve = p.plot(pen=_pen("kv_model"), connect="finite")
         self.kv_fp8_curve = p.plot(pen=_pen("kv_fp8"), connect="finite")
         self.kv_capacity_curve = p.plot(pen=_pen("capacity", 1.5, Qt.PenStyle.DashLine))
         # A server reports the share of its cache in use, not bytes: drawn instead of the
         # bytes (another unit, another axis) while the latest step has no bytes.
         self.kv_share_curve = p.plot(pen=_pen("kv_share"), connect="finite")
-        self.kv_legends = {False: ((self.kv_model_curve, "held, model dtype"), (self.kv_fp8_curve, "held, FP8 E4M3"),
-                                   (self.kv_capacity_curve, "pool capacity")),
-                           True: ((self.kv_share_curve, "in use (% of the server's KV cache)"),)}
+        # Legends in the title row (never over the data): (symbol, colour, name) per curve shown.
+        self.kv_legends = {False: (("━", C["kv_model"], "held, model dtype"), ("━", C["kv_fp8"], "held, FP8 E4M3"),
+                                   ("┅", C["capacity"], "pool capacity")),
+                           True: (("━", C["kv_share"], "in use (% of the server's KV cache)"),)}
+        self.kv_curves = {False: (self.kv_model_curve, self.kv_fp8_curve, self.kv_capacity_curve),
+                          True: (self.kv_share_curve,)}
         self.kv_shows_share = None
         self._show_kv_share(False)
 
@@ -243,8 +253,8 @@ class PlotsPanel(QWidget):
         if self.kv_shows_share:
             self.kv_share_curve.setData(x, server_share, connect="finite")
             dtype = f" — cache dtype {h.kv_dtype}" if h.kv_dtype else ""
-            self.kv_plot.setTitle(f"KV-cache usage{dtype} (the server reports a share, not bytes)")
-            # Zoomed to what is held (a chat holds a few % of a server's cache), the top half left to the legend.
+            self._set_kv_title(f"KV-cache usage{dtype} (the server reports a share, not bytes)")
+            # Zoomed to what is held (a chat holds a few % of a server's cache).
             top = min(2 * max(KV_SHARE_MIN_TOP, float(np.nanmax(server_share))), LEGEND_HEADROOM * 100)
             self.kv_plot.setYRange(0, top, padding=0)
             self.kv_plot.getAxis("left").setTicks(_percent_ticks(top))
@@ -253,11 +263,16 @@ class PlotsPanel(QWidget):
         self.kv_fp8_curve.setData(x, np.where(fp8, used, np.nan), connect="finite")
         capacity = h.step_series("kv_capacity_mib")
         self.kv_capacity_curve.setData(x, capacity)
-        self.kv_plot.setTitle(f"KV-cache memory — cache dtype {h.kv_dtype}" if h.kv_dtype else "KV-cache memory")
+        self._set_kv_title(f"KV-cache memory — cache dtype {h.kv_dtype}" if h.kv_dtype else "KV-cache memory")
         if np.isfinite(used).any() and np.isfinite(capacity).any():      # a server may not report bytes
-            # Log axis: a decade below the smallest held, two above the pool for the legend.
+            # Log axis: from half the smallest held to a little above the pool.
             low, high = float(np.nanmin(used)), float(np.nanmax(capacity))
-            self.kv_plot.setYRange(np.log10(max(low, 1e-3) / 2), np.log10(high * 100), padding=0)
+            self.kv_plot.setYRange(np.log10(max(low, 1e-3) / 2), np.log10(high * 2), padding=0)
+
+    def _set_kv_title(self, title: str) -> None:
+        html = _title_with_legend(title, self.kv_legends[bool(self.kv_shows_share)])
+        if html != self.kv_plot.titleLabel.text:
+            self.kv_plot.setTitle(html)
 
     def _show_kv_share(self, share: bool) -> None:
         """Switch the KV plot between bytes (MiB, log scale) and a server's share (%, linear)."""
@@ -265,12 +280,10 @@ class PlotsPanel(QWidget):
             return
         self.kv_shows_share = share
         p = self.kv_plot
-        p.legend.clear()
         for shown in (False, True):
-            for curve, name in self.kv_legends[shown]:
+            for curve in self.kv_curves[shown]:
                 curve.setVisible(shown == share)
-                if shown == share:
-                    p.legend.addItem(curve, name)
+        self._set_kv_title("KV-cache memory")
         # Bytes on a log scale: a chat holds a few MiB of a pool of hundreds; both stay readable.
         p.setLogMode(y=not share)
         p.setLabel("left", KV_SHARE_AXIS if share else KV_BYTES_AXIS)
@@ -345,11 +358,6 @@ def _title_with_legend(title: str, entries) -> str:
     keys = "&nbsp;&nbsp;".join(f"<span style='color:{colour}'>{symbol}</span>&nbsp;{escape(name)}"
                                for symbol, colour, name in entries)
     return f"{escape(title)}&nbsp;&nbsp;&nbsp;<span style='color:{LEGEND_TEXT_COLOUR}; font-size:8pt'>{keys}</span>"
-
-
-def _legend(plot: pg.PlotItem) -> None:
-    plot.addLegend(offset=(-8, 2), labelTextColor="#24292f", brush=pg.mkBrush(255, 255, 255, 230),
-                   pen=pg.mkPen("#d0d7de"), colCount=3, verSpacing=-4)
 
 
 def _set_finite(item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray) -> None:

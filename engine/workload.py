@@ -27,19 +27,19 @@ WORKLOAD = "workload"
 WORKLOAD_SETTINGS: tuple[Setting, ...] = (
     Setting("max_concurrency", int, 16, WORKLOAD, NEXT_REQUEST, "Concurrent users", low=1, high=4096,
             help="the most requests outstanding at once"),
-    Setting("request_rate", float, None, WORKLOAD, NEXT_REQUEST, "Arrival rate (req/s)", low=0.001, high=1_000_000,
+    Setting("request_rate", float, None, WORKLOAD, NEXT_REQUEST, "Arrival rate (/s)", low=0.01, high=1_000_000,
             optional=True, off_text="all at once", step=0.5,
             help="requests per second, a gamma process of shape 'burstiness'; not set: all arrive at once"),
     Setting("burstiness", float, 1.0, WORKLOAD, NEXT_REQUEST, "Burstiness", low=0.05, high=100.0, step=0.5,
             help="the gamma shape of the arrival gaps: 1 is a Poisson process, below 1 burstier, above steadier"),
     Setting("num_prompts", int, 64, WORKLOAD, NEXT_REQUEST, "Requests", low=1, high=100_000),
-    Setting("shared_prefix_len", int, 0, WORKLOAD, NEXT_REQUEST, "Shared system prompt (tokens)", low=0,
+    Setting("shared_prefix_len", int, 0, WORKLOAD, NEXT_REQUEST, "Shared prefix (tok)", low=0,
             high=100_000, help="a system prompt of this many tokens before every request (0: none)"),
     Setting("prompt_set", str, "chat", WORKLOAD, NEXT_REQUEST, "Prompt set",
             choices={"chat": "chat questions", "repeat": "repeat a passage", "random": "random token ids"}),
-    Setting("input_len", int, 256, WORKLOAD, NEXT_REQUEST, "Random prompt (tokens)", low=1, high=1_000_000,
+    Setting("input_len", int, 256, WORKLOAD, NEXT_REQUEST, "Random prompt (tok)", low=1, high=1_000_000,
             help="prompt tokens for the random prompt set"),
-    Setting("output_len", int, 64, WORKLOAD, NEXT_REQUEST, "Output (tokens)", low=1, high=131_072,
+    Setting("output_len", int, 64, WORKLOAD, NEXT_REQUEST, "Output (tok)", low=1, high=131_072,
             help="tokens generated per request (end of sequence ignored)"),
     Setting("seed", int, 0, WORKLOAD, NEXT_REQUEST, "Seed", low=0, high=2**31 - 1,
             help="the arrivals' and the random prompts' seed"),
@@ -185,6 +185,8 @@ class WorkloadRun:
         self.max_running = self.preemptions = self.steps = self.running_sum = 0
         self.t0 = clock()
         self.end_s: float | None = None
+        self.last_events: list[StepEvent] = []      # the run's own events of the last step
+        self.last_pass_ran = False
 
     @property
     def done(self) -> bool:
@@ -209,24 +211,43 @@ class WorkloadRun:
     def step(self) -> list[StepEvent]:
         """Submit what has arrived, run one engine step (if anything runs); every event of it."""
         self.submit_due()
+        self.last_events, self.last_pass_ran = [], False
         if not self.eng.has_work:
             return []
-        before = self.eng.step_count
+        before, owned = self.eng.step_count, set(self.outstanding)
         events = self.eng.step()
-        for event in events:
-            if event.finished and event.request_id in self.outstanding:
+        self.last_events = [e for e in events if e.request_id in owned]
+        for event in self.last_events:
+            if event.finished:
                 self.outstanding.discard(event.request_id)
                 if event.finish_reason == "cancelled":
                     self.cancelled += 1
                 else:
                     self.finished.append(event.summary)
         step = self.eng.last_step
-        if self.eng.step_count > before and step is not None:       # a pass ran (not only cancellations)
+        self.last_pass_ran = self.eng.step_count > before and step is not None    # not only cancellations
+        if self.last_pass_ran:
             self.max_running, self.preemptions = max(self.max_running, step.running), self.preemptions + step.preemptions
             self.steps, self.running_sum = self.steps + 1, self.running_sum + step.running
         if self.done and self.end_s is None:
             self.end_s = self.clock()
         return events
+
+    def step_figures(self) -> dict | None:
+        """The last step as plain data for live plots (None when no pass ran): the engine's
+        running / waiting requests, KV usage (share of blocks, and bytes held and allocated),
+        preemptions, and for the run's own requests the tokens they got, the TTFTs of those
+        that got their first one and the inter-token gaps of the others (ITL)."""
+        if not self.last_pass_ran:
+            return None
+        step, (used, capacity) = self.eng.last_step, self.eng.kv_bytes()
+        mine = self.last_events
+        return {"t": self.elapsed_s(), "running": step.running, "waiting": step.waiting,
+                "kv_usage": step.kv_usage, "kv_bytes_used": used, "kv_bytes_capacity": capacity,
+                "preemptions": step.preemptions, "output_tokens": sum(e.num_tokens for e in mine),
+                "ttft_s": [e.ttft_s for e in mine if e.ttft_s is not None],
+                "itl_s": [e.step_time_s for e in mine if e.is_decode and e.num_tokens],
+                "completed": len(self.finished), "cancelled": self.cancelled, "total": self.total}
 
     def cancel(self) -> None:
         """Drop the jobs not yet submitted and cancel the outstanding ones (they end at the next step)."""
