@@ -3,10 +3,11 @@ the scenario registry. The scenarios themselves live beside it (scenarios.py: pa
 prefix, kv, memory, decode, speculative; kernels.py, load.py, peer.py, gpu.py).
 
 Scenarios: parity, prefix, kv, memory, decode, speculative, kernels, load, peer, gpu-check,
-serve (many requests at once: engine.bench.serve), all. Each prints
-one JSON object with --json (field names are a contract: scripts read them) and exits 0 when
-it ran. Timings are medians; comparisons are ratios measured in the same run, since the
-machine may be shared and noisy. Every scenario with a model runs on --model (a HF folder
+serve (many requests at once: engine.bench.serve; with --backend URL against a server:
+engine.bench.serve_remote), all. Each prints one JSON object with --json (field names are a
+contract: scripts read them) and exits 0 when it ran; an error it can name (an unreachable
+server, a bad option) is one line on stderr and exit code 2. Timings are medians;
+comparisons are ratios measured in the same run, since the machine may be shared and noisy. Every scenario with a model runs on --model (a HF folder
 or a .gguf; default: the embedded model), with --draft, --device and --dtype where given.
 """
 from __future__ import annotations
@@ -19,9 +20,10 @@ import torch
 
 from engine.bench.gpu import bench_gpu_check
 from engine.bench.peer import bench_peer
-from engine.bench import serve
+from engine.bench import serve, serve_remote
 from engine.bench.scenarios import (BUILTIN_SHAPES, bench_decode, bench_kv, bench_memory, bench_parity, bench_prefix,
                                     bench_speculative)
+from engine.errors import WorkbenchError
 from engine.loading.synthetic import PRESETS
 
 
@@ -35,9 +37,13 @@ def bench_load(args) -> dict:
     return run_load_bench(args.model, args.synthetic, args.device, args.dtype)
 
 
+def bench_serve(args) -> dict:
+    return serve_remote.bench_serve_remote(args) if args.backend else serve.bench_serve(args)
+
+
 SCENARIOS = {"parity": bench_parity, "prefix": bench_prefix, "kv": bench_kv, "memory": bench_memory,
              "decode": bench_decode, "speculative": bench_speculative, "kernels": bench_kernels,
-             "load": bench_load, "peer": bench_peer, "gpu-check": bench_gpu_check, "serve": serve.bench_serve}
+             "load": bench_load, "peer": bench_peer, "gpu-check": bench_gpu_check, "serve": bench_serve}
 
 
 def main(argv=None) -> int:
@@ -70,10 +76,15 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-set", dest="prompts_set", choices=["chat", "repeat", "random"], default=None,
                     help="random: serve only (--input-len random token ids)")
     serve.add_arguments(ap)
+    serve_remote.add_arguments(ap)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
-    results = {name: SCENARIOS[name](args) for name in names}
+    try:
+        results = {name: SCENARIOS[name](args) for name in names}
+    except WorkbenchError as e:
+        print(f"python -m engine.bench {args.scenario}: {e}", file=sys.stderr)
+        return 2
     out = results if args.scenario == "all" else results[args.scenario]
     print(json.dumps(out, indent=None if args.json else 2))
     return 0

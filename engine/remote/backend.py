@@ -151,13 +151,34 @@ class RemoteBackend:
         reading = self.scrape()
         return reading.kv_usage if reading is not None else None
 
-    def _slots_kv_usage(self) -> float | None:
-        slots = self._json_or_none("/slots")
+    def _slots_kv_usage(self, slots=None) -> float | None:
+        slots = self._json_or_none("/slots") if slots is None else slots
         if not isinstance(slots, list) or not slots:
             return None
         held = sum(int(s.get("n_prompt_tokens") or 0) for s in slots)
         capacity = sum(int(s.get("n_ctx") or 0) for s in slots)
         return held / capacity if capacity else None
+
+    def server_load(self) -> dict:
+        """The server's load now: running and waiting requests, the share of its KV cache in
+        use and its preemption counter (engine.remote.server_metrics), None where it does not
+        say. llama.cpp: KV usage from /slots, and running too when /metrics is off."""
+        reading = self.scrape() or MetricsReading()
+        load = {"running": reading.running, "waiting": reading.waiting, "kv_usage": reading.kv_usage,
+                "preemptions": reading.preemptions}
+        if self.kind.name == LLAMACPP:
+            slots = self._json_or_none("/slots")
+            load["kv_usage"] = self._slots_kv_usage(slots)
+            if load["running"] is None and isinstance(slots, list):
+                load["running"] = sum(bool(s.get("is_processing")) for s in slots)
+        return load
+
+    def slot_count(self) -> int | None:
+        """How many requests the server serves at once, where it says (llama.cpp: --parallel)."""
+        if self.kind.name != LLAMACPP:
+            return None
+        props = self._info() or {}
+        return props.get("total_slots")
 
     # ---- requests ---------------------------------------------------------------------
     def start(self, prompt, params: SamplingParams | None = None) -> RemoteRequest:
@@ -167,6 +188,13 @@ class RemoteBackend:
         before = self.scrape()
         self.active = RemoteRequest(self, ChunkStream(self.client, body), before)
         return self.active
+
+    def open_stream(self, prompt, params: SamplingParams | None = None) -> RemoteRequest:
+        """One of many concurrent requests (engine.remote.concurrent_streams): not the backend's
+        one active request, and without per-request server figures, since the server-wide
+        counters would mix every concurrent request's traffic."""
+        body = self.request_body(_messages(prompt), params or SamplingParams())
+        return RemoteRequest(self, ChunkStream(self.client, body), None)
 
     def request_body(self, messages: list[dict], params: SamplingParams) -> dict:
         body = {"model": self.model, "messages": messages, "stream": True, "max_tokens": params.max_tokens,

@@ -4,9 +4,12 @@ and `python -m engine.bench peer`.
     with LlamaServer(gguf, draft=gguf, metrics=True) as server:
         backend = RemoteBackend(server.url)
 
-The binary comes from scripts/build_llama_server.sh (engine.remote.llama_server_binary). The
-process gets a free port, its output goes to a log file (quoted when it fails to start),
-and it is terminated (then killed) on exit.
+The binary comes from scripts/build_llama_server.sh (engine.remote.llama_server_binary).
+`parallel` is llama-server's --parallel: that many slots, each serving one request at a time
+(the rest wait). llama-server splits --ctx-size across its slots, so `ctx_size` here is the
+context of ONE slot and the server gets ctx_size x parallel. The process gets a free port,
+its output goes to a log file (quoted when it fails to start), and it is terminated (then
+killed) on exit.
 """
 from __future__ import annotations
 
@@ -35,11 +38,12 @@ def free_port() -> int:
 class LlamaServer:
     def __init__(self, gguf: str | os.PathLike, *, draft: str | os.PathLike | None = None, draft_max: int = 4,
                  metrics: bool = True, slots: bool = True, slot_save_path: str | os.PathLike | None = None,
-                 ctx_size: int = 2048, threads: int | None = None, extra: tuple[str, ...] = ()):
+                 ctx_size: int = 2048, parallel: int = 1, threads: int | None = None, extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.args = [str(binary()), "-m", str(gguf), "--host", HOST, "--port", str(self.port),
-                     "-c", str(ctx_size), "--parallel", "1", "-t", str(threads or os.cpu_count() or 1)]
+                     "-c", str(ctx_size * parallel), "--parallel", str(parallel),
+                     "-t", str(threads or os.cpu_count() or 1)]
         if draft is not None:
             self.args += ["-md", str(draft), "--spec-type", SPEC_TYPE, "--spec-draft-n-max", str(draft_max)]
         self.args += ["--metrics"] if metrics else []

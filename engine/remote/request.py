@@ -194,6 +194,8 @@ class RemoteRequest:
 
     def _final_event(self, t: float, reason: str) -> StepEvent:
         self.finished = True
+        # E2EL ends at the last token, as vLLM's client times it (not at [DONE] after it)
+        self.stats.e2e_s = (self.t_last if self.step_index else t) - self.stream.t_submit
         event = self._event(t, "", finish_reason=reason)
         figures = self._figures()
         event.server = figures

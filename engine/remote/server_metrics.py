@@ -17,6 +17,9 @@ the gauges read at the end); every ratio comes from engine.metrics.
   cache_hit_rate      -                                           sglang:cache_hit_rate        -
   prompt_tokens(_cached) -                                        -                            llamacpp:prompt_tokens(_cached)_total
   ttft_sum/_count     vllm:time_to_first_token_seconds            sglang:time_to_first_token_seconds  -
+  running             vllm:num_requests_running                   sglang:num_running_reqs      llamacpp:requests_processing
+  waiting             vllm:num_requests_waiting                   sglang:num_queue_reqs        llamacpp:requests_deferred
+  preemptions         vllm:num_preemptions                        -                            -
 
 Counters are server-wide: on a server others use too, a request's deltas include their
 traffic (the figures say `shared_counters`).
@@ -45,6 +48,9 @@ VLLM = {
     "prefix_hits": (("vllm:prefix_cache_hits_total",), SUM),
     "ttft_sum": (("vllm:time_to_first_token_seconds_sum",), SUM),
     "ttft_count": (("vllm:time_to_first_token_seconds_count",), SUM),
+    "running": (("vllm:num_requests_running",), SUM),
+    "waiting": (("vllm:num_requests_waiting",), SUM),
+    "preemptions": (("vllm:num_preemptions_total",), SUM),
 }
 SGLANG = {
     "accept_rate": (("sglang:spec_accept_rate",), MEAN),
@@ -53,6 +59,8 @@ SGLANG = {
     "cache_hit_rate": (("sglang:cache_hit_rate",), MEAN),
     "ttft_sum": (("sglang:time_to_first_token_seconds_sum",), SUM),
     "ttft_count": (("sglang:time_to_first_token_seconds_count",), SUM),
+    "running": (("sglang:num_running_reqs",), SUM),
+    "waiting": (("sglang:num_queue_reqs",), SUM),
 }
 LLAMACPP = {
     "drafts": (("llamacpp:spec_decode_num_drafts_total",), SUM),
@@ -61,6 +69,8 @@ LLAMACPP = {
     "accepted_per_pos": (("llamacpp:spec_decode_num_accepted_tokens_per_pos_total",), SUM),
     "prompt_tokens": (("llamacpp:prompt_tokens_total",), SUM),
     "prompt_tokens_cached": (("llamacpp:prompt_tokens_cached_total",), SUM),
+    "running": (("llamacpp:requests_processing",), SUM),
+    "waiting": (("llamacpp:requests_deferred",), SUM),
 }
 METRIC_MAPS = {"vllm": VLLM, "sglang": SGLANG, "llama.cpp": LLAMACPP}
 METRIC_PREFIXES = {"vllm:": "vllm", "sglang:": "sglang", "llamacpp:": "llama.cpp"}
@@ -83,6 +93,9 @@ class MetricsReading:
     prompt_tokens_cached: float | None = None
     ttft_sum: float | None = None
     ttft_count: float | None = None
+    running: float | None = None          # gauges: requests being served / queued now
+    waiting: float | None = None
+    preemptions: float | None = None      # counter
 
 
 def parse_samples(text: str) -> list[tuple[str, dict, float]]:
