@@ -154,6 +154,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("dtype", str, "auto", ENGINE, LOAD, "Weights dtype",
             choices={"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"},
             help="auto = bf16 on CUDA; on the CPU the faster of fp32 and bf16, measured once (engine.runtime.cpu_dtype)"),
+    Setting("weight_dtype", str, "auto", ENGINE, LOAD, "Weights as served",
+            choices={"auto": "as stored (a 4-bit GGUF stays 4-bit)", "float": "dequantized (the dtype above)",
+                     "int8": "int8 (per channel)", "int4": "int4 (groups of 32)"},
+            help="auto: a GGUF's Q4_0/Q4_1 tensors run as int4, as stored; every other weight in the dtype above. "
+            "int8 / int4: every linear quantized at load (round-to-nearest), a 4-bit GGUF's tensors kept as stored. "
+            "CPU kernels only in this release (engine.loading.weight_quant)"),
     Setting("max_model_len", int, None, ENGINE, LOAD, "Context length", low=1, optional=True,
             off_text="the model's", help="None: the model's max_position_embeddings"),
     # ---- sampling (the next message) ----

@@ -37,7 +37,7 @@ from engine.scheduler import Scheduler
 from engine.spec.eagle_proposer import EagleProposer
 from engine.spec.policy import SpeculationPolicy
 from engine.spec.spec_decode import DraftModelProposer, NgramProposer, Proposer, check_draft_compatible
-from engine.spec.step_costs import PlainStepClock
+from engine.spec.step_costs import PlainStepClock, weight_bytes_per_token
 from engine.stream import RequestStream
 
 SELF_DRAFT = "self"   # draft with the target itself (acceptance 1.0 in greedy mode; a test fixture)
@@ -70,6 +70,7 @@ class LLMEngine:
         self.tokenizer = target.tokenizer
         self.max_model_len = min(config.max_model_len or target.model.max_positions, target.model.max_positions)
         prepare_model(target.model, device)
+        self.weight_bytes_per_token = weight_bytes_per_token(target.model)    # what one decode step reads
         self.plan: MemoryPlan = plan_memory(config, device, target.model)
         self.runner = ModelRunner(target, config, device, num_blocks=self.plan.num_blocks, progress=progress,
                                   on_settings_changed=self._settings_changed)
@@ -100,7 +101,8 @@ class LLMEngine:
         device = pick_device(config.device)
         dtype = pick_dtype(config.dtype, device)
         target = loader.load_model(model, device=device, dtype=dtype, allow_hub=allow_hub,
-                                   allow_pickle=allow_pickle, max_positions=config.max_model_len, progress=progress)
+                                   allow_pickle=allow_pickle, max_positions=config.max_model_len, progress=progress,
+                                   weight_dtype=config.weight_dtype)
         return cls(target, config, device, progress)
 
     def set_draft_model(self, reference: str | None, progress=None) -> None:
@@ -212,6 +214,8 @@ class LLMEngine:
                 "kv_pool_blocks": self.runner.kv.num_blocks, "kernels": self.runner.use_kernels,
                 "threads": torch.get_num_threads(), "device": str(self.device),
                 "dtype": str(self.runner.model_dtype).removeprefix("torch."),
+                "weight_dtype": self.target_model.weights.summary() if self.target_model.weights else None,
+                "weight_bytes_per_token": self.weight_bytes_per_token,
                 "memory_plan": self.plan.as_dict(), "chat_template": self.has_chat_template,
                 "compile": self.runner.compile_state}
 

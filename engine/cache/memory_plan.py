@@ -122,11 +122,17 @@ def ram_bytes() -> int:
 def weights_bytes(model: torch.nn.Module, shared_with: torch.nn.Module | None = None) -> int:
     """Bytes of the model's parameters, each storage once, and of packed copies held beside a
     plain weight (engine.layers.packed_linear); those of `shared_with` excluded. A packed weight's
-    parameter is a meta tensor of the same shape, which counts its bytes."""
+    parameter is a meta tensor of the same shape, which counts its bytes; a quantized one
+    (engine.layers.quantized_linear) counts its kernel's bytes."""
     def storages(m):
         held = {(id(p) if p.is_meta else p.data_ptr()): p.numel() * p.element_size() for p in m.parameters()}
         held.update({id(x.packed): x.packed.numel() * x.packed.element_size() for x in m.modules()
                      if getattr(x, "packed", None) is not None and not x.weight.is_meta})
+        for x in m.modules():       # a quantized weight: its kernel's bytes, not the meta parameter's
+            if getattr(x, "quant", None) is not None:
+                if x.weight.is_meta:
+                    held.pop(id(x.weight), None)
+                held[id(x.quant.data)] = x.quant.nbytes
         return held
     skip = storages(shared_with) if shared_with is not None else {}
     return sum(n for key, n in storages(model).items() if key not in skip)

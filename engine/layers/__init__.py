@@ -3,5 +3,6 @@
 attention.py           paged attention: the torch reference, and dispatch to engine.kernels
 attention_metadata.py  what a pass tells attention: positions, slots, block tables, mask
 packed_linear.py       linear weights prepacked in oneDNN's layout for CPU inference
+quantized_linear.py    weight-only int4 (grouped) / int8 (per channel) linears on torch's CPU kernels
 sampler.py             greedy / temperature / top-k / top-p with a seeded generator
 """

@@ -32,6 +32,7 @@ import torch
 
 from engine.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from engine.loading.checkpoint import Checkpoint
+from engine.loading.weight_quant import AUTO, FLOAT, WeightReport, serve_weights
 from resources import DRAFTS_DIR
 
 SHIPPED_EAGLE_FOLDER = DRAFTS_DIR / "smollm2-135m-eagle"      # the EAGLE head for the default model
@@ -61,6 +62,7 @@ class LoadedModel:
     folder: Path
     identity: str          # names the exact weights; seeds the prefix-cache keys
     display_name: str
+    weights: "WeightReport | None" = None      # how weight_dtype served the linears
 
 
 def cache_dir() -> Path:
@@ -238,10 +240,11 @@ def identity_of(folder: Path, files: list[Path]) -> str:
 
 def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                allow_hub: bool = False, allow_pickle: bool = False, max_positions: int | None = None,
-               progress: Progress = no_progress) -> LoadedModel:
+               progress: Progress = no_progress, weight_dtype: str = AUTO) -> LoadedModel:
     """Check everything cheap first (config, tokenizer, shard headers, tensor shapes), then
     stream the weights: the model is built on the meta device and each parameter is filled
-    from the memory-mapped checkpoint directly in `dtype` on `device`."""
+    from the memory-mapped checkpoint directly in `dtype` on `device`. Then the linears are
+    served as `weight_dtype` says (engine.loading.weight_quant; `dtype` is the compute dtype)."""
     from engine.models import SUPPORTED_MODEL_TYPES, LlamaFamilyModel
     # A first-time conversion or download reports its own progress, before the weights' share.
     folder = resolve(reference, allow_hub=allow_hub, progress=lambda m, f: progress(m, f * WEIGHTS_START))
@@ -256,9 +259,27 @@ def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.
         model = LlamaFamilyModel(hf_config, max_positions=max_positions)
     check_weights(model, checkpoint, folder / "config.json")
     stream_weights(model, checkpoint, device, dtype, progress)
+    from engine.models.eagle_head import weights_fingerprint
+    model.source_fingerprint = weights_fingerprint(model)      # of the weights as stored, before quantizing
+    weights = serve_weights(model, weight_dtype, torch.device(device), gguf_source(folder, hf_config, weight_dtype))
     name = "SmolLM2-135M-Instruct (embedded)" if reference in (None, "", DEFAULT_MODEL) else Path(str(reference)).name
     progress("model ready", 1.0)
-    return LoadedModel(model.eval(), tokenizer, hf_config, folder, identity_of(folder, checkpoint.files), name)
+    identity = identity_of(folder, checkpoint.files) + weights.identity_tag
+    return LoadedModel(model.eval(), tokenizer, hf_config, folder, identity, name, weights)
+
+
+def gguf_source(folder: Path, hf_config, weight_dtype: str):
+    """The GGUF a converted folder came from, opened for its stored tensors (None for a
+    folder that was not converted, or when every weight is to be dequantized anyway)."""
+    record = folder / "workbench_source.json"
+    if weight_dtype == FLOAT or not record.is_file():
+        return None
+    path = Path(json.loads(record.read_text())["gguf"])
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path}, the GGUF {folder} was converted from, is gone; load it again "
+                                 "or set weight_dtype to 'float' to serve the converted copy")
+    from engine.loading.gguf_tensors import GGUFTensors
+    return GGUFTensors(path, hf_config)
 
 
 @contextmanager

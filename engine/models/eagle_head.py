@@ -92,7 +92,11 @@ def weights_fingerprint(model: LlamaFamilyModel) -> str:
     """A short hash of a sample of the target's weights (every 997th embedding row and the last
     layer's down projection's first row), so a head is never attached to another model of the
     same shape. The rows are rounded to bf16 first, so the same weights loaded in fp32 or bf16,
-    from any path, give the same fingerprint."""
+    from any path, give the same fingerprint; a quantized model keeps the one of its float
+    weights (the loader takes it before quantizing)."""
+    stored = getattr(model, "source_fingerprint", None)     # taken before a quantized load
+    if stored is not None:
+        return stored
     rows = [model.embed_tokens.weight[::997], model.layers[-1].mlp.down_proj.dense_weight()[:1]]
     h = hashlib.sha256()
     for r in rows:

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.cache.kv_cache import CacheShape, KVCache
 from engine.errors import UnsupportedModelError
-from engine.layers import packed_linear
+from engine.layers import packed_linear, quantized_linear
 from engine.layers.attention import AttentionMetadata, attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -28,7 +28,9 @@ class Linear(nn.Module):
     5-token pass cost 1.64 one-token passes). Once the model is packed (`pack`, see
     engine.layers.packed_linear) the weight lives only in oneDNN's layout: the plain parameter
     becomes a meta tensor of the same shape and dtype (so byte counts stay right), and
-    `dense_weight()` gives the values back. Training, autocast and CUDA take F.linear."""
+    `dense_weight()` gives the values back. Training, autocast and CUDA take F.linear.
+    A quantized linear (`quantize`, engine.layers.quantized_linear) holds its weight in an
+    int4/int8 kernel's format instead, with the same meta parameter."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -36,8 +38,13 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.pack_index = -1                    # its place in the model's packed weights
+        self.quant: quantized_linear.QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            x2 = x.reshape(-1, x.shape[-1])
+            y = quantized_linear.linear(x2, self.quant, self.bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
         if self.packed is None and not self._onednn(x):
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, x.shape[-1])
@@ -64,8 +71,23 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
         return self.packed
 
+    def quantize(self, qw: "quantized_linear.QuantizedWeight", keep_plain: bool) -> None:
+        """Serve the weight from `qw`; the plain parameter goes (to meta) unless it is shared."""
+        self.quant = qw
+        if not keep_plain:
+            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+
     def dense_weight(self) -> torch.Tensor:
+        if self.quant is not None and self.weight.is_meta:
+            return quantized_linear.dequantize(self.quant)
         return packed_linear.unpack(self.packed) if self.weight.is_meta else self.weight
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of the weight as it is served (quantized, packed or plain)."""
+        if self.quant is not None:
+            return self.quant.nbytes
+        return self.weight.numel() * self.weight.element_size()
 
 
 class RMSNorm(nn.Module):
@@ -219,7 +241,7 @@ class LlamaFamilyModel(nn.Module):
     def pack_for_cpu(self) -> None:
         """Put every linear weight in oneDNN's layout for CPU inference (engine.layers.packed_linear);
         once, and only for fp32 / bf16 weights on the CPU. The model is then for inference only."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.quant is None]
         if self.packed_weights or not all(packed_linear.packable(m.weight) for m in linears):
             return
         embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}

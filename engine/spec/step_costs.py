@@ -32,12 +32,18 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     once, as the head reads it whole), except the embedding table, of which one row is read."""
     seen, total = set(), 0
     embedding = model.embed_tokens.weight
-    head_is_embedding = getattr(model, "lm_head", None) is not None and model.lm_head.weight is embedding
+    head = getattr(model, "lm_head", None)
+    head_reads_embedding = head is not None and head.weight is embedding and head.quant is None
+    for m in model.modules():           # a quantized linear reads its kernel's bytes
+        if getattr(m, "quant", None) is not None:
+            total += m.quant.nbytes
+            if m.weight.is_meta:        # not a tied embedding, which is still looked up
+                seen.add(id(m.weight))
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        if p is embedding and not head_is_embedding:
+        if p is embedding and not head_reads_embedding:
             total += p.shape[1] * p.element_size()
         else:
             total += p.numel() * p.element_size()

@@ -1,0 +1,126 @@
+"""weight_dtype: a 4-bit GGUF served as stored, int8/int4 quantized at load, their bytes,
+their logits against the dequantized reference, and batch invariance."""
+import pytest
+import torch
+
+from engine import EngineConfig
+from engine.cache.memory_plan import weights_bytes
+from engine.errors import ConfigError
+from engine.layers import quantized_linear
+from engine.loading.loader import load_eagle_head, load_model
+from engine.loading.synthetic import PRESETS, write_checkpoint
+from engine.models.llama import Linear
+from engine.runtime.model_runner import prepare_model
+from tests.conftest import engine_factory, our_logits
+
+
+@pytest.fixture(scope="module")
+def float_default():
+    """The embedded GGUF dequantized (the loader's float path), fp32."""
+    return load_model("default", weight_dtype="float")
+
+
+def test_the_q4_1_gguf_is_served_as_stored_int4(default_model, float_default):
+    report = default_model.weights.as_dict()
+    assert report["served"] == {"Q4_1": "int4 as stored (group 32)", "Q8_0": "float32 (dequantized)"}
+    assert (report["quantized_linears"], report["linears"]) == (120, 121)    # all but the head tied to Q8_0
+    assert float_default.weights.quantized == 0
+    for i in (0, 17, 29):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            ours = default_model.model.layers[i].get_submodule(name)
+            assert ours.quant is not None and ours.weight.is_meta
+            # the kernel's own weights (q/k rows un-permuted as transformers does) are the dequantized file's
+            reference = float_default.model.layers[i].get_submodule(name).weight
+            assert torch.equal(ours.dense_weight(), reference), (i, name)
+
+
+def test_int4_logits_match_the_dequantized_reference(default_model, float_default):
+    ours, reference = our_logits(default_model), our_logits(float_default)
+    assert (ours - reference).abs().max() <= 1e-4 * reference.abs().max()
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+def test_quantized_bytes_are_counted_exactly(default_model, float_default):
+    for loaded in (default_model, float_default):
+        prepare_model(loaded.model, torch.device("cpu"))       # as an engine sets it up
+    c = default_model.hf_config
+    head_dim = c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    shapes = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * c.intermediate_size, c.hidden_size),
+              (c.hidden_size, c.intermediate_size)]
+    fp32 = 4
+    per_layer = sum(out * inp // 2 + (inp // 32) * out * 2 * fp32 for out, inp in shapes)   # nibbles + scale/zero
+    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size * fp32
+    # the Q8_0 embedding in float, and the tied head's packed copy of it beside (engine.layers.packed_linear)
+    embedding = 2 * c.vocab_size * c.hidden_size * fp32
+    assert weights_bytes(default_model.model) == c.num_hidden_layers * per_layer + norms + embedding
+    assert weights_bytes(default_model.model) < 0.6 * weights_bytes(float_default.model)
+    qw = default_model.model.layers[0].mlp.down_proj.quant
+    assert qw.data.dtype == torch.uint8 and qw.data.numel() == c.hidden_size * c.intermediate_size // 2
+
+
+def test_quantized_weights_change_the_prefix_cache_identity(default_model, float_default):
+    assert default_model.identity != float_default.identity
+    assert default_model.identity.startswith(float_default.identity)
+
+
+def test_the_shipped_eagle_head_attaches_to_the_int4_model(default_model):
+    head, _ = load_eagle_head(None, default_model)
+    assert head is not None
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-q"), "tiny", seed=0)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_at_load_close_to_float_and_batch_invariant(tiny_folder, kind):
+    ref = load_model(str(tiny_folder), dtype=torch.bfloat16, weight_dtype="float")
+    loaded = load_model(str(tiny_folder), dtype=torch.bfloat16, weight_dtype=kind)
+    linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
+    assert all(m.quant is not None and m.quant.kind == kind for m in linears)
+    assert loaded.weights.served == {"float": f"{linears[0].quant.describe()} round-to-nearest at load"}
+    cos = torch.nn.functional.cosine_similarity(our_logits(loaded).float(), our_logits(ref).float(), dim=-1)
+    assert cos.min() > (0.99 if kind == "int8" else 0.97)     # random weights: int4 RTN keeps ~0.988
+    # bf16, several requests in one batch: each reply is the one it gets alone
+    make = engine_factory(loaded, 8 * 2**20)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12, 13]]
+    alone = [make().generate_text(p, _greedy(12))[1] for p in prompts]
+    eng = make()
+    ids = [eng.submit(p, _greedy(12)) for p in prompts]
+    out = {i: [] for i in ids}
+    while eng.has_work:
+        for event in eng.step():
+            out[event.request_id].extend(event.token_ids)
+    assert [out[i] for i in ids] == alone
+
+
+def _greedy(n):
+    from engine import SamplingParams
+    return SamplingParams(max_tokens=n, stop_on_eos=False)
+
+
+def test_a_shape_the_int4_kernel_cannot_group_is_served_in_float(tmp_path):
+    preset = {**PRESETS["tiny"], "hidden_size": 48, "head_dim": 12, "intermediate_size": 96}
+    folder = write_checkpoint(tmp_path / "odd", preset)
+    loaded = load_model(str(folder), weight_dtype="int4")
+    served = " ".join(loaded.weights.served.values())
+    assert "not a multiple of the int4 group 32" in served
+    # in_features 48 (q/k/v, o, gate/up, head) cannot; the two down projections (96) can
+    assert loaded.weights.quantized == 2
+    assert all(layer.mlp.down_proj.quant is not None for layer in loaded.model.layers)
+    assert torch.isfinite(our_logits(loaded)).all()
+
+
+def test_a_bad_weight_dtype_is_refused_by_name():
+    with pytest.raises(ConfigError, match="weight_dtype"):
+        EngineConfig(weight_dtype="int3")
+
+
+def test_quantized_rows_do_not_depend_on_the_row_count():
+    w = torch.randn(96, 64)
+    for qw in (quantized_linear.quantize_int4(w, torch.bfloat16), quantized_linear.quantize_int8(w, torch.bfloat16)):
+        assert quantized_linear.check_rows([qw]) is None
+        err = (quantized_linear.dequantize(qw).float() - w).abs().max()
+        assert err < (0.15 if qw.kind == "int4" else 0.02) * w.abs().max()
