@@ -24,7 +24,7 @@ from engine.metrics import RUN_FIGURES
 from engine.workload import WORKLOAD_SETTINGS, Workload
 
 PLOT_ROW_MIN_HEIGHT = 210       # px per row of plots: axis titles, ticks and a title row all fit
-CONTROLS_WIDTH = 330
+CONTROLS_WIDTH = 345
 REFRESH_MS = 200
 CURRENT = "(current settings)"
 TITLE_STYLE = {"size": "10pt"}
@@ -145,7 +145,8 @@ class LoadPanel(QWidget):
         self.graphics.setBackground("w")
         self.requests_plot = self._plot(0, 0, "Requests", "requests",
                                         (("running", "running"), ("waiting", "waiting")))
-        self.kv_plot = self._plot(0, 1, "KV cache", "MiB", (("kv_used", "held"), ("capacity", "pool capacity")))
+        self.kv_plot = self._plot(0, 1, "KV cache", "MiB (log scale)", (("kv_used", "held"), ("capacity", "pool capacity")))
+        self.kv_plot.setLogMode(y=True)       # a few MiB held of a pool of hundreds: both readable
         self.throughput_plot = self._plot(0, 2, f"Output throughput (last {_window()})", "tok/s",
                                           (("throughput", "output tok/s"),))
         self.ttft_plot = self._plot(1, 0, f"TTFT (last {_window()})", "ms", (("p50", "p50"), ("p99", "p99")))
@@ -209,15 +210,19 @@ class LoadPanel(QWidget):
                              ("ttft_p50", "ttft_p50_ms"), ("ttft_p99", "ttft_p99_ms"), ("itl_p50", "itl_p50_ms"),
                              ("itl_p99", "itl_p99_ms"), ("preemptions", "preemptions_total")):
             self.curves[name].setData(t, h.series(column), connect="finite")
-        for plot, columns in ((self.requests_plot, ("running", "waiting")), (self.kv_plot, ("kv_capacity_mib",)),
-                              (self.throughput_plot, ("output_tok_s",)), (self.ttft_plot, ("ttft_p99_ms",)),
+        for plot, columns in ((self.requests_plot, ("running", "waiting")), (self.throughput_plot, ("output_tok_s",)), (self.ttft_plot, ("ttft_p99_ms",)),
                               (self.itl_plot, ("itl_p99_ms",)), (self.preemption_plot, ("preemptions_total",))):
             top = max((float(np.nanmax(h.series(c), initial=0)) for c in columns), default=0)
             plot.setYRange(0, max(top, 1.0) * 1.08, padding=0)
         if len(t):
-            used, capacity, share = (h.series(c)[-1] for c in ("kv_used_mib", "kv_capacity_mib", "kv_usage_pct"))
-            self.kv_plot.setTitle(_title_with_legend(f"KV cache: {used:.1f} of {capacity:.0f} MiB ({share:.0f}%)",
-                                                     self.kv_plot.legend_entries))
+            used, capacity, share = (h.series(c) for c in ("kv_used_mib", "kv_capacity_mib", "kv_usage_pct"))
+            peak = int(np.nanargmax(used)) if np.isfinite(used).any() else -1
+            self.kv_plot.setTitle(_title_with_legend(
+                f"KV cache: peak {used[peak]:.1f} of {capacity[peak]:.0f} MiB ({share[peak]:.1f}% of blocks)",
+                self.kv_plot.legend_entries))
+            held = used[used > 0]
+            low = float(held.min()) / 2 if len(held) else float(np.nanmax(capacity)) / 1000
+            self.kv_plot.setYRange(np.log10(low), np.log10(float(np.nanmax(capacity)) * 2), padding=0)
             self.progress.setValue(int(round(h.progress * 1000)))
         self._refresh_markers()
         self.refresh_results()

@@ -2,6 +2,8 @@
 
     QT_QPA_PLATFORM=offscreen python -m app.screenshot [--out docs/screenshot.png]
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --remote [--out docs/screenshot-remote.png]
+    QT_QPA_PLATFORM=offscreen python -m app.screenshot --laptop [--out docs/screenshot-1366x768.png]
+    QT_QPA_PLATFORM=offscreen python -m app.screenshot --load [--out docs/screenshot-load.png]
 
 The default mode chats with the default model, turning optimizations on between replies (so
 the plots show markers and their effect), then grabs the window while the last reply
@@ -18,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
 from app.__main__ import build
@@ -41,6 +44,9 @@ REMOTE_SCRIPT = ("What is a roux, and what is it used for?", "And how does a bé
 REMOTE_MAX_TOKENS = 96
 REMOTE_MODEL_NAME = "SmolLM2-135M-Instruct"     # what the server calls it (--alias), not its file path
 WINDOW_SIZE = (1600, 1000)        # the README pictures: a desktop-sized window
+LAPTOP_SIZE = (1366, 768)
+LOAD_WORKLOAD = {"num_prompts": 16, "max_concurrency": 4, "output_len": 32, "request_rate": None}
+LOAD_DOCK_SHARE = 0.68            # --load: the load panel's plots and its table both in view
 
 
 def wait_until(predicate, timeout_s: float = 600) -> None:
@@ -59,13 +65,18 @@ def apply(panel, changes: dict) -> None:
         combo.setCurrentIndex(combo.findData(value))
 
 
-def run(out: Path, remote: bool = False) -> None:
+def run(out: Path, remote: bool = False, mode: str = "chat") -> None:
     app = QApplication.instance() or QApplication([])
     app.setStyleSheet(style_sheet())
     with tempfile.TemporaryDirectory() as config:
         workbench = build(store=ProfileStore(config), start=not remote)     # attached: no local model
         try:
-            (chat_with_server_and_grab if remote else chat_and_grab)(workbench, out)
+            if remote:
+                chat_with_server_and_grab(workbench, out)
+            elif mode == "load":
+                serve_and_grab(workbench, out)
+            else:
+                chat_and_grab(workbench, out, LAPTOP_SIZE if mode == "laptop" else WINDOW_SIZE)
         finally:
             workbench.controller.stop()
             workbench.shutdown()
@@ -83,8 +94,8 @@ def warm_up(workbench) -> None:
     workbench.history.clear()
 
 
-def show(window) -> None:
-    window.resize(*WINDOW_SIZE)
+def show(window, size=WINDOW_SIZE) -> None:
+    window.resize(*size)
     window.size_docks()
     window.show()
 
@@ -96,9 +107,9 @@ def grab(window, out: Path) -> None:
     window.grab().save(str(out), "PNG")
 
 
-def chat_and_grab(workbench, out: Path) -> None:
+def chat_and_grab(workbench, out: Path, size=WINDOW_SIZE) -> None:
     window, controller = workbench.window, workbench.controller
-    show(window)
+    show(window, size)
     wait_until(lambda: controller.model_ready)
     warm_up(workbench)
     window.settings.widget("max_tokens").setValue(48)
@@ -111,6 +122,35 @@ def chat_and_grab(workbench, out: Path) -> None:
             wait_until(lambda: controller.request_id is None)
     # Mid-reply: the last answer is still streaming when the picture is taken.
     wait_until(lambda: len("".join(controller.reply_parts)) >= CHARACTERS_BEFORE_GRAB or controller.request_id is None)
+    grab(window, out)
+
+
+def serve_and_grab(workbench, out: Path) -> None:
+    window, controller, load = workbench.window, workbench.controller, workbench.load
+    show(window)
+    window.load_dock.raise_()
+    window.resizeDocks([window.load_dock], [int(WINDOW_SIZE[1] * LOAD_DOCK_SHARE)], Qt.Orientation.Vertical)
+    wait_until(lambda: controller.model_ready)
+    warm_up(workbench)
+    panel = window.load_panel
+    for key, value in LOAD_WORKLOAD.items():
+        panel.controls[key].set_value(value)
+    panel.start_button.click()
+    wait_until(lambda: load.history.progress >= 0.5 or not load.running)
+    apply(window.settings, {"proposer": "ngram"})          # live, mid-run: a marker on every plot
+    wait_until(lambda: not load.running)
+    apply(window.settings, {"proposer": "off"})
+    panel.profile_a.setCurrentText("baseline")
+    panel.profile_b.setCurrentText("all_optimizations")
+    panel.ab_button.click()
+    wait_until(lambda: load.running)
+    wait_until(lambda: not load.running)
+    if window.error_text() or len(load.history.rows) != 3:
+        raise RuntimeError(f"the load runs failed: {window.error_text()}")
+    panel.table.selectRow(1)
+    panel.table.selectRow(2)
+    QApplication.processEvents()
+    panel.refresh()
     grab(window, out)
 
 
@@ -135,9 +175,13 @@ def chat_with_server_and_grab(workbench, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--remote", action="store_true", help="attached to a llama-server started for the picture")
-    parser.add_argument("--out", type=Path, help="default: docs/screenshot.png, or docs/screenshot-remote.png")
+    parser.add_argument("--laptop", action="store_true", help="the chat session in a 1366x768 window")
+    parser.add_argument("--load", action="store_true", help="a load run and an A/B with the results table")
+    parser.add_argument("--out", type=Path, help="default: docs/screenshot.png, -remote, -1366x768 or -load.png")
     args = parser.parse_args()
-    run(args.out or Path("docs/screenshot-remote.png" if args.remote else "docs/screenshot.png"), args.remote)
+    mode = "load" if args.load else "laptop" if args.laptop else "chat"
+    default = {"chat": "screenshot.png", "laptop": "screenshot-1366x768.png", "load": "screenshot-load.png"}[mode]
+    run(args.out or Path("docs") / ("screenshot-remote.png" if args.remote else default), args.remote, mode)
 
 
 if __name__ == "__main__":
