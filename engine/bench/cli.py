@@ -2,7 +2,8 @@
 the scenario registry. The scenarios themselves live beside it (scenarios.py: parity,
 prefix, kv, memory, decode, speculative; kernels.py, load.py, peer.py, gpu.py).
 
-Scenarios: parity, prefix, kv, memory, decode, speculative, kernels, load, peer, gpu-check,
+Scenarios: parity, prefix, kv, memory, decode, speculative, kernels, load, peer, gpu-check, quality
+(engine.bench.quality: what --weight-dtype costs in perplexity and greedy agreement),
 serve (many requests at once: engine.bench.serve; with --backend URL against a server:
 engine.bench.serve_remote), all. Each prints one JSON object with --json (field names are a
 contract: scripts read them) and exits 0 when it ran; an error it can name (an unreachable
@@ -20,9 +21,11 @@ import torch
 
 from engine.bench.gpu import bench_gpu_check
 from engine.bench.peer import bench_peer
+from engine.bench.quality import bench_quality
 from engine.bench import serve, serve_remote
 from engine.bench.scenarios import (BUILTIN_SHAPES, bench_decode, bench_kv, bench_memory, bench_parity, bench_prefix,
                                     bench_speculative)
+from engine.config import BY_KEY
 from engine.errors import WorkbenchError
 from engine.loading.synthetic import PRESETS
 
@@ -43,7 +46,8 @@ def bench_serve(args) -> dict:
 
 SCENARIOS = {"parity": bench_parity, "prefix": bench_prefix, "kv": bench_kv, "memory": bench_memory,
              "decode": bench_decode, "speculative": bench_speculative, "kernels": bench_kernels,
-             "load": bench_load, "peer": bench_peer, "gpu-check": bench_gpu_check, "serve": bench_serve}
+             "load": bench_load, "peer": bench_peer, "gpu-check": bench_gpu_check, "serve": bench_serve,
+             "quality": bench_quality}
 
 
 def main(argv=None) -> int:
@@ -55,6 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: each scenario's own)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="weights dtype (default: each scenario's own)")
+    ap.add_argument("--weight-dtype", default=None, choices=list(BY_KEY["weight_dtype"].choices),
+                    help="weights as served (the weight_dtype setting; default: each scenario's own, the engine's "
+                    "auto for most; parity and kv: float, the weights transformers reads); quality: the one to judge")
     ap.add_argument("--synthetic", default=None, choices=sorted(PRESETS),
                     help="load: a random-weight checkpoint of this architecture, written once to the user cache")
     ap.add_argument("--compile", default="auto", choices=["off", "on", "auto"],

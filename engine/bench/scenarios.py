@@ -31,10 +31,11 @@ BUILTIN_SHAPES = {   # (layers, attention heads, kv heads, head_dim)
 
 
 def _engine(args, **config):
-    """The scenario's engine on --model; --device and --dtype, when given, win over the
-    scenario's own choice."""
+    """The scenario's engine on --model; --device, --dtype and --weight-dtype, when given, win
+    over the scenario's own choice."""
     from engine import EngineConfig, LLMEngine
-    config.update({key: value for key, value in (("device", args.device), ("dtype", args.dtype)) if value})
+    given = (("device", args.device), ("dtype", args.dtype), ("weight_dtype", getattr(args, "weight_dtype", None)))
+    config.update({key: value for key, value in given if value})
     return LLMEngine.load(args.model, EngineConfig(**config), progress=_progress)
 
 
@@ -56,7 +57,9 @@ def _hf_model(eng, dtype: torch.dtype | None = None):
 # ---- parity --------------------------------------------------------------------
 def bench_parity(args) -> dict:
     from engine import SamplingParams
-    eng = _engine(args, dtype="float32", device="cpu", kv_cache_bytes=HF_BESIDE_POOL_BYTES, compile=args.compile)
+    # transformers reads a GGUF dequantized: so do we, unless --weight-dtype says otherwise
+    eng = _engine(args, dtype="float32", device="cpu", kv_cache_bytes=HF_BESIDE_POOL_BYTES, compile=args.compile,
+                  weight_dtype="float")
     hf = _hf_model(eng)
     prompts, tokens = CHAT_PROMPTS[:args.prompts], args.tokens
     identical, max_diff = True, 0.0
@@ -125,7 +128,8 @@ def bench_kv(args) -> dict:
     from engine import EngineConfig
     from engine.cache.kv_cache import FP8_DTYPE
     from engine.runtime.model_runner import ModelRunner
-    eng = _engine(args, dtype="float32", device="cpu", num_blocks=1)    # runners below hold the caches
+    # the weights as stored, dequantized (the cache's loss alone); runners below hold the caches
+    eng = _engine(args, dtype="float32", device="cpu", num_blocks=1, weight_dtype="float")
     ids = eng.tokenizer.encode(held_out_text(), add_special_tokens=False)[:args.eval_tokens + 1]
     shape = eng.runner.kv.shape
     result = {"model": eng.target_model.display_name, "model_dtype_name": _dtype(eng), "device": str(eng.device),
@@ -236,6 +240,11 @@ def bench_decode(args) -> dict:
     other_name = "float32" if eng.runner.model_dtype != torch.float32 else "bfloat16"
     other = _engine(argparse.Namespace(**{**vars(args), "dtype": other_name}), enable_prefix_caching=False,
                     kv_cache_bytes=HF_BESIDE_POOL_BYTES, compile=args.compile)
+    # Quantized weights: the same model with its weights dequantized to bf16, beside
+    quantized = eng.target_model.weights is not None and eng.target_model.weights.quantized > 0
+    bf16 = (_engine(argparse.Namespace(**{**vars(args), "dtype": "bfloat16", "weight_dtype": "float"}),
+                    enable_prefix_caching=False, kv_cache_bytes=HF_BESIDE_POOL_BYTES, compile=args.compile)
+            if quantized else None)
     ids = eng.encode(chat(CHAT_PROMPTS[1]))
     n = args.tokens
 
@@ -255,10 +264,14 @@ def bench_decode(args) -> dict:
         return (fn(n) - fn(1)) / (n - 1)
 
     ours(4), ours(4, other), theirs(baseline, 4)       # warm-up (and compile, if on)
-    runs = {"ours": [], "ours_other_dtype": [], "hf": [], "hf_same_dtype": []}
+    if bf16 is not None:
+        ours(4, bf16)
+    runs = {"ours": [], "ours_other_dtype": [], "hf": [], "hf_same_dtype": [], "bf16": []}
     for _ in range(args.repeats):                      # interleaved, so drift hits all alike
         runs["ours"].append(per_token(ours))
         runs["ours_other_dtype"].append(per_token(lambda t: ours(t, other)))
+        if bf16 is not None:
+            runs["bf16"].append(per_token(lambda t: ours(t, bf16)))
         runs["hf"].append(per_token(lambda t: theirs(baseline, t)))
         if same_dtype is not None:
             runs["hf_same_dtype"].append(per_token(lambda t: theirs(same_dtype, t)))
@@ -276,7 +289,10 @@ def bench_decode(args) -> dict:
             "dtype_probe_s": cpu_dtype.measure() if eng.device.type == "cpu" else None,
             "compile_s": dict(compiled.compile_seconds) if compiled else {},     # per KV dtype
             "tokens": n, "repeats": args.repeats, "threads": torch.get_num_threads(),
-            "device": str(eng.device), "dtype": _dtype(eng), "baseline": "transformers generate, float32"}
+            "device": str(eng.device), "dtype": _dtype(eng), "baseline": "transformers generate, float32",
+            "weight_dtype": eng.settings()["weight_dtype"],
+            "bf16_tok_s": tok_s.get("bf16"),
+            "speedup_vs_bf16": tok_s["ours"] / tok_s["bf16"] if "bf16" in tok_s else None}
 
 
 # ---- speculative decoding ------------------------------------------------------------
