@@ -334,9 +334,12 @@ def probe(client: httpx.Client, url: str, path: str) -> httpx.Response:
 
 
 def new_client(url: str, api_key_env: str | None, verify: bool | str) -> httpx.Client:
-    """The HTTP client for one server (its caller closes it); TLS verified unless told otherwise."""
+    """The HTTP client for one server (its caller closes it); TLS verified unless told otherwise.
+    No cap on its connections: httpx's default of 100 would hold the 101st of many concurrent
+    streams (engine.remote.concurrent_streams) in the client, and count the wait as TTFT."""
     return httpx.Client(base_url=url, headers=_auth_headers(api_key_env), verify=verify,
-                        timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+                        timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
+                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
 
 def _auth_headers(api_key_env: str | None) -> dict:
