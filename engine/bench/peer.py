@@ -6,9 +6,10 @@ one run. Speculation uses the target as its own draft on both sides (local: draf
 server: `-md <same gguf> --spec-type draft-simple --spec-draft-n-max k`), so acceptance is
 high and the figures show what verification costs. Prefix caching is off on both sides
 (every prompt starts with the same chat template, which would otherwise be served from
-cache). Precision differs and is reported: the local engine dequantizes the GGUF to its
-weights dtype (`auto`: bf16 on a CPU where it reads faster); llama.cpp computes on the stored
-quantized weights.
+cache). Precision is reported (`local_precision`): the local engine computes in its dtype
+(`auto`: bf16 on a CPU where it reads faster) and, by weight_dtype `auto`, serves a 4-bit
+GGUF's tensors as stored (others dequantized); llama.cpp computes on the stored quantized
+weights.
 
 TTFT: median over prompts, measured by the client from submission to the first token.
 tok/s: decode tokens / decode time over all prompts (engine.metrics). Each measured pass
@@ -78,7 +79,7 @@ def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k:
                            "threads": local_info["threads"]}
     return {"model": gguf.name, "load_avg_1min": {"start": load_start, "end": os.getloadavg()[0]}, "prompts": len(prompts), "tokens": tokens, "k": k,
             "draft": "the target itself (same GGUF)", "server": server_info,
-            "local_precision": f"{local_info['dtype']} (GGUF dequantized by our loader)",
+            "local_precision": local_info["precision"],
             "server_precision": f"{_quant_type(gguf)} as stored in the GGUF (llama.cpp CPU kernels)",
             **_fields("local", local), **_fields("server", server)}
 
@@ -114,7 +115,7 @@ def _local(gguf: Path, prompts, tokens: int, k: int) -> tuple[dict, dict]:
     for mode in MODES:
         engine.reconfigure(proposer="draft" if mode == "spec" else "off", num_speculative_tokens=k)
         results[mode] = _measured(lambda prompt: engine.generate_text(prompt, params)[2], prompts)
-    info = {"dtype": engine.settings()["dtype"], "threads": torch.get_num_threads()}
+    info = {"precision": _local_precision(engine), "threads": torch.get_num_threads()}
     return results, info
 
 
@@ -135,6 +136,13 @@ def _last_summary(backend, prompt, params):
     for event in backend.generate(prompt, params):
         summary = event.summary or summary
     return summary
+
+
+def _local_precision(engine) -> str:
+    """The compute dtype and how the weights are served (weight_dtype auto: a 4-bit GGUF's
+    tensors as stored, engine.loading.weight_quant)."""
+    settings = engine.settings()
+    return f"{settings['dtype']}; weights: {settings.get('weight_dtype') or 'dequantized by our loader'}"
 
 
 def _gguf_path(model: str | None) -> Path:
@@ -178,7 +186,7 @@ def run_peer_sweep(model: str | None, prompts: int, tokens: int, levels: list[in
         rows.append(_sweep_row(level, len(chats), local, server))
     return {"model": gguf.name, "load_avg_1min": {"start": load_start, "end": os.getloadavg()[0]},
             "tokens": tokens, "threads": threads, "server": server_info,
-            "local_precision": f"{engine.settings()['dtype']} (GGUF dequantized by our loader)",
+            "local_precision": _local_precision(engine),
             "server_precision": f"{_quant_type(gguf)} as stored in the GGUF (llama.cpp CPU kernels)",
             "sweep": rows}
 
