@@ -5,6 +5,7 @@ loader.py      resolve a reference (local folder, GGUF, hub id on request, the e
                default) and stream its weights into engine.models
 checkpoint.py  a checkpoint on disk: which file holds each tensor, read one at a time
 gguf_tensors.py  a GGUF's tensors as stored: their types, and 4-bit blocks as int4 groups
+awq_gptq.py    a safetensors AWQ/GPTQ checkpoint's packed int4 linears, as int4 groups or dequantized
 weight_quant.py  the weight_dtype setting: which linears are served quantized, from what
 synthetic.py   random-weight checkpoints of real architectures, for tests and benches
 """

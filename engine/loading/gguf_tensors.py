@@ -44,6 +44,9 @@ class GGUFTensors:
         t = self._tensor(hf_name)
         return None if t is None else t.tensor_type.name
 
+    def int4_group(self, in_features: int) -> int:
+        return BLOCK
+
     def int4_groups(self, hf_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [out, in] uint8 0..15, scale, zero [out, in / 32] float32) with
         w = (q - 8) * scale + zero, rows in transformers' order."""

@@ -6,7 +6,8 @@ A reference is one of:
   - a path to a local HF folder (config.json + *.safetensors; *.bin only if allow_pickle);
   - a path to a .gguf file (converted once, like the default);
   - a hub id ("org/name"), only when allow_hub is set by the user.
-Weights are safetensors or GGUF; `trust_remote_code` is never used.
+Weights are safetensors or GGUF; `trust_remote_code` is never used. A safetensors folder may
+hold AWQ or GPTQ int4 linears (engine.loading.awq_gptq), served as stored or dequantized.
 
 Loading checks everything cheap first (config.json, the shard headers, the tokenizer, every
 tensor's shape against the config), so a broken checkpoint fails in a second with a
@@ -31,8 +32,9 @@ from typing import Callable
 import torch
 
 from engine.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
+from engine.loading.awq_gptq import AWQGPTQTensors, read_quantization_config
 from engine.loading.checkpoint import Checkpoint
-from engine.loading.weight_quant import AUTO, FLOAT, WeightReport, serve_weights
+from engine.loading.weight_quant import AUTO, FLOAT, WeightReport, serve_weights, served_as_stored
 from resources import DRAFTS_DIR
 
 SHIPPED_EAGLE_FOLDER = DRAFTS_DIR / "smollm2-135m-eagle"      # the EAGLE head for the default model
@@ -195,23 +197,30 @@ def load_tokenizer(folder: Path):
                               "from the model's original folder") from exc
 
 
-def check_weights(model, checkpoint: Checkpoint, config_path: Path) -> None:
-    """Every tensor the model needs is in the checkpoint with the shape config.json implies,
-    and the checkpoint holds no model weights the config does not describe."""
+def check_weights(model, checkpoint: Checkpoint, config_path: Path, quantized: AWQGPTQTensors | None = None) -> None:
+    """Every tensor the model needs is in the checkpoint with the shape config.json implies
+    (an AWQ/GPTQ linear's packed tensors with theirs), and the checkpoint holds no model
+    weights the config does not describe."""
     used = set()
     for source in model.weight_sources():
         for name, shape in source.parts:
             found = _name_in(checkpoint, name)
+            if found is None and quantized is not None and quantized.type_of(name):
+                used.update(_check_packed(checkpoint, quantized, name, shape, config_path))
+                continue
             if found is None:
-                raise CheckpointError(f"{checkpoint.folder}: tensor {name} is missing from "
-                                      f"{', '.join(f.name for f in checkpoint.files)}; the checkpoint is "
-                                      "incomplete: download or copy it again")
+                packed = _name_in(checkpoint, name.removesuffix(".weight") + ".qweight")
+                raise CheckpointError(
+                    f"{checkpoint.folder}: tensor {name} is missing from {', '.join(f.name for f in checkpoint.files)}; "
+                    + (f"the folder holds {packed} (an AWQ/GPTQ checkpoint) but {config_path} has no "
+                       "quantization_config: copy the model's config.json again" if packed else
+                       "the checkpoint is incomplete: download or copy it again"))
             if checkpoint.shape(found) != shape:
                 raise CheckpointError(f"{checkpoint.file_of(found)}: tensor {found} has shape "
                                       f"{list(checkpoint.shape(found))} but {config_path} implies {list(shape)}; "
                                       "the weights and config.json belong to different models")
             used.add(found)
-    extra = [n for n in checkpoint.tensors if n not in used and not _ignored(n, model.config)]
+    extra = [n for n in checkpoint.tensors if n not in used and not _ignored(n, model.config, quantized)]
     if extra:
         raise CheckpointError(f"{checkpoint.file_of(extra[0])} holds {len(extra)} tensors {config_path} does not "
                               f"describe (e.g. {extra[0]}); the weights and config.json belong to different models")
@@ -225,9 +234,31 @@ def _name_in(checkpoint: Checkpoint, name: str) -> str | None:
     return None
 
 
-def _ignored(name: str, config) -> bool:
+def _check_packed(checkpoint: Checkpoint, quantized: AWQGPTQTensors, name: str, shape, config_path: Path) -> list[str]:
+    """The packed tensors of the quantized linear `name` are there with the shapes its
+    [out, in] implies; returns their names."""
+    base, found = name.removesuffix(".weight"), []
+    for suffix, expected in quantized.expected_shapes(name, shape).items():
+        tensor = _name_in(checkpoint, base + suffix)
+        if tensor is None and suffix == ".g_idx":       # optional: the trivial i // group
+            continue
+        if tensor is None:
+            raise CheckpointError(f"{checkpoint.folder}: tensor {base + suffix} of the {quantized.config.method} linear "
+                                  f"{base} is missing; the checkpoint is incomplete: download or copy it again")
+        if checkpoint.shape(tensor) != expected:
+            raise CheckpointError(f"{checkpoint.file_of(tensor)}: tensor {tensor} has shape {list(checkpoint.shape(tensor))} "
+                                  f"but {config_path} implies {list(expected)} ({quantized.config.method} int4, group "
+                                  f"{quantized.int4_group(shape[1])}); the weights and config.json belong to different models")
+        found.append(tensor)
+    quantized.check_g_idx(name, shape[1])
+    return found
+
+
+def _ignored(name: str, config, quantized: AWQGPTQTensors | None = None) -> bool:
     tied_head = name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False)
-    return tied_head or "rotary_emb" in name
+    # AutoGPTQ writes a (zero) bias for every quantized linear; vLLM skips those the model lacks too
+    packed_bias = quantized is not None and name.endswith(".bias") and quantized.type_of(name[:-5] + ".weight")
+    return tied_head or bool(packed_bias) or "rotary_emb" in name
 
 
 def identity_of(folder: Path, files: list[Path]) -> str:
@@ -254,18 +285,42 @@ def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.
             f"{folder.name}: model type {hf_config.model_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     checkpoint = Checkpoint.open(folder, allow_pickle)
+    quantized = awq_gptq_source(folder, checkpoint)
     tokenizer = load_tokenizer(folder)
     with torch.device("meta"), no_random_init():
         model = LlamaFamilyModel(hf_config, max_positions=max_positions)
-    check_weights(model, checkpoint, folder / "config.json")
-    stream_weights(model, checkpoint, device, dtype, progress)
-    from engine.models.eagle_head import weights_fingerprint
-    model.source_fingerprint = weights_fingerprint(model)      # of the weights as stored, before quantizing
-    weights = serve_weights(model, weight_dtype, torch.device(device), gguf_source(folder, hf_config, weight_dtype))
+    check_weights(model, checkpoint, folder / "config.json", quantized)
+    as_stored = served_as_stored(model, weight_dtype, torch.device(device), quantized) if quantized else set()
+    stream_weights(model, checkpoint, device, dtype, progress, quantized, as_stored)
+    model.source_fingerprint = stored_fingerprint(model, quantized)     # of the weights as stored, before quantizing
+    weights = serve_weights(model, weight_dtype, torch.device(device),
+                            quantized or gguf_source(folder, hf_config, weight_dtype))
     name = "SmolLM2-135M-Instruct (embedded)" if reference in (None, "", DEFAULT_MODEL) else Path(str(reference)).name
     progress("model ready", 1.0)
     identity = identity_of(folder, checkpoint.files) + weights.identity_tag
     return LoadedModel(model.eval(), tokenizer, hf_config, folder, identity, name, weights)
+
+
+def awq_gptq_source(folder: Path, checkpoint: Checkpoint) -> AWQGPTQTensors | None:
+    """The folder's AWQ/GPTQ linears (None for a float checkpoint)."""
+    config = read_quantization_config(folder, read_config_json(folder))
+    return None if config is None else AWQGPTQTensors(checkpoint, config, lambda name: _name_in(checkpoint, name))
+
+
+def stored_fingerprint(model, quantized: AWQGPTQTensors | None) -> str:
+    """weights_fingerprint of the weights as stored; a down projection that is never read in
+    float (served as stored) is dequantized for it, exactly, as weight_dtype float loads it."""
+    from engine.models.eagle_head import weights_fingerprint
+    down = model.layers[-1].mlp.down_proj
+    if not down.weight.is_meta:
+        return weights_fingerprint(model)
+    saved = down.weight
+    down.weight = torch.nn.Parameter(quantized.dequantized(f"model.layers.{len(model.layers) - 1}.mlp.down_proj.weight"),
+                                     requires_grad=False)
+    try:
+        return weights_fingerprint(model)
+    finally:
+        down.weight = saved
 
 
 def gguf_source(folder: Path, hf_config, weight_dtype: str):
@@ -300,18 +355,29 @@ def no_random_init():
 _INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_")      # what nn.Embedding and nn.Linear call
 
 
-def stream_weights(model, checkpoint: Checkpoint, device, dtype: torch.dtype, progress: Progress = no_progress) -> None:
-    """Fill the meta-built model tensor by tensor; progress per tensor, by bytes read."""
-    sources = model.weight_sources()
-    total = sum(checkpoint.nbytes(_name_in(checkpoint, n)) for s in sources for n, _ in s.parts) or 1
+def stream_weights(model, checkpoint: Checkpoint, device, dtype: torch.dtype, progress: Progress = no_progress,
+                   quantized: AWQGPTQTensors | None = None, skip: set[str] = frozenset()) -> None:
+    """Fill the meta-built model tensor by tensor; progress per tensor, by bytes read. An
+    AWQ/GPTQ linear is dequantized as it is read, unless `skip` leaves it to serve_weights."""
+    def is_packed(name: str) -> bool:
+        return quantized is not None and quantized.type_of(name) is not None
+
+    def nbytes(name: str) -> int:
+        names = quantized.names(name) if is_packed(name) else [_name_in(checkpoint, name)]
+        return sum(checkpoint.nbytes(n) for n in names)
+
+    def read(name: str) -> torch.Tensor:
+        return quantized.dequantized(name) if is_packed(name) else checkpoint.read(_name_in(checkpoint, name))
+
+    total = sum(nbytes(n) for s in model.weight_sources() for n, _ in s.parts) or 1
     done = 0
 
     def on_loaded(source) -> None:
         nonlocal done
-        done += sum(checkpoint.nbytes(_name_in(checkpoint, n)) for n, _ in source.parts)
+        done += sum(nbytes(n) for n, _ in source.parts)
         progress(f"loading weights: {source.param}", WEIGHTS_START + (WEIGHTS_END - WEIGHTS_START) * done / total)
 
-    model.load_weights(lambda name: checkpoint.read(_name_in(checkpoint, name)), device, dtype, on_loaded)
+    model.load_weights(read, device, dtype, on_loaded, skip)
 
 
 def load_draft(reference, target: LoadedModel, device="cpu", dtype=torch.float32,

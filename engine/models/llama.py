@@ -328,12 +328,18 @@ class LlamaFamilyModel(nn.Module):
         return attn.q_size, attn.kv_size, attn.kv_size
 
     def load_weights(self, read: Callable[[str], torch.Tensor], device, dtype: torch.dtype,
-                     on_loaded: Callable[["WeightSource"], None] = lambda source: None) -> None:
+                     on_loaded: Callable[["WeightSource"], None] = lambda source: None,
+                     skip: frozenset[str] | set[str] = frozenset()) -> None:
         """Fill every parameter of a model built on the meta device, one at a time, directly
         in `dtype` on `device`. `read(name)` gives one checkpoint tensor on the CPU (e.g. a
-        view of a memory-mapped file); it is dropped once copied. RoPE tables stay fp32."""
+        view of a memory-mapped file); it is dropped once copied. RoPE tables stay fp32.
+        The parameters in `skip` stay on the meta device: their values come in another form
+        (an AWQ/GPTQ linear's int4 groups, engine.loading.weight_quant)."""
         for source in self.weight_sources():
-            value = fill_parameter(source, read, torch.device(device), dtype)
+            if source.param in skip:
+                value = torch.empty(source.rows_shape, dtype=dtype, device="meta")
+            else:
+                value = fill_parameter(source, read, torch.device(device), dtype)
             module, _, attr = source.param.rpartition(".")
             setattr(self.get_submodule(module), attr, nn.Parameter(value))
             on_loaded(source)
