@@ -36,6 +36,9 @@ from engine.stream import RequestStream
 from engine.workload import Workload, WorkloadRun, make_jobs
 
 log = logging.getLogger(__name__)
+# The GUI thread's torch thread count when this module was imported: the default the headless
+# engine runs with (or what the user set before starting the app).
+MAIN_THREAD_TORCH_THREADS = torch.get_num_threads()
 IDLE, LOADING, GENERATING, LOADING_DRAFT = "", "loading", "generating", "loading draft"
 # What failed (the first argument of `failed`): the controller reacts by kind, not by text.
 LOAD_MODEL, LOAD_DRAFT, CHANGE_SETTINGS, GENERATE = "load model", "load draft", "change settings", "generate"
@@ -135,7 +138,7 @@ class EngineWorker(QObject):
         if self.request is not None:
             self._close_request("cancelled")
         self.busyChanged.emit(LOADING)
-        leave_a_core_for_the_gui()
+        use_engine_threads()
         try:
             # The draft loads separately so a bad draft never costs the user the target.
             engine = LLMEngine.load(reference, config.with_changes(draft_model=None), progress=self.loadProgress.emit)
@@ -143,11 +146,23 @@ class EngineWorker(QObject):
             self._fail(LOAD_MODEL, f"Loading model {reference!r}", exc)
         else:
             self._replace_engine(engine)
-            self.modelLoaded.emit({"name": engine.target_model.display_name, "reference": reference,
-                                   "settings": engine.settings()})
             if config.draft_model:
                 self._load_draft(config.draft_model)
+            self._warm_compiled_step()
+            self.modelLoaded.emit({"name": engine.target_model.display_name, "reference": reference,
+                                   "settings": engine.settings()})
         self.busyChanged.emit(IDLE)
+
+    def _warm_compiled_step(self) -> None:
+        """With `compile` on, compile the step now, with progress, so that no reply times a
+        compile (engine.LLMEngine.warm_compiled_step); a failure leaves the engine eager and
+        settings() says why."""
+        if not isinstance(self.engine, LLMEngine) or self.engine.has_work:
+            return
+        try:
+            self.engine.warm_compiled_step()
+        except Exception as exc:                  # noqa: BLE001
+            self._fail(LOAD_MODEL, "Compiling the decode step", exc)
 
     @Slot(str, str, str)
     def _connect_server(self, url: str, model: str, api_key_env: str) -> None:
@@ -217,6 +232,8 @@ class EngineWorker(QObject):
             self._fail(CHANGE_SETTINGS, "Changing settings", exc)
             self.settingsChanged.emit(self.engine.settings(), {}, {})
         else:
+            if {"compile", "kv_cache_dtype", "block_size"} & set(result.applied):   # a graph to build
+                self._warm_compiled_step()
             self.settingsChanged.emit(self.engine.settings(), result.applied, result.deferred)
 
     @Slot()
@@ -438,17 +455,17 @@ class LoadTest:
                  "stopped": self.stopped, "ab": len(self.arms) > 1} for i in sorted(self.pooled)]
 
 
-def leave_a_core_for_the_gui() -> None:
-    """PyTorch's CPU pool takes every core by default and its threads spin while they wait.
-    On a small machine that starves the GUI thread, and when the cores are oversubscribed
-    it slows the forward pass itself many times over (measured on 2 shared cores: 0.7 s per
-    step with 2 threads, 0.035 s with 1). Keep one core for the window, unless the user
-    already chose fewer threads (OMP_NUM_THREADS / torch.set_num_threads). Called on the
-    worker thread: the setting is per thread (OpenMP), so it touches nothing else. The
-    count in use is shown under "In effect"."""
-    cores = os.cpu_count() or 1
-    if cores > 1 and torch.get_num_threads() >= cores:
-        torch.set_num_threads(cores - 1)
+def use_engine_threads() -> None:
+    """Run the engine with the torch threads the headless engine gets (torch's default, or
+    fewer where the user chose them: OMP_NUM_THREADS, or torch.set_num_threads before the
+    worker starts), so the app measures what `python -m engine.bench` measures (app.fidelity
+    checks it). An earlier version kept a core for the window; on 2 cores that halved decode
+    speed against the bench. Called on the worker thread, where the setting is per thread
+    (OpenMP): it makes the worker's count the process's own. The count is under "In effect"."""
+    wanted = os.environ.get("OMP_NUM_THREADS")
+    chosen = int(wanted) if wanted and wanted.isdigit() and int(wanted) > 0 else MAIN_THREAD_TORCH_THREADS
+    if torch.get_num_threads() != chosen:
+        torch.set_num_threads(chosen)
 
 
 class ServerModelLister(QObject):

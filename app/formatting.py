@@ -77,7 +77,7 @@ def message_stats(summary: dict | None, finish_reason: str | None, settings: dic
     if not summary:
         return "stopped before the first token" if finish_reason == "cancelled" else "no reply"
     parts = [f"TTFT {summary['ttft_s'] * 1000:.0f} ms",
-             f"decode {summary['decode_tok_s']:.1f} tok/s",
+             f"decode {summary['decode_tok_s']:.1f} tok/s" + _compile_note(summary),
              f"{summary['generated_tokens']} tokens"]
     if summary.get("acceptance_rate") is not None:
         parts.append(f"acceptance {summary['acceptance_rate'] * 100:.0f}% "
@@ -94,6 +94,12 @@ def message_stats(summary: dict | None, finish_reason: str | None, settings: dic
     if finish_reason in ("cancelled", "length"):
         parts.append("stopped" if finish_reason == "cancelled" else "max tokens reached")
     return " · ".join(parts)
+
+
+def _compile_note(summary: dict) -> str:
+    """A reply whose step compiled says how long that took, left out of its decode speed."""
+    seconds = summary.get("compile_s") or 0.0
+    return f" (a {seconds:.1f} s compile not counted)" if seconds else ""
 
 
 def describe_speedup(report: dict) -> str:

@@ -80,7 +80,8 @@ class MetricsHistory:
     STEP_COLUMNS = ("session_step", "request", "step", "time_s", "step_time_s", "tokens", "proposed", "accepted",
                     "acceptance", "running_acceptance", "tok_s", "running_tok_s", "kv_used_mib",
                     "kv_capacity_mib", "kv_usage", "is_fp8", "prefix_hit_tokens", "prompt_tokens", "generated_tokens",
-                    "ttft_s", "speedup_measured", "speedup_predicted", "break_even_alpha")
+                    "ttft_s", "speedup_measured", "speedup_predicted", "break_even_alpha", "compile_s",
+                    "compile_tok_s")
     REQUEST_COLUMNS = ("request", "session_step", "ttft_ms", "prefix_hit_tokens", "prompt_tokens",
                        "generated_tokens", "decode_tok_s", "acceptance_rate", "mean_accepted_len")
 
@@ -185,6 +186,9 @@ class MetricsHistory:
                "running_acceptance": _nan_if_none(running["acceptance_rate"]),
                "tok_s": _nan_if_none(event["step_tok_s"]) if tokens else np.nan,   # no token (a stream's end): no speed
                "running_tok_s": running["decode_tok_s"] if running["decode_tokens"] else np.nan,
+               # A step that compiled: marked on the decode plot, left out of its speed figures.
+               "compile_s": event.get("compile_s") or 0.0,
+               "compile_tok_s": tokens / event["step_time_s"] if event.get("compile_s") and tokens else np.nan,
                "kv_used_mib": used / MIB, "kv_capacity_mib": capacity / MIB,
                "kv_usage": _kv_usage(event),
                "is_fp8": float((event["kv_dtype"] or "").startswith("fp8")),

@@ -189,9 +189,13 @@ class PlotsPanel(QWidget):
     def _build_decode(self) -> None:
         p = self.decode_plot = self._new_plot(1, 0, "Decode speed", "decode speed (tok/s)", "session step")
         p.setTitle(_title_with_legend("Decode speed", (("●", C["tok_s"], "per step"),
-                                                       ("━", C["running_tok_s"], "running (this reply)"))))
+                                                       ("━", C["running_tok_s"], "running (this reply)"),
+                                                       ("✕", C["compile"], "compiling (not counted)"))))
         self.decode_points = p.plot(pen=None, symbol="o", symbolSize=4, symbolBrush=C["tok_s"], symbolPen=None,
                                     name="per step")
+        # A step whose pass compiled the step graph: shown, but left out of every speed figure.
+        self.decode_compile_points = p.plot(pen=None, symbol="x", symbolSize=9, symbolBrush=C["compile"],
+                                            symbolPen=C["compile"], name="compiling (not counted)")
         self.decode_running = p.plot(pen=_pen("running_tok_s"), name="running (this reply)")
 
     # ---- refresh ---------------------------------------------------------------
@@ -215,6 +219,7 @@ class PlotsPanel(QWidget):
         self._refresh_ttft()
         tok_s = h.step_series("tok_s")
         _set_finite(self.decode_points, x, tok_s)
+        _set_finite(self.decode_compile_points, x, h.step_series("compile_tok_s"))
         _set_runs(self.decode_running, x, h.step_series("running_tok_s"), requests)
         self.decode_plot.setYRange(0, max(1.0, float(np.nanmax(tok_s, initial=0))) * DATA_HEADROOM, padding=0)
         self._refresh_verdict()

@@ -31,6 +31,7 @@ PLOT_COLOURS = {
     "tok_s": "#8c959f",
     "running_tok_s": "#cf222e",
     "marker": "#9a6700",
+    "compile": "#9a6700",       # a decode step that compiled (not counted in decode speed)
 }
 # The load panel's series.
 LOAD_COLOURS = {

@@ -342,10 +342,11 @@ class LLMEngine:
         t_pass = time.perf_counter()
         results = self._forward(work)
         pass_s = time.perf_counter() - t_pass
+        compile_s = sum(r.take_compile_s() for r in self.runners())     # drafting's compile included
         stepped = []
         for w, (logits, hidden) in zip(work, results):
             start = w.item.seq.num_computed - len(w.item.tokens)
-            event = w.request.finish_pass(start, w.item.tokens, logits, hidden, w.proposal, pass_s)
+            event = w.request.finish_pass(start, w.item.tokens, logits, hidden, w.proposal, pass_s, compile_s)
             if event is not None:
                 stepped.append(event)
                 if w.drafts:
@@ -359,6 +360,15 @@ class LLMEngine:
         if len(work) == 1 and work[0].decode and work[0].max_drafts == 0:
             self.plain_steps.record(self.plain_step_key(), step.step_s)
         return events + stepped
+
+    def warm_compiled_step(self) -> float:
+        """Compile the decode and verify step now (the target's, and the draft's) instead of at
+        the first reply that needs it, reporting through the engine's progress; from inductor's
+        disk cache this takes seconds, cold about a minute on a small CPU. Returns the seconds
+        spent compiling (0.0: the step is eager, or compiled already). Call it when idle."""
+        if self.has_work:
+            raise ConfigError("the compiled step can be warmed only between requests")
+        return sum(runner.warm_compiled() for runner in self.runners())
 
     def _forward(self, work: list["_Work"]) -> list[tuple]:
         """One pass over every scheduled token: eager and batch-invariant. With `compile = on`,

@@ -7,7 +7,10 @@ show is derived here, and only here:
 - per-position acceptance = P(draft token i accepted | tokens < i accepted)
 - alpha per attempted token = accepted / attempted positions (the i.i.d. model's alpha)
 - TTFT = submission -> first generated token available
-- decode speed = generated tokens after the first / decode wall time (TTFT excluded)
+- decode speed = generated tokens after the first / decode wall time (TTFT excluded), over
+  the steps that did not compile: a step whose pass compiled the step graph (compile_s > 0)
+  is marked and kept out, tokens and time, so a first reply does not report a compile as
+  decode time (TPOT and ITL stay wall time)
 - ITL = the time between a request's consecutive events (a speculative step's tokens arrive
   together, as in vLLM's streamed chunks); TPOT = (E2EL - TTFT) / (output tokens - 1);
   E2EL = submission -> last token; queue time = submission -> first scheduled
@@ -181,6 +184,7 @@ class StepEvent:
     speculation: dict | None = None     # speculation_report of the request so far, once it speculated
     request_id: int | None = None       # which request advanced (LLMEngine.submit's id)
     engine_step: dict | None = None     # the engine step that produced it (EngineStep.as_dict)
+    compile_s: float = 0.0              # seconds of this step spent compiling (0.0: none); kept out of decode speed
 
     @property
     def num_tokens(self) -> int:
@@ -207,7 +211,8 @@ class StepEvent:
         data["text_delta"] = self.text_delta
         data["step_acceptance"] = ratio(self.accepted, self.proposed)
         data["num_tokens"] = self.num_tokens
-        data["step_tok_s"] = ratio(self.num_tokens, self.step_time_s) if self.is_decode and self.tokens_known else None
+        timed = self.is_decode and self.tokens_known and not self.compile_s   # a compiling step has no speed
+        data["step_tok_s"] = ratio(self.num_tokens, self.step_time_s) if timed else None
         data["summary"] = self.summary.as_dict() if self.summary is not None else None
         return data
 
@@ -230,6 +235,8 @@ class RequestStats:
     e2e_s: float | None = None            # submission -> last event
     preemptions: int = 0
     itl_s: list[float] = field(default_factory=list)    # gaps between its events after the first
+    compile_s: float = 0.0            # wall time of its decode steps that compiled (kept out of decode speed)
+    compile_tokens: int = 0           # tokens those steps emitted
 
     def record_step(self, event: StepEvent) -> None:
         self.generated_tokens = event.generated_tokens
@@ -241,6 +248,9 @@ class RequestStats:
         self.target_passes = plus(self.target_passes, event.target_passes)
         self.decode_tokens += event.num_tokens
         self.decode_time_s += event.step_time_s
+        if event.compile_s:
+            self.compile_s += event.step_time_s
+            self.compile_tokens += event.num_tokens
         self.proposed += event.proposed
         self.accepted += event.accepted
         self.draft_time_s = plus(self.draft_time_s, event.draft_time_s)
@@ -249,7 +259,8 @@ class RequestStats:
 
     @property
     def decode_tok_s(self) -> float:
-        return ratio(self.decode_tokens, self.decode_time_s) or 0.0
+        """Decode tokens / decode wall time, the steps that compiled left out (both sides)."""
+        return ratio(self.decode_tokens - self.compile_tokens, plus(self.decode_time_s, -self.compile_s)) or 0.0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -287,12 +298,13 @@ class RequestStats:
                 "alpha": self.positions.alpha(),
                 "draft_time_s": self.draft_time_s, "target_time_s": self.target_time_s,
                 "queue_time_s": self.queue_time_s, "e2e_s": self.e2e_s, "tpot_s": self.tpot_s,
-                "preemptions": self.preemptions}
+                "preemptions": self.preemptions, "compile_s": self.compile_s, "compile_tokens": self.compile_tokens}
 
 
 # RequestStats' additive counters (its positions add up apart, by PositionCounts.merge).
 COUNTERS = ("prompt_tokens", "prefix_hit_tokens", "generated_tokens", "ttft_s", "decode_tokens",
-            "decode_time_s", "target_passes", "proposed", "accepted", "draft_time_s", "target_time_s")
+            "decode_time_s", "target_passes", "proposed", "accepted", "draft_time_s", "target_time_s",
+            "compile_s", "compile_tokens")
 
 
 def combined(stats: list[RequestStats]) -> RequestStats:

@@ -65,6 +65,7 @@ class Request:
         self.cancelled = threading.Event()     # set from any thread; seen at the next step
         self.t_submit = time.perf_counter()
         self.t_last_event = self.t_submit
+        self.step_compile_s = 0.0              # compiling since the last event (finish_pass)
         self.events: deque[StepEvent] | None = None    # kept for a RequestStream, if one reads it
         self._settings_version = -1            # the first event carries the settings
 
@@ -154,9 +155,12 @@ class Request:
 
     # ---- after the pass ------------------------------------------------------------
     def finish_pass(self, start: int, fed: list[int], logits: torch.Tensor, hidden: torch.Tensor,
-                    proposal: Proposal | None, pass_s: float) -> StepEvent | None:
+                    proposal: Proposal | None, pass_s: float, compile_s: float = 0.0) -> StepEvent | None:
         """Its rows of a pass that fed `fed` at positions start..: settle the tokens, commit
-        the blocks, and return its event (None: a prefill chunk that does not end the prompt)."""
+        the blocks, and return its event (None: a prefill chunk that does not end the prompt).
+        compile_s: seconds of the step spent compiling (the event carries them; the step is
+        then kept out of decode speed)."""
+        self.step_compile_s += compile_s
         runner = self.engine.runner
         self.last_pass = (start, hidden)
         for p in self.proposers.values():
@@ -208,8 +212,9 @@ class Request:
             prefix_hit_tokens=stats.prefix_hit_tokens, prompt_tokens=self.prompt_len,
             generated_tokens=stats.generated_tokens + len(tokens),
             ttft_s=(now - self.t_submit) if first else None, finished=reason is not None,
-            finish_reason=reason, settings=self._settings_if_changed(), request_id=self.request_id)
-        self.t_last_event = now
+            finish_reason=reason, settings=self._settings_if_changed(), request_id=self.request_id,
+            compile_s=self.step_compile_s)
+        self.t_last_event, self.step_compile_s = now, 0.0
         stats.record_step(event)
         event.running = stats.as_dict()
         if stats.proposed:

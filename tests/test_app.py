@@ -250,10 +250,10 @@ def test_the_default_model_loads_with_progress_then_streams_an_answer(open_workb
     panel, chat = bench.window.settings, bench.window.chat
     assert "SmolLM2" in panel.model_label.text()
     assert chat.send_button.isEnabled() and not chat.stop_button.isEnabled()
-    # "In effect" says what the engine runs with, down to the torch threads (one core is
-    # left for the window).
+    # "In effect" says what the engine runs with, down to the torch threads (the headless
+    # engine's count: test_the_engine_runs_with_the_headless_thread_count).
     settings = bench.controller.effective
-    assert 1 <= settings["threads"] <= max(1, (os.cpu_count() or 1) - 1)
+    assert settings["threads"] >= 1
     effective = panel.effective_label.text()
     assert f"<b>Runs on</b>: {settings['device']}, {settings['dtype']} weights, {settings['threads']} torch thread" \
         in effective
@@ -612,6 +612,29 @@ def test_the_gui_thread_never_runs_the_engine(tiny_bench, qtbot, monkeypatch, st
     assert gui_updates and set(gui_updates) == {threading.main_thread()}
 
 
+def test_the_engine_runs_with_the_headless_thread_count(open_workbench, tiny_profile, monkeypatch, tmp_path):
+    """The app's engine gets the torch threads a script's engine gets (the main thread's
+    default), not one fewer; OMP_NUM_THREADS, the user's choice, still wins."""
+    import torch
+    default = torch.get_num_threads()
+    assert open_workbench(tiny_profile()).controller.effective["threads"] == default
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    chosen = open_workbench(tiny_profile(), store=ProfileStore(tmp_path / "fewer"))
+    assert chosen.controller.effective["threads"] == 1
+
+
+def test_compile_on_builds_the_step_at_load_so_the_first_reply_times_no_compile(open_workbench, tiny_profile, qtbot):
+    bench = open_workbench(tiny_profile(compile="on", max_tokens=6))
+    messages = [m for m, _ in bench.progress_log]
+    assert any("compiling the decode and verify step" in m for m in messages)      # at load, with progress
+    assert bench.controller.effective["compile"] == "on"
+    steps = collect(bench.probe.stepReady)
+    send(bench, qtbot, "Hello!")
+    decode = [s for s in steps if s["ttft_s"] is None]
+    assert decode and all(s["compile_s"] == 0 for s in decode) and all(s["step_tok_s"] for s in decode)
+    assert "compile not counted" not in bench.window.chat.transcript.toPlainText()
+
+
 # ---- the metrics history behind the plots (no Qt needed) -----------------------------------
 class FakeRequest:
     """Step events as the worker emits them, without a model: real StepEvents with their
@@ -622,21 +645,40 @@ class FakeRequest:
         self.stats = RequestStats(prompt_tokens=10)
         self.kv_dtype = None        # from the settings last sent (a step sends them only on a change)
 
-    def step(self, step: int, settings: dict | None = None, proposed: int = 0, accepted: int = 0) -> dict:
+    def step(self, step: int, settings: dict | None = None, proposed: int = 0, accepted: int = 0,
+             step_time_s: float = 0.05, compile_s: float = 0.0) -> dict:
         from engine.metrics import ACCEPTED, BONUS, RESAMPLED, TARGET, StepEvent
         kinds = [ACCEPTED] * accepted + [BONUS if accepted == proposed else RESAMPLED] if proposed else [TARGET]
         self.kv_dtype = settings["kv_cache_dtype"] if settings else self.kv_dtype
         event = StepEvent(
             step=step, token_ids=[1] * len(kinds), token_kinds=kinds, pieces=[("x" * len(kinds), TARGET)],
-            time_s=0.1 * (step + 1), step_time_s=0.05, target_time_s=0.04, draft_time_s=0.01 if proposed else 0.0,
+            time_s=0.1 * (step + 1), step_time_s=step_time_s, target_time_s=0.04, draft_time_s=0.01 if proposed else 0.0,
             target_passes=1, proposed=proposed, accepted=accepted,
             accepted_per_position=[True] * accepted + ([False] if accepted < proposed else []),
             kv_bytes_used=2**20, kv_bytes_capacity=2**29, kv_bytes_per_token=2**10, kv_dtype=self.kv_dtype,
             prefix_hit_tokens=0, prompt_tokens=10, generated_tokens=self.stats.generated_tokens + len(kinds),
-            ttft_s=0.2 if step == 0 else None, settings=settings)
+            ttft_s=0.2 if step == 0 else None, settings=settings, compile_s=compile_s)
         self.stats.record_step(event)
         event.running = self.stats.as_dict()
         return event.as_dict()
+
+
+def test_a_compiling_step_is_marked_on_the_decode_plot_and_left_out_of_the_running_line():
+    import numpy as np
+    from app.formatting import message_stats
+    from app.metrics_history import MetricsHistory
+    history, reply = MetricsHistory(), FakeRequest()
+    history.record_step(reply.step(0, {"kv_cache_dtype": "float32"}))
+    history.record_step(reply.step(1, step_time_s=40.0, compile_s=39.9))        # compiled mid-reply
+    for i in range(2, 6):
+        history.record_step(reply.step(i))                                     # 0.05 s a token
+    tok_s, marked = history.step_series("tok_s"), history.step_series("compile_tok_s")
+    assert np.isnan(tok_s[1]) and marked[1] == pytest.approx(1 / 40.0)         # a marker, not a speed point
+    assert np.isnan(marked[[0, 2, 3, 4, 5]]).all() and tok_s[2:] == pytest.approx([20.0] * 4)
+    assert history.step_series("running_tok_s")[2:] == pytest.approx([20.0] * 4)    # the compile is not in it
+    assert list(history.step_series("compile_s")) == [0.0, 39.9, 0.0, 0.0, 0.0, 0.0]
+    line = message_stats(reply.stats.as_dict(), "length")
+    assert "decode 20.0 tok/s (a 40.0 s compile not counted)" in line
 
 
 def test_history_marks_setting_changes_and_resets_per_position_on_new_speculation():

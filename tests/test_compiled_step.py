@@ -105,3 +105,49 @@ def test_a_block_table_padded_to_buckets_gives_the_same_tokens(make_tiny_engine)
     bucketed.runner.compiled.table_bucket = 8
     assert -(-(len(prompt) + GREEDY.max_tokens) // bucketed.config.block_size) < 8
     assert bucketed.generate_text(prompt, GREEDY)[1] == plain.generate_text(prompt, GREEDY)[1]
+
+
+# ---- a compile is never timed as decoding ---------------------------------------------------
+def test_a_step_that_compiles_is_marked_and_left_out_of_decode_speed(make_tiny_engine):
+    eng = make_tiny_engine(compile="on")
+    events = list(eng.generate([1, 2, 3, 4], SamplingParams(max_tokens=6, stop_on_eos=False)))
+    decode = [e for e in events if e.is_decode]
+    assert decode[0].compile_s > 0                        # the first decode step compiled the graph
+    assert all(e.compile_s == 0 for e in decode[1:])       # and no other step did
+    assert decode[0].as_dict()["step_tok_s"] is None       # a compiling step has no speed of its own
+    summary = events[-1].summary
+    assert summary.compile_s == decode[0].step_time_s and summary.compile_tokens == decode[0].num_tokens
+    timed = decode[1:]
+    assert summary.decode_tok_s == pytest.approx(sum(e.num_tokens for e in timed) / sum(e.step_time_s for e in timed))
+    assert summary.tpot_s == pytest.approx(summary.decode_time_s / (summary.generated_tokens - 1))  # wall time
+
+
+def test_warming_compiles_now_so_that_no_reply_step_compiles(make_tiny_engine):
+    eng = make_tiny_engine(compile="on", enable_prefix_caching=True)
+    messages = []
+    eng.progress = eng.runner.progress = eng.runner.compiled.progress = lambda m, f: messages.append((m, f))
+    assert eng.warm_compiled_step() > 0
+    assert [f for _, f in messages] == [0.0, 1.0] and "compiling" in messages[0][0]
+    assert eng.runner.blocks.num_used_blocks == 0 and eng.warm_compiled_step() == 0.0      # nothing left, once
+    events = list(eng.generate([1, 2, 3, 4], SamplingParams(max_tokens=6, stop_on_eos=False)))
+    assert all(e.compile_s == 0 for e in events) and events[-1].summary.compile_s == 0
+    assert make_tiny_engine(compile="off").warm_compiled_step() == 0.0        # eager: nothing to build
+
+
+def test_decode_speed_leaves_out_compiling_steps():
+    """engine.metrics' formula on made-up steps: 10 timed tokens in 1 s; a 30 s compile of 1 token."""
+    from engine.metrics import RequestStats, StepEvent, combined
+
+    def step(seconds, tokens=1, compile_s=0.0, ttft=None):
+        return StepEvent(step=0, token_ids=[7] * tokens, token_kinds=["target"] * tokens, pieces=[], time_s=0.0,
+                         step_time_s=seconds, target_time_s=seconds, draft_time_s=0.0, target_passes=1,
+                         proposed=0, accepted=0, accepted_per_position=[], kv_bytes_used=0, kv_bytes_capacity=0,
+                         kv_bytes_per_token=0, kv_dtype="float32", prefix_hit_tokens=0, prompt_tokens=4,
+                         generated_tokens=0, ttft_s=ttft, compile_s=compile_s)
+    stats = RequestStats()
+    for event in [step(0.2, ttft=0.2), step(30.0, compile_s=29.9)] + [step(0.1)] * 10:
+        stats.record_step(event)
+    assert stats.decode_tok_s == pytest.approx(10.0)
+    assert (stats.compile_s, stats.compile_tokens, stats.decode_tokens) == (30.0, 1, 11)
+    assert combined([stats, stats]).decode_tok_s == pytest.approx(10.0)
+    assert RequestStats.from_plain(stats.to_plain()).decode_tok_s == pytest.approx(10.0)

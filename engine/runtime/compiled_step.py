@@ -17,8 +17,14 @@ that fails (compiling, or CUDA graph capture) hands over to it with the reason i
 Measured on the 2-core CPU (SmolLM2-135M, bf16, 2 threads, one run): eager about 38 tok/s,
 compiled 41-48 (noisy machine); compiling takes 57-60 s on a cold cache and 8-10 s from the
 disk cache. 73 % of a compiled step is oneDNN's matrix-vector products, which read bf16
-weights at 15-22 GB/s here. fp32 gains about 1.1x from compiling, not worth the wait, so
-`auto` compiles bf16/fp16 weights on the CPU and everything on CUDA.
+weights at 15-22 GB/s here. fp32 gains about 1.1x from compiling. `auto` compiles on
+CUDA only: on the CPU the compiled step serves one request at a time and rounds unlike the
+batched pass (batch invariance), so `on` asks for it there.
+
+A compile is built before it is timed: the app warms the step at load (ModelRunner.warm_compiled,
+with progress), and a call that compiles anyway (a new KV dtype, a recompile) is counted in
+`untaken_compile_s`, which the engine puts on the step's event (`compile_s`) so that
+engine.metrics keeps the step out of decode speed.
 """
 from __future__ import annotations
 
@@ -81,6 +87,9 @@ class CompiledStep:
         self.compiled_counts: set[int] = set()       # token counts already run compiled (this process)
         # Seconds of the first call per KV dtype: the compiles (a new KV dtype compiles again).
         self.compile_seconds: dict[str, float] = {}
+        # Seconds of the calls that compiled (a first call, or a recompile dynamo made), not yet
+        # taken by take_compile_s: the engine marks the step and keeps it out of decode speed.
+        self.untaken_compile_s = 0.0
         self.table_bucket = TABLE_BUCKET_BLOCKS.get(device.type, 1)
         self._dynamic_pool = lambda: None            # weakref to the pool whose block dimension is marked
 
@@ -124,14 +133,29 @@ class CompiledStep:
         if first:
             self.progress("compiling the decode and verify step (about a minute the first time on a small "
                           "CPU; seconds from the disk cache)…", 0.0)
+        graphs_before = compiled_graphs()
         t0 = time.perf_counter()
         packed_linear.use(self.model.packed_weights)
         (logits, hidden), new_kv = self._compiled(ids_t, kv, positions, slots, table, mask, "all")
         # Written after the graph, all layers at once; the repeated row of a decode step is not.
         write_kv(kv.all_layers, tuple(None if x is None else x[:, :n] for x in new_kv), slots[:n])
         self.compiled_counts.add(n)
+        if first or compiled_graphs() != graphs_before:
+            self.untaken_compile_s += time.perf_counter() - t0
         if first:
             self.compile_seconds[dtype] = time.perf_counter() - t0
             self.progress(f"compiled the decode and verify step in {self.compile_seconds[dtype]:.0f} s", 1.0)
         keep = 1 if logits_for == "last" else logits_for
         return logits[n - keep:n], hidden[:n]
+
+    def take_compile_s(self) -> float:
+        """Seconds spent in calls that compiled since the last time this was asked."""
+        seconds, self.untaken_compile_s = self.untaken_compile_s, 0.0
+        return seconds
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process (it counts a graph served from inductor's
+    disk cache too: dynamo still traces it)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]

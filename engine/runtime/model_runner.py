@@ -84,6 +84,25 @@ class ModelRunner:
         elif self.compiled is None or self.compiled.block_size != self.kv.block_size:
             self.compiled = compiled_step.CompiledStep(self.model, self.kv.block_size, self.device, self.progress)
 
+    def warm_compiled(self) -> float:
+        """Run the compiled step once on a scratch one-token sequence, so that it compiles now
+        (reporting through `progress`) and not inside a timed reply. Returns the seconds that
+        call spent compiling (0.0: eager, or compiled already). Nothing is left behind: the
+        scratch blocks are freed without entering the prefix cache."""
+        if self.compiled is None:
+            return 0.0
+        seq = self.start([0])
+        try:
+            self.forward(seq, [0], logits_for=1)
+        finally:
+            self.end(seq)
+        return self.take_compile_s()
+
+    def take_compile_s(self) -> float:
+        """Seconds this runner's passes spent compiling since last asked (engine.metrics keeps
+        a step that compiled out of decode speed)."""
+        return self.compiled.take_compile_s() if self.compiled is not None else 0.0
+
     def _compile_failed(self, error: Exception) -> None:
         """The compiled step is a pure function of the pool (its K/V are written after the
         graph), so a failed call left nothing behind: the pass is simply run eagerly."""
