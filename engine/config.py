@@ -120,7 +120,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ngram_max", int, 4, ENGINE, LIVE, "N-gram max", low=1, high=16, group=SPECULATION_GROUP),
     # ---- KV cache ----
     Setting("kv_cache_dtype", str, "auto", ENGINE, NEXT_REQUEST, "Cache dtype",
-            choices={"auto": "Model dtype (auto)", "fp8_e4m3": "FP8 E4M3", "bfloat16": "bfloat16",
+            choices={"auto": "Model dtype (auto)", "fp8_e4m3": "FP8 E4M3",
+                     "fp8_e4m3_hadamard": "FP8 E4M3, Hadamard-rotated", "bfloat16": "bfloat16",
                      "float16": "float16", "float32": "float32"}, group=CACHE_GROUP, rebuilds_pool=True),
     Setting("block_size", int, 16, ENGINE, NEXT_REQUEST, "Block size", choices={b: str(b) for b in BLOCK_SIZES},
             help="tokens per KV block; prefix caching reuses whole blocks", group=CACHE_GROUP, rebuilds_pool=True),

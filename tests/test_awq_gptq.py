@@ -120,6 +120,9 @@ def test_awq_and_gptq_are_served_as_stored_int4_and_match_the_reference(checkpoi
     float_reads = []
     dequantized = AWQGPTQTensors.dequantized
     monkeypatch.setattr(AWQGPTQTensors, "dequantized", lambda self, name: float_reads.append(name) or dequantized(self, name))
+    # fp32, to compare bit for bit; auto serves int4 only where the kernel is fast (bf16 here),
+    # so let it take fp32 for this test
+    monkeypatch.setattr(quantized_linear, "FAST_DTYPES", (torch.bfloat16, torch.float32))
     loaded = load_model(str(folder), weight_dtype="auto")
     # no float detour: only the fingerprint's down projection is ever dequantized
     assert float_reads == ["model.layers.1.mlp.down_proj.weight"]
@@ -220,3 +223,11 @@ def test_group_128_maps_exactly_onto_the_int4_kernel(tmp_path, layout):
     assert qw.group_size == 128
     assert torch.equal(quantized_linear.dequantize(qw), reference)
     assert torch.equal(tensors.dequantized(f"{base}.weight"), reference)
+
+
+def test_auto_in_float32_dequantizes_and_says_why(checkpoints):
+    folder, reference = checkpoints
+    loaded = load_model(str(folder), weight_dtype="auto")                 # fp32
+    method = "AWQ" if folder.name == "awq" else "GPTQ"
+    assert loaded.weights.quantized == 0 and "no fast float32 path" in loaded.weights.served[method]
+    assert torch.equal(our_logits(loaded), our_logits(reference))

@@ -14,6 +14,8 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -47,7 +49,7 @@ def poisoned_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 
 
 def clone_cache(c: LayerCache) -> LayerCache:
-    return LayerCache(*(None if t is None else t.clone() for t in (c.k, c.v, c.k_scale, c.v_scale)))
+    return LayerCache(*(None if t is None else t.clone() for t in (c.k, c.v, c.k_scale, c.v_scale)), c.rotated)
 
 
 def assert_caches_identical(a: LayerCache, b: LayerCache) -> None:
@@ -185,14 +187,14 @@ def test_decode_attention_bf16_queries(fp8):
 
 # --------------------------------------------------------------------------- dispatch
 
-def run_both(cache_dtype, cached, new, group=4, num_kv_heads=2, head_dim=64, block_size=4):
+def run_both(cache_dtype, cached, new, group=4, num_kv_heads=2, head_dim=64, block_size=4, rotated=False):
     """One forward step of `new` tokens after `cached` ones, through the kernels and through
     the reference, on identical NaN-poisoned caches: (out, ref_out, cache, ref_cache)."""
     torch.manual_seed(2)
     ctx = cached + new
     table = torch.tensor([9, 2, 14, 5, 11, 0, 7, 3, 12, 6, 1])[: -(-ctx // block_size)]
     slots = table[torch.arange(ctx) // block_size] * block_size + torch.arange(ctx) % block_size
-    cache = poisoned_cache(16, block_size, num_kv_heads, head_dim, cache_dtype)
+    cache = dataclasses.replace(poisoned_cache(16, block_size, num_kv_heads, head_dim, cache_dtype), rotated=rotated)
     if cached:   # the prefix-cache hit: these tokens' K/V are already in the pool
         prefix_k, prefix_v = torch.randn(2, cached, num_kv_heads, head_dim)
         store_kv(cache, prefix_k, prefix_v, slots[:cached])
@@ -302,3 +304,12 @@ def test_engine_forward_with_kernels_matches_the_torch_path(tmp_path):
         logits.append(runner.forward(seq, ids[13:], logits_for="all"))
         outs.append(torch.cat(logits))
     assert (outs[0] - outs[1]).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("cached,new", [(40, 1), (37, 6), (8, 22)])
+def test_the_rotated_fp8_cache_gives_the_same_through_the_kernels(cached, new):
+    """kv_cache_dtype fp8_e4m3_hadamard: attention rotates q, k, v on the way in and the output
+    on the way out, so the kernels and the torch path store the same bytes and agree."""
+    out, ref, cache, ref_cache = run_both(FP8_DTYPE, cached, new, rotated=True)
+    torch.testing.assert_close(out, ref, atol=FP8_TOL, rtol=FP8_TOL)
+    assert_caches_identical(cache, ref_cache)

@@ -130,12 +130,15 @@ def tiny_prompts(tiny_model):
     return [question, question + eng.generate_text(question, GREEDY)[1] + question]
 
 
+KV_SCHEMES = ("auto", "fp8_e4m3", "fp8_e4m3_hadamard")
+
+
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_model, tiny_prompts):
     """Target-only greedy outputs, per KV dtype and compile setting (FP8 and the compiled
     step's summation order change the numbers, so compare like with like)."""
     return {(kv, compile): [_tiny_engine(tiny_model, kv, compile).generate_text(p, GREEDY)[1] for p in tiny_prompts]
-            for kv in ("auto", "fp8_e4m3") for compile in ("off", "on")}
+            for kv in KV_SCHEMES for compile in ("off", "on")}
 
 
 def _no_blocks_in_use(eng) -> bool:
@@ -143,7 +146,7 @@ def _no_blocks_in_use(eng) -> bool:
 
 
 @pytest.mark.parametrize("proposer,kv,prefix,compile",
-                         list(itertools.product(["ngram", "draft"], ["auto", "fp8_e4m3"], [True, False], ["off", "on"])))
+                         list(itertools.product(["ngram", "draft"], KV_SCHEMES, [True, False], ["off", "on"])))
 def test_greedy_speculation_is_token_identical(make_tiny_engine, tiny_prompts, tiny_reference, proposer, kv, prefix,
                                                compile):
     eng = make_tiny_engine(kv_cache_dtype=kv, enable_prefix_caching=prefix, compile=compile)

@@ -139,13 +139,16 @@ def bench_kv(args) -> dict:
               "scale_bytes_per_token": shape.scale_bytes_per_token(FP8_DTYPE),
               "scale_scheme": "one float32 scale per (token, KV head)"}
     ppl = {}
-    for name in ("auto", "bfloat16", "fp8_e4m3"):
+    for name in ("auto", "bfloat16", "fp8_e4m3", "fp8_e4m3_hadamard"):
         runner = ModelRunner(eng.target_model, EngineConfig(kv_cache_dtype=name, num_blocks=args.window // 16 + 2),
                              eng.device)
         ppl[name] = _perplexity(runner, ids, args.window)
     result.update({"ppl_model_dtype": ppl["auto"], "ppl_bf16": ppl["bfloat16"], "ppl_fp8": ppl["fp8_e4m3"],
                    "ppl_increase_pct": 100 * (ppl["fp8_e4m3"] / ppl["auto"] - 1),
                    "ppl_increase_pct_vs_bf16": 100 * (ppl["fp8_e4m3"] / ppl["bfloat16"] - 1),
+                   "ppl_by_kv_dtype": ppl,
+                   "ppl_increase_pct_by_kv_dtype": {name: 100 * (value / ppl["auto"] - 1) for name, value in ppl.items()
+                                                    if name != "auto"},
                    "eval_tokens": len(ids) - 1, "window": args.window,
                    "eval_text": "pydoc_data.topics (ships with Python)"})
     return result

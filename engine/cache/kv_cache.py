@@ -7,6 +7,8 @@ Why per token-and-head: the scale is fixed the moment a token is written (no
 re-quantization of older tokens when a later token has a larger range, which a
 per-block or per-tensor scale would need), outliers in one head don't flatten the
 resolution of the others, and it costs 4 bytes per 64-128 values (3-6%), reported apart.
+The "fp8_e4m3_hadamard" scheme stores the same bytes for Hadamard-rotated keys and values
+(engine.layers.rotation), which spreads a head's outlier channels before the scale is taken.
 """
 from __future__ import annotations
 
@@ -14,15 +16,24 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.errors import ConfigError
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALE_DTYPE = torch.float32
+# FP8 with keys and values rotated by a Hadamard matrix before encoding (engine.layers.rotation).
+FP8_HADAMARD = "fp8_e4m3_hadamard"
 _NAMED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                 "fp8_e4m3": FP8_DTYPE}
+                 "fp8_e4m3": FP8_DTYPE, FP8_HADAMARD: FP8_DTYPE}
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else _NAMED_DTYPES[name]
+
+
+def is_rotated(name: str) -> bool:
+    """Whether the kv_cache_dtype setting's scheme stores Hadamard-rotated keys and values."""
+    return name == FP8_HADAMARD
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -65,10 +76,14 @@ class KVCache:
     """The pool. Block ids index dim 0 of every layer's tensors."""
 
     def __init__(self, shape: CacheShape, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, rotated: bool = False):
         self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
         self.dtype, self.device = dtype, device
         self.is_fp8 = dtype == FP8_DTYPE
+        if rotated and not (self.is_fp8 and shape.head_dim > 0 and shape.head_dim & (shape.head_dim - 1) == 0):
+            raise ConfigError(f"the Hadamard-rotated cache ({FP8_HADAMARD}) is an FP8 scheme for a power-of-two "
+                              f"head_dim; this model's head_dim is {shape.head_dim}: choose fp8_e4m3")
+        self.rotated = rotated
         dims = (shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
         self.k = torch.zeros(dims, dtype=dtype, device=device)
         self.v = torch.zeros(dims, dtype=dtype, device=device)
@@ -80,14 +95,19 @@ class KVCache:
         self._layers = [self._make_layer(i) for i in range(shape.num_layers)]
         # Every layer's pool as one LayerCache ([L, num_blocks, ...]): write_kv writes all
         # layers' new K/V with one copy per tensor (the compiled step does).
-        self.all_layers = LayerCache(self.k, self.v, self.k_scale, self.v_scale)
+        self.all_layers = LayerCache(self.k, self.v, self.k_scale, self.v_scale, rotated)
 
     def layer(self, i: int) -> "LayerCache":
         return self._layers[i]
 
     def _make_layer(self, i: int) -> "LayerCache":
         scales = (self.k_scale[i], self.v_scale[i]) if self.is_fp8 else (None, None)
-        return LayerCache(self.k[i], self.v[i], *scales)
+        return LayerCache(self.k[i], self.v[i], *scales, self.rotated)
+
+    @property
+    def name(self) -> str:
+        """The scheme, as the kv_cache_dtype setting names it."""
+        return FP8_HADAMARD if self.rotated else dtype_name(self.dtype)
 
     @property
     def bytes_per_token(self) -> int:
@@ -117,3 +137,4 @@ class LayerCache:
     v: torch.Tensor
     k_scale: torch.Tensor | None    # [num_blocks, block_size, num_kv_heads] (FP8 only)
     v_scale: torch.Tensor | None
+    rotated: bool = False           # holds H·k and H·v (engine.layers.rotation)

@@ -8,6 +8,7 @@ import torch
 
 from engine.layers.attention_metadata import AttentionMetadata, SeqSlice, causal_mask  # noqa: F401 (re-exported)
 from engine.cache.kv_cache import LayerCache, dequantize_fp8, quantize_fp8
+from engine.layers.rotation import hadamard
 
 
 def encode_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -157,7 +158,16 @@ def _attend(q: torch.Tensor, cache: LayerCache, group: _Group, scale: float) -> 
 
 def attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Store the new k, v then attend over the sequence's cached keys, reading them back
-    from the cache (so an FP8 cache affects every token's attention, prefill included)."""
+    from the cache (so an FP8 cache affects every token's attention, prefill included).
+    A rotated cache gets H·q, H·k, H·v and gives H·out back (engine.layers.rotation)."""
+    if cache.rotated:
+        q, k, v = (hadamard(x).to(x.dtype) for x in (q, k, v))
+        out = _attention(q, k, v, cache, meta, scale)
+        return hadamard(out).to(out.dtype)
+    return _attention(q, k, v, cache, meta, scale)
+
+
+def _attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     if meta.use_kernels:
         from engine.kernels import dispatch
         if meta.seqs is None:

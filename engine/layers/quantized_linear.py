@@ -10,6 +10,7 @@ kernel reads:
 Quantization of a float weight is round-to-nearest, as gpt-fast's: int8 symmetric per
 channel, int4 asymmetric per group (min/max over the group).
 
+Activations must be bf16 (or fp16): in float32 torch's kernels loop per row (FAST_DTYPES).
 Measured on this 2-core CPU (the default model's 30 layers of linears, one row, 2 threads):
 packed bf16 7.1-11 ms, int8 5.5 ms, int4 4.8 ms; from 4 rows up int4 is slower than bf16
 (8 rows: 14 ms against 10), int8 slower still. Each row's result does not depend on the
@@ -27,6 +28,10 @@ KINDS = (INT4, INT8)
 INT4_GROUP = 32                 # llama.cpp's Q4 block; gpt-fast's default is 32 too
 INNER_K_TILES = 1               # the CPU kernel takes any in_features divisible by the group
 CHECK_ROWS = (1, 2, 3, 16, 64)
+# Activations the kernels are fast for. In float32 both run a per-row loop: a 128-row pass of
+# a 1536 x 576 int4 weight took 196 ms against 6.8 ms in bf16 (int8: 98 ms), so a quantized
+# fp32 model would prefill 30x slower than the same model dequantized.
+FAST_DTYPES = (torch.bfloat16,)
 
 AVAILABLE = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
@@ -62,6 +67,14 @@ def unsupported(kind: str, shape: tuple[int, int], device: torch.device, group_s
     if kind == INT4 and shape[1] % group_size:
         return f"in_features {shape[1]} is not a multiple of the int4 group {group_size}"
     return None
+
+
+def slow_in(dtype: torch.dtype) -> str | None:
+    """Why the kernels are slow with activations in `dtype` (None: they are fast)."""
+    if dtype in FAST_DTYPES:
+        return None
+    return (f"torch's CPU int4/int8 kernels have no fast {str(dtype).removeprefix('torch.')} path (a 128-row pass "
+            "took 30x the bfloat16 time here)")
 
 
 def from_int4_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:

@@ -290,7 +290,7 @@ def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.
     with torch.device("meta"), no_random_init():
         model = LlamaFamilyModel(hf_config, max_positions=max_positions)
     check_weights(model, checkpoint, folder / "config.json", quantized)
-    as_stored = served_as_stored(model, weight_dtype, torch.device(device), quantized) if quantized else set()
+    as_stored = served_as_stored(model, weight_dtype, torch.device(device), quantized, dtype) if quantized else set()
     stream_weights(model, checkpoint, device, dtype, progress, quantized, as_stored)
     model.source_fingerprint = stored_fingerprint(model, quantized)     # of the weights as stored, before quantizing
     weights = serve_weights(model, weight_dtype, torch.device(device),

@@ -9,6 +9,10 @@
          dequantized first).
   int4   every linear in int4: 4-bit tensors as stored, the others quantized at load,
          round-to-nearest per group of 32 (gpt-fast's recipe).
+torch's CPU kernels are fast with bf16 activations only (engine.layers.quantized_linear), so
+`auto` keeps a quantized source quantized only when the compute dtype is bf16; in float32
+it dequantizes, and says why. int8 / int4 serve as asked in any dtype, the report noting
+a slow one.
 The tied head quantizes beside the embedding, which stays in float for its lookups.
 Q8_0 and the k-quants have no kernel here that keeps them exact (torch's int8 kernel scales
 per channel, Q8_0 per 32 weights), so under `auto` they are dequantized, and the report says so.
@@ -40,6 +44,7 @@ class WeightReport:
     served: dict[str, str] = field(default_factory=dict)     # source type -> how it is served
     quantized: int = 0          # linears served quantized
     linears: int = 0
+    note: str | None = None     # e.g. why the quantized kernels will be slow
 
     @property
     def identity_tag(self) -> str:
@@ -50,11 +55,12 @@ class WeightReport:
     def summary(self) -> str:
         if not self.quantized:
             return next(iter(self.served.values()), FLOAT)
-        return "; ".join(f"{source}: {how}" for source, how in self.served.items())
+        return "; ".join([f"{source}: {how}" for source, how in self.served.items()]
+                         + ([f"slow: {self.note}"] if self.note else []))
 
     def as_dict(self) -> dict:
         return {"requested": self.requested, "served": dict(self.served), "quantized_linears": self.quantized,
-                "linears": self.linears}
+                "linears": self.linears, "note": self.note}
 
 
 @dataclass
@@ -73,7 +79,7 @@ class LinearPlan:
         return self.how == "stored" and not self.why_not
 
 
-def plan_linears(model, weight_dtype: str, device: torch.device, stored) -> list[LinearPlan]:
+def plan_linears(model, weight_dtype: str, device: torch.device, stored, dtype: torch.dtype) -> list[LinearPlan]:
     """Per linear: what `weight_dtype` asks for it. `stored` gives the stored type and int4
     groups of a quantized source (a GGUF, an AWQ/GPTQ checkpoint), or is None."""
     from engine.models.llama import Linear
@@ -88,13 +94,16 @@ def plan_linears(model, weight_dtype: str, device: torch.device, stored) -> list
         kind, how = _choice(weight_dtype, types)
         group = stored.int4_group(m.weight.shape[1]) if how == "stored" else quantized_linear.INT4_GROUP
         why_not = kind and quantized_linear.unsupported(kind, tuple(m.weight.shape), device, group)
+        if kind and weight_dtype == AUTO and not why_not:     # auto never picks a slow kernel
+            why_not = quantized_linear.slow_in(dtype)
         plans.append(LinearPlan(name, m, parts, source_type, kind, how, why_not or None))
     return plans
 
 
-def served_as_stored(model, weight_dtype: str, device: torch.device, stored) -> set[str]:
-    """The parameters whose values will come from `stored`'s int4 groups, not from a float read."""
-    return {f"{p.name}.weight" for p in plan_linears(model, weight_dtype, device, stored) if p.as_stored}
+def served_as_stored(model, weight_dtype: str, device: torch.device, stored, dtype: torch.dtype) -> set[str]:
+    """The parameters whose values will come from `stored`'s int4 groups, not from a float read
+    (`dtype`: the compute dtype the model is loaded in)."""
+    return {f"{p.name}.weight" for p in plan_linears(model, weight_dtype, device, stored, dtype) if p.as_stored}
 
 
 def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> WeightReport:
@@ -106,7 +115,7 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> Wei
     float_name = str(dtype).removeprefix("torch.")
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     chosen = []
-    for p in plan_linears(model, weight_dtype, device, stored):
+    for p in plan_linears(model, weight_dtype, device, stored, dtype):
         report.linears += 1
         if p.kind is None or p.why_not:
             report.served.setdefault(p.source_type, f"{float_name}" + (
@@ -130,6 +139,8 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> Wei
     for m, qw in chosen:
         m.quantize(qw, keep_plain=id(m.weight) in embeddings)
     report.quantized = len(chosen)
+    # asked for explicitly (auto does not pick a slow kernel): served, and said
+    report.note = quantized_linear.slow_in(dtype) if chosen else None
     return report
 
 

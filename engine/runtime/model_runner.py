@@ -9,7 +9,7 @@ import torch
 
 from engine.cache.block_manager import BlockManager, SeqBlocks
 from engine.cache.hashing import root_key
-from engine.cache.kv_cache import FP8_DTYPE, KVCache, dtype_name, resolve_kv_dtype
+from engine.cache.kv_cache import FP8_DTYPE, KVCache, is_rotated, resolve_kv_dtype
 from engine.cache.memory_plan import plan_memory
 from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata, causal_mask
@@ -65,9 +65,10 @@ class ModelRunner:
         dtype = resolve_kv_dtype(config.kv_cache_dtype, self.model_dtype)
         if num_blocks is None:
             num_blocks = plan_memory(config, self.device, self.model).num_blocks
-        self.kv = KVCache(shape, num_blocks, config.block_size, dtype, self.device)
-        scale_mode = SCALE_MODE if dtype == FP8_DTYPE else "none"
-        root = root_key(self.loaded.identity, dtype_name(dtype), scale_mode, config.block_size,
+        self.kv = KVCache(shape, num_blocks, config.block_size, dtype, self.device,
+                          rotated=is_rotated(config.kv_cache_dtype))
+        scale_mode = (SCALE_MODE + ("+hadamard" if self.kv.rotated else "")) if dtype == FP8_DTYPE else "none"
+        root = root_key(self.loaded.identity, self.kv.name, scale_mode, config.block_size,
                         rope_identity(self.loaded.hf_config))
         self.blocks = BlockManager(self.kv.num_blocks, config.block_size, root, config.enable_prefix_caching)
         self.use_kernels = self._want_kernels(config)
@@ -128,7 +129,7 @@ class ModelRunner:
 
     @property
     def kv_dtype_name(self) -> str:
-        return dtype_name(self.kv.dtype)
+        return self.kv.name
 
     def bytes_held(self) -> int:
         return self.kv.bytes_held(self.blocks.num_used_blocks)
