@@ -24,9 +24,13 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
         f"<b>Prefix cache</b>: {'on' if settings.get('enable_prefix_caching') else 'off'}",
         f"<b>Speculation</b>: {speculation}",
         f"<b>Draft model</b>: {escape(_short(draft)) if draft else 'none'}",
-        f"<b>Runs on</b>: {escape(str(settings.get('device')))}, {escape(str(settings.get('dtype')))} weights, "
+        f"<b>Runs on</b>: {escape(str(settings.get('device')))}, {escape(str(settings.get('dtype')))} activations, "
         f"{settings.get('threads')} torch thread{'s' if settings.get('threads') != 1 else ''}",
     ]
+    if settings.get("weight_dtype"):
+        per_token = settings.get("weight_bytes_per_token")
+        read = f", {per_token / 2**20:.0f} MiB read per token" if per_token else ""
+        lines.append(f"<b>Weights</b>: {escape(str(settings['weight_dtype']))}{read}")
     if settings.get("memory_plan"):
         lines.append(describe_memory_plan(settings["memory_plan"]))
     if settings.get("chat_template") is False:

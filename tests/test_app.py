@@ -255,8 +255,11 @@ def test_the_default_model_loads_with_progress_then_streams_an_answer(open_workb
     settings = bench.controller.effective
     assert settings["threads"] >= 1
     effective = panel.effective_label.text()
-    assert f"<b>Runs on</b>: {settings['device']}, {settings['dtype']} weights, {settings['threads']} torch thread" \
+    assert f"<b>Runs on</b>: {settings['device']}, {settings['dtype']} activations, {settings['threads']} torch thread" \
         in effective
+    # and how the weights are served (weight_dtype), with what a decode step reads
+    assert f"<b>Weights</b>: {settings['weight_dtype']}, {settings['weight_bytes_per_token'] / 2**20:.0f} MiB read " \
+        "per token" in effective
 
     set_options(bench, qtbot, max_tokens=8)
     steps = collect(bench.probe.stepReady)
