@@ -153,16 +153,17 @@ class EngineWorker(QObject):
                                    "settings": engine.settings()})
         self.busyChanged.emit(IDLE)
 
-    def _warm_compiled_step(self) -> None:
+    def _warm_compiled_step(self) -> bool:
         """With `compile` on, compile the step now, with progress, so that no reply times a
-        compile (engine.LLMEngine.warm_compiled_step); a failure leaves the engine eager and
-        settings() says why."""
+        compile (engine.LLMEngine.warm_compiled_step; nothing to do once built). True when it
+        compiled. A failure leaves the engine eager, and settings() says why."""
         if not isinstance(self.engine, LLMEngine) or self.engine.has_work:
-            return
+            return False
         try:
-            self.engine.warm_compiled_step()
+            return self.engine.warm_compiled_step() > 0
         except Exception as exc:                  # noqa: BLE001
             self._fail(LOAD_MODEL, "Compiling the decode step", exc)
+            return False
 
     @Slot(str, str, str)
     def _connect_server(self, url: str, model: str, api_key_env: str) -> None:
@@ -232,8 +233,8 @@ class EngineWorker(QObject):
             self._fail(CHANGE_SETTINGS, "Changing settings", exc)
             self.settingsChanged.emit(self.engine.settings(), {}, {})
         else:
-            if {"compile", "kv_cache_dtype", "block_size"} & set(result.applied):   # a graph to build
-                self._warm_compiled_step()
+            if self.load is None and self._warm_compiled_step():     # e.g. compile on, or a new KV dtype
+                self.busyChanged.emit(IDLE)               # the progress it showed is done
             self.settingsChanged.emit(self.engine.settings(), result.applied, result.deferred)
 
     @Slot()
@@ -299,6 +300,8 @@ class EngineWorker(QObject):
             self._load_draft(draft)
         self.requestDone.emit({"request_id": request_id, "finish_reason": finish_reason, "summary": summary,
                                "settings": self.engine.settings()})
+        if self.load is None:
+            self._warm_compiled_step()            # settings deferred to the reply's end may want a graph
         self.busyChanged.emit(IDLE)
 
     # ---- worker thread: a load run, one engine step per turn --------------------------

@@ -635,7 +635,16 @@ def test_compile_on_builds_the_step_at_load_so_the_first_reply_times_no_compile(
     send(bench, qtbot, "Hello!")
     decode = [s for s in steps if s["ttft_s"] is None]
     assert decode and all(s["compile_s"] == 0 for s in decode) and all(s["step_tok_s"] for s in decode)
+    # A new KV dtype needs a graph of its own: built when the change applies, not in the reply.
+    compiles = sum("compiling the decode" in m for m, _ in bench.progress_log)
+    set_options(bench, qtbot, kv_cache_dtype="fp8_e4m3")
+    qtbot.waitUntil(lambda: sum("compiling the decode" in m for m, _ in bench.progress_log) == compiles + 1
+                    and bench.controller.busy == "", timeout=SETTLE_TIMEOUT_MS)
+    del steps[:]
+    send(bench, qtbot, "Hello again!")
+    assert steps and all(s["compile_s"] == 0 for s in steps) and steps[-1]["kv_dtype"] == "fp8_e4m3"
     assert "compile not counted" not in bench.window.chat.transcript.toPlainText()
+    assert not bench.window.progress.isVisible()
 
 
 # ---- the metrics history behind the plots (no Qt needed) -----------------------------------

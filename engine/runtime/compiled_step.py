@@ -148,6 +148,10 @@ class CompiledStep:
         keep = 1 if logits_for == "last" else logits_for
         return logits[n - keep:n], hidden[:n]
 
+    def is_built(self, kv) -> bool:
+        """Whether a graph for this pool's KV dtype was compiled already (in this process)."""
+        return dtype_name(kv.dtype) in self.compile_seconds
+
     def take_compile_s(self) -> float:
         """Seconds spent in calls that compiled since the last time this was asked."""
         seconds, self.untaken_compile_s = self.untaken_compile_s, 0.0

@@ -90,7 +90,7 @@ class ModelRunner:
         (reporting through `progress`) and not inside a timed reply. Returns the seconds that
         call spent compiling (0.0: eager, or compiled already). Nothing is left behind: the
         scratch blocks are freed without entering the prefix cache."""
-        if self.compiled is None:
+        if self.compiled is None or self.compiled.is_built(self.kv):
             return 0.0
         seq = self.start([0])
         try:
