@@ -190,7 +190,7 @@ class PlotsPanel(QWidget):
         p = self.decode_plot = self._new_plot(1, 0, "Decode speed", "decode speed (tok/s)", "session step")
         p.setTitle(_title_with_legend("Decode speed", (("●", C["tok_s"], "per step"),
                                                        ("━", C["running_tok_s"], "running (this reply)"),
-                                                       ("✕", C["compile"], "compiling (not counted)"))))
+                                                       ("✕", C["compile"], "compile"))))
         self.decode_points = p.plot(pen=None, symbol="o", symbolSize=4, symbolBrush=C["tok_s"], symbolPen=None,
                                     name="per step")
         # A step whose pass compiled the step graph: shown, but left out of every speed figure.
