@@ -60,14 +60,14 @@ def bench_peer(args) -> dict:
         levels = [int(c) for c in args.sweep_concurrency.split(",")]
         return run_peer_sweep(args.model, count, args.tokens, levels)
     prompts = [[{"role": "user", "content": text}] for text in PEER_PROMPTS[:count]]
-    return run_peer_bench(args.model, prompts, args.tokens, args.k)
+    return run_peer_bench(args.model, prompts, args.tokens, args.k, args.compile)
 
 
-def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k: int) -> dict:
+def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k: int, compile_mode: str = "auto") -> dict:
     from engine.remote.llama_server import LlamaServer
     gguf = _gguf_path(model)
     load_start = os.getloadavg()[0]       # the machine may be shared: say how busy it was
-    local, local_info = _local(gguf, prompts, tokens, k)
+    local, local_info = _local(gguf, prompts, tokens, k, compile_mode)
     server, server_info = {}, {}
     for mode in MODES:
         draft = gguf if mode == "spec" else None
@@ -79,7 +79,7 @@ def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k:
                            "threads": local_info["threads"]}
     return {"model": gguf.name, "load_avg_1min": {"start": load_start, "end": os.getloadavg()[0]}, "prompts": len(prompts), "tokens": tokens, "k": k,
             "draft": "the target itself (same GGUF)", "server": server_info,
-            "local_precision": local_info["precision"],
+            "local_precision": local_info["precision"], "local_compile": local_info["compile"],
             "server_precision": f"{_quant_type(gguf)} as stored in the GGUF (llama.cpp CPU kernels)",
             **_fields("local", local), **_fields("server", server)}
 
@@ -104,18 +104,19 @@ def _summaries(stats: list) -> dict:
             "acceptance_rate": total.acceptance_rate}
 
 
-def _local(gguf: Path, prompts, tokens: int, k: int) -> tuple[dict, dict]:
+def _local(gguf: Path, prompts, tokens: int, k: int, compile_mode: str) -> tuple[dict, dict]:
     import torch
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.engine import SELF_DRAFT
-    engine = LLMEngine.load(str(gguf), EngineConfig(device="cpu", enable_prefix_caching=False))
+    engine = LLMEngine.load(str(gguf), EngineConfig(device="cpu", enable_prefix_caching=False, compile=compile_mode))
     engine.set_draft_model(SELF_DRAFT)
     params = SamplingParams(max_tokens=tokens)
     results = {}
     for mode in MODES:
         engine.reconfigure(proposer="draft" if mode == "spec" else "off", num_speculative_tokens=k)
         results[mode] = _measured(lambda prompt: engine.generate_text(prompt, params)[2], prompts)
-    info = {"precision": _local_precision(engine), "threads": torch.get_num_threads()}
+    info = {"precision": _local_precision(engine), "threads": torch.get_num_threads(),
+            "compile": engine.settings()["compile"]}
     return results, info
 
 
