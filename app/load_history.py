@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.metrics import (RUN_FIGURES, RequestStats, bootstrap_ci, bootstrap_difference, excludes_zero, percentile,
-                            ratio, run_figures, run_statistic)
+                            ratio, run_figures, run_statistic, speculation_speedup_by_batch)
 from engine.workload import WORKLOAD_SETTINGS
 
 MIB = 2**20
@@ -40,6 +40,7 @@ class LoadHistory:
         self._itl: deque = deque()
         self._tokens: deque = deque()
         self._preemptions = 0
+        self.engine_steps: list[dict] = []      # batch size, drafts, step time: speculation by batch size
         self.progress = 0.0
         self.version += 1
 
@@ -53,6 +54,8 @@ class LoadHistory:
             while samples and samples[0][0] < t - WINDOW_S:
                 samples.popleft()
         self._preemptions += step["preemptions"]
+        if "engine_step" in step:
+            self.engine_steps.append(step["engine_step"])
         ttft, itl = [v for _, v in self._ttft], [v for _, v in self._itl]
         start = self.steps["t"][0] if self.steps["t"] else t
         span = min(WINDOW_S, t - start)
@@ -68,6 +71,10 @@ class LoadHistory:
         rounds = step.get("rounds", 1)
         self.progress = (step.get("round", 0) + (step["completed"] + step["cancelled"]) / step["total"]) / rounds
         self.version += 1
+
+    def speculation_speedup(self) -> dict[int, dict]:
+        """Speculation's measured speedup per batch size over this load test's steps."""
+        return speculation_speedup_by_batch(self.engine_steps)
 
     def series(self, name: str) -> np.ndarray:
         return np.asarray(self.steps[name], dtype=float)

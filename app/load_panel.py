@@ -153,6 +153,13 @@ class LoadPanel(QWidget):
         self.itl_plot = self._plot(1, 1, f"Inter-token latency (last {_window()})", "ms",
                                    (("p50", "p50"), ("p99", "p99")))
         self.preemption_plot = self._plot(1, 2, "Preemptions", "preemptions (total)", (("preemptions", "so far"),))
+        # Not against time: per batch size (engine.metrics.speculation_speedup_by_batch).
+        self.spec_plot = self._plot(2, 0, "Speculation speedup by batch size", "speedup (x)",
+                                    (("speedup", "measured"),))
+        self.spec_plot.setLabel("bottom", "batch size")
+        self.spec_plot.setMouseEnabled(x=False, y=False)
+        self.spec_plot.addItem(pg.InfiniteLine(pos=1.0, angle=0, movable=False,
+                                               pen=pg.mkPen(PLOT_COLOURS["marker"], width=1, style=Qt.PenStyle.DashLine)))
         self.curves = {
             "running": self.requests_plot.plot(pen=_pen("running")),
             "waiting": self.requests_plot.plot(pen=_pen("waiting")),
@@ -164,6 +171,8 @@ class LoadPanel(QWidget):
             "itl_p50": self.itl_plot.plot(pen=_pen("p50"), connect="finite"),
             "itl_p99": self.itl_plot.plot(pen=_pen("p99"), connect="finite"),
             "preemptions": self.preemption_plot.plot(pen=_pen("preemptions"), stepMode=None),
+            "speedup": self.spec_plot.plot(pen=_pen("speedup"), symbol="o", symbolSize=7,
+                                           symbolBrush=C["speedup"]),
         }
         for plot in self.plots()[1:]:
             plot.setXLink(self.requests_plot)
@@ -171,7 +180,7 @@ class LoadPanel(QWidget):
         for column in range(3):
             grid.setColumnStretchFactor(column, 1)
             grid.setColumnPreferredWidth(column, 100)
-        self.graphics.setMinimumHeight(2 * PLOT_ROW_MIN_HEIGHT)
+        self.graphics.setMinimumHeight(3 * PLOT_ROW_MIN_HEIGHT)
         scroll = QScrollArea()
         scroll.setWidgetResizable(True)
         scroll.setWidget(self.graphics)
@@ -224,8 +233,20 @@ class LoadPanel(QWidget):
             low = float(held.min()) / 2 if len(held) else float(np.nanmax(capacity)) / 1000
             self.kv_plot.setYRange(np.log10(low), np.log10(float(np.nanmax(capacity)) * 2), padding=0)
             self.progress.setValue(int(round(h.progress * 1000)))
+        self._refresh_speedup()
         self._refresh_markers()
         self.refresh_results()
+
+    def _refresh_speedup(self) -> None:
+        by_batch = self.history.speculation_speedup()
+        measured = [(size, row["speedup"]) for size, row in by_batch.items() if row["speedup"] is not None]
+        self.curves["speedup"].setData([s for s, _ in measured], [v for _, v in measured])
+        if measured:
+            self.spec_plot.setXRange(0, max(s for s, _ in measured) + 1, padding=0)
+            self.spec_plot.setYRange(0, max(1.5, max(v for _, v in measured) * 1.1), padding=0)
+        note = ("" if measured else " (needs steps with and without drafts at a batch size: a proposer on, "
+                "speculation_policy auto)" if by_batch else "")
+        self.spec_plot.setTitle(_title_with_legend(self.spec_plot.heading + note, self.spec_plot.legend_entries))
 
     def _refresh_markers(self) -> None:
         if len(self.history.markers) < self._drawn_markers:       # a new load test cleared them

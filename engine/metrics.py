@@ -360,6 +360,25 @@ class EngineStep:
         return asdict(self) | {"kv_usage": self.kv_usage}
 
 
+def speculation_speedup_by_batch(steps: list[dict]) -> dict[int, dict]:
+    """Speculation's measured speedup per batch size, from engine steps (EngineStep.as_dict):
+    over the decode-only steps (no prefill rows in the pass) of each batch size, the median
+    rate of steps that verified drafts over the median rate of steps that did not, where a
+    step's rate is the tokens it emitted, batch_size + accepted (each sequence: its accepted
+    drafts plus one), over its step time. batch size -> {"speedup" (None without both kinds
+    of step), "spec_steps", "plain_steps"}. The policy's k = 0 steps (speculation_policy
+    auto) give the plain rate at the same batch size in the same run."""
+    rates: dict[int, tuple[list[float], list[float]]] = {}
+    for step in steps:
+        if step["prefill_tokens"] or not step["batch_size"] or step["step_s"] <= 0:
+            continue
+        spec, plain = rates.setdefault(step["batch_size"], ([], []))
+        (spec if step["drafted"] else plain).append((step["batch_size"] + step["accepted"]) / step["step_s"])
+    return {size: {"speedup": ratio(percentile(spec, 50), percentile(plain, 50)) if spec and plain else None,
+                   "spec_steps": len(spec), "plain_steps": len(plain)}
+            for size, (spec, plain) in sorted(rates.items())}
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0..100), linear between closest ranks (numpy's default)."""
     if not values:

@@ -247,7 +247,10 @@ class WorkloadRun:
                 "preemptions": step.preemptions, "output_tokens": sum(e.num_tokens for e in mine),
                 "ttft_s": [e.ttft_s for e in mine if e.ttft_s is not None],
                 "itl_s": [e.step_time_s for e in mine if e.is_decode and e.num_tokens],
-                "completed": len(self.finished), "cancelled": self.cancelled, "total": self.total}
+                "completed": len(self.finished), "cancelled": self.cancelled, "total": self.total,
+                # for speculation's speedup by batch size (engine.metrics.speculation_speedup_by_batch)
+                "engine_step": {key: getattr(step, key) for key in ("batch_size", "prefill_tokens", "drafted",
+                                                                      "accepted", "step_s")}}
 
     def cancel(self) -> None:
         """Drop the jobs not yet submitted and cancel the outstanding ones (they end at the next step)."""

@@ -83,7 +83,13 @@ def test_a_load_run_fills_the_plots_and_the_results_table_while_a_chat_is_answer
     steps = history.num_steps
     assert steps >= 16
     for name, curve in panel.curves.items():       # latencies start at the first token
-        assert steps / 2 <= len(curve.getData()[0]) <= steps, name
+        if name != "speedup":                       # that one is per batch size, below
+            assert steps / 2 <= len(curve.getData()[0]) <= steps, name
+    # speculation's speedup by batch size: a point where steps with and without drafts met
+    by_batch = history.speculation_speedup()
+    assert by_batch and sum(r["spec_steps"] + r["plain_steps"] for r in by_batch.values()) <= steps
+    measured = [size for size, r in by_batch.items() if r["speedup"] is not None]
+    assert list(panel.curves["speedup"].getData()[0] if measured else []) == measured
     assert 4 <= max(history.series("running")) <= 5                 # the run's 4, and the chat
     assert max(history.series("kv_usage_pct")) > 0 and history.series("kv_capacity_mib")[-1] > 0
     assert np.nanmax(history.series("output_tok_s")) > 0 and np.nanmax(history.series("ttft_p99_ms")) > 0
@@ -213,7 +219,7 @@ def test_every_plot_is_legible_at_1366x768(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [r["panel"] for r in reports].count("live") == 5 and [r["panel"] for r in reports].count("load") == 6
+    assert [r["panel"] for r in reports].count("live") == 5 and [r["panel"] for r in reports].count("load") == 7
     for r in reports:
         where = f"{r['panel']}: {r['title']}"
         assert r["view_height"] >= 110 and r["view_width"] >= 150, where

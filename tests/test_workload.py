@@ -110,3 +110,36 @@ def test_a_run_serves_every_job_at_its_concurrency_and_cancel_frees_every_block(
         run.step()
     assert run.cancelled == 3 and len(run.finished) < 12 and not eng.has_work
     assert eng.runner.blocks.num_used_blocks == 0
+
+
+def _step(batch, step_s, drafted=0, accepted=0, prefill=0):
+    return {"batch_size": batch, "prefill_tokens": prefill, "drafted": drafted, "accepted": accepted, "step_s": step_s}
+
+
+def test_speculation_speedup_by_batch_size_compares_like_batches_of_decode_steps():
+    from engine.metrics import speculation_speedup_by_batch
+    steps = [_step(1, 0.020), _step(1, 0.022), _step(1, 0.030, drafted=4, accepted=2),     # 3 tokens / 30 ms
+             _step(4, 0.040), _step(4, 0.060, drafted=16, accepted=2),                      # 6 / 60 ms vs 4 / 40 ms
+             _step(8, 0.050, drafted=8, accepted=8),                                        # no plain step at 8
+             _step(2, 0.500, prefill=200), _step(2, 0.5, drafted=8, accepted=8, prefill=10)]   # prefill: left out
+    by_batch = speculation_speedup_by_batch(steps)
+    assert list(by_batch) == [1, 4, 8]
+    assert by_batch[1]["speedup"] == pytest.approx((3 / 0.030) / ((1 / 0.020 + 1 / 0.022) / 2))   # medians of rates
+    assert by_batch[4]["speedup"] == pytest.approx(1.0) and (by_batch[4]["spec_steps"], by_batch[4]["plain_steps"]) == (1, 1)
+    assert by_batch[8] == {"speedup": None, "spec_steps": 1, "plain_steps": 0}
+
+
+def test_a_load_run_records_what_the_speedup_by_batch_size_needs(make_tiny_engine):
+    eng = make_tiny_engine()
+    eng.set_draft_model("self:1")                   # the tiny target's first layer drafts: every step verifies
+    eng.reconfigure(proposer="draft")
+    workload = Workload(num_prompts=4, max_concurrency=2, output_len=8, prompt_set="repeat", seed=0)
+    run = WorkloadRun(eng, make_jobs(eng, workload), workload.max_concurrency)
+    seen = []
+    while not run.done:
+        run.step()
+        figures = run.step_figures()
+        if figures is not None:
+            seen.append(figures["engine_step"])
+    assert seen and all(set(s) == {"batch_size", "prefill_tokens", "drafted", "accepted", "step_s"} for s in seen)
+    assert any(s["drafted"] for s in seen) and any(s["batch_size"] == 2 for s in seen)
