@@ -66,3 +66,14 @@ def test_a_head_dim_that_is_not_a_power_of_two_is_refused_by_name():
         KVCache(CacheShape(1, 2, 48), 4, 16, FP8_DTYPE, torch.device("cpu"), rotated=True)
     with pytest.raises(ConfigError, match="FP8 scheme"):
         KVCache(CacheShape(1, 2, 64), 4, 16, torch.bfloat16, torch.device("cpu"), rotated=True)
+
+
+def test_the_rotated_scheme_is_a_compiled_graph_of_its_own(make_tiny_engine):
+    """Warming for plain FP8 does not count as built for the rotated scheme (its graph rotates)."""
+    eng = make_tiny_engine(kv_cache_dtype="fp8_e4m3", compile="on")
+    eng.warm_compiled_step()
+    assert eng.runner.compiled.is_built(eng.runner.kv)
+    eng.reconfigure(kv_cache_dtype="fp8_e4m3_hadamard")
+    assert not eng.runner.compiled.is_built(eng.runner.kv)
+    eng.warm_compiled_step()
+    assert set(eng.runner.compiled.compile_seconds) == {"fp8_e4m3", "fp8_e4m3_hadamard"}

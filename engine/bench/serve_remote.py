@@ -75,7 +75,7 @@ def bench_serve_remote(args) -> dict:
 
 def _bench(backend, args) -> dict:
     jobs, tokenizer_name = remote_jobs(args)
-    levels = [int(c) for c in args.sweep_concurrency.split(",")] if args.sweep_concurrency else [args.max_concurrency]
+    levels = serve.concurrency_levels(args)
     key, values = serve.parse_compare(args.compare) if args.compare else (None, [None])
     notes: dict = {}
     rows = []

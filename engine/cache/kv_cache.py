@@ -36,6 +36,11 @@ def is_rotated(name: str) -> bool:
     return name == FP8_HADAMARD
 
 
+def rotatable(head_dim: int) -> bool:
+    """Sylvester's Hadamard matrices exist for powers of two (engine.layers.rotation)."""
+    return head_dim > 0 and head_dim & (head_dim - 1) == 0
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return "fp8_e4m3" if dtype == FP8_DTYPE else str(dtype).removeprefix("torch.")
 
@@ -80,7 +85,7 @@ class KVCache:
         self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
         self.dtype, self.device = dtype, device
         self.is_fp8 = dtype == FP8_DTYPE
-        if rotated and not (self.is_fp8 and shape.head_dim > 0 and shape.head_dim & (shape.head_dim - 1) == 0):
+        if rotated and not (self.is_fp8 and rotatable(shape.head_dim)):
             raise ConfigError(f"the Hadamard-rotated cache ({FP8_HADAMARD}) is an FP8 scheme for a power-of-two "
                               f"head_dim; this model's head_dim is {shape.head_dim}: choose fp8_e4m3")
         self.rotated = rotated

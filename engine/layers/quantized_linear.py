@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 INT4, INT8 = "int4", "int8"
-KINDS = (INT4, INT8)
 INT4_GROUP = 32                 # llama.cpp's Q4 block; gpt-fast's default is 32 too
 INNER_K_TILES = 1               # the CPU kernel takes any in_features divisible by the group
 CHECK_ROWS = (1, 2, 3, 16, 64)
@@ -48,11 +47,6 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
-
-    @property
-    def bits(self) -> float:
-        """Bits per weight, scales included."""
-        return 8 * self.nbytes / (self.shape[0] * self.shape[1])
 
     def describe(self) -> str:
         return f"int4 (group {self.group_size})" if self.kind == INT4 else "int8 (per channel)"

@@ -23,16 +23,14 @@ import math
 
 import torch
 
-
-def supported(head_dim: int) -> bool:
-    return head_dim > 0 and head_dim & (head_dim - 1) == 0
+from engine.cache.kv_cache import rotatable
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] times the orthonormal Sylvester-Hadamard matrix H_D (symmetric, H·H = I),
     in float32 (the caller casts)."""
     d = x.shape[-1]
-    if not supported(d):
+    if not rotatable(d):
         raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, got {d}")
     y = x.float().reshape(-1, d)
     h = 1

@@ -41,14 +41,12 @@ class Linear(nn.Module):
         self.quant: quantized_linear.QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:
-            x2 = x.reshape(-1, x.shape[-1])
-            y = quantized_linear.linear(x2, self.quant, self.bias)
-            return y.view(*x.shape[:-1], y.shape[-1])
-        if self.packed is None and not self._onednn(x):
+        if self.quant is None and self.packed is None and not self._onednn(x):
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, x.shape[-1])
-        if self.packed is None:
+        if self.quant is not None:
+            y = quantized_linear.linear(x2, self.quant, self.bias)
+        elif self.packed is None:
             y = packed_linear.linear(x2, self.weight, self.bias)        # oneDNN re-lays the weight out
         elif torch.compiler.is_compiling():
             y = packed_linear.packed_linear(x2, self.pack_index, self.packed.shape[0], self.bias)
@@ -67,13 +65,17 @@ class Linear(nn.Module):
         """Move the weight into oneDNN's layout; `keep_plain` when the parameter is shared
         (a head tied to the embedding, which still looks rows up)."""
         self.packed, self.pack_index = packed_linear.pack(self.weight), index
-        if not keep_plain:
-            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+        self._drop_plain(keep_plain)
         return self.packed
 
     def quantize(self, qw: "quantized_linear.QuantizedWeight", keep_plain: bool) -> None:
         """Serve the weight from `qw`; the plain parameter goes (to meta) unless it is shared."""
         self.quant = qw
+        self._drop_plain(keep_plain)
+
+    def _drop_plain(self, keep_plain: bool) -> None:
+        """The plain parameter becomes a meta tensor of its shape and dtype (byte counts stay
+        right) once another form serves the weight."""
         if not keep_plain:
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
@@ -81,13 +83,6 @@ class Linear(nn.Module):
         if self.quant is not None and self.weight.is_meta:
             return quantized_linear.dequantize(self.quant)
         return packed_linear.unpack(self.packed) if self.weight.is_meta else self.weight
-
-    @property
-    def weight_nbytes(self) -> int:
-        """Bytes of the weight as it is served (quantized, packed or plain)."""
-        if self.quant is not None:
-            return self.quant.nbytes
-        return self.weight.numel() * self.weight.element_size()
 
 
 class RMSNorm(nn.Module):

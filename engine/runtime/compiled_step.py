@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 
-from engine.cache.kv_cache import dtype_name
 from engine.config import MAX_SPEC_TOKENS
 from engine.layers import packed_linear
 from engine.layers.attention import write_kv
@@ -128,7 +127,7 @@ class CompiledStep:
                 if pool is not None and pool.shape[1] > 1:  # a size-1 dimension is always specialised
                     torch._dynamo.mark_dynamic(pool, 1)
             self._dynamic_pool = weakref.ref(kv)             # a released pool must be freed
-        dtype = dtype_name(kv.dtype)
+        dtype = kv.name              # the scheme: the rotated FP8 cache is a graph of its own
         first = dtype not in self.compile_seconds
         if first:
             self.progress("compiling the decode and verify step (about a minute the first time on a small "
@@ -149,8 +148,8 @@ class CompiledStep:
         return logits[n - keep:n], hidden[:n]
 
     def is_built(self, kv) -> bool:
-        """Whether a graph for this pool's KV dtype was compiled already (in this process)."""
-        return dtype_name(kv.dtype) in self.compile_seconds
+        """Whether a graph for this pool's KV scheme was compiled already (in this process)."""
+        return kv.name in self.compile_seconds
 
     def take_compile_s(self) -> float:
         """Seconds spent in calls that compiled since the last time this was asked."""

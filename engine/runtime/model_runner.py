@@ -67,7 +67,7 @@ class ModelRunner:
             num_blocks = plan_memory(config, self.device, self.model).num_blocks
         self.kv = KVCache(shape, num_blocks, config.block_size, dtype, self.device,
                           rotated=is_rotated(config.kv_cache_dtype))
-        scale_mode = (SCALE_MODE + ("+hadamard" if self.kv.rotated else "")) if dtype == FP8_DTYPE else "none"
+        scale_mode = SCALE_MODE if dtype == FP8_DTYPE else "none"
         root = root_key(self.loaded.identity, self.kv.name, scale_mode, config.block_size,
                         rope_identity(self.loaded.hf_config))
         self.blocks = BlockManager(self.kv.num_blocks, config.block_size, root, config.enable_prefix_caching)
