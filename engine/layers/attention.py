@@ -95,32 +95,60 @@ def paged_attention_ref(q: torch.Tensor, cache: LayerCache, meta: AttentionMetad
     return out
 
 
-def _groups(seqs: list[SeqSlice]) -> list[list[SeqSlice]]:
-    short = [s for s in seqs if s.count <= SHORT_ROWS]
-    return ([short] if short else []) + [[s] for s in seqs if s.count > SHORT_ROWS]
+def _groups(seqs: list[SeqSlice]) -> list[list["_Keys"]]:
+    entries = [e for s in seqs for e in _Keys.of(s)]
+    short = [e for e in entries if len(e.rows) <= SHORT_ROWS]
+    return ([short] if short else []) + [[e] for e in entries if len(e.rows) > SHORT_ROWS]
+
+
+class _Keys:
+    """Rows of a pass that see the same keys: a sequence's rows, or one row of a draft tree
+    with its own chain (`keys`: the cache indices it sees, in order; None: 0..context_len-1)."""
+
+    def __init__(self, rows: list[int], context_len: int, block_table: torch.Tensor, keys: list[int] | None = None):
+        self.rows, self.context_len, self.block_table, self.keys = rows, context_len, block_table, keys
+
+    @staticmethod
+    def of(s: SeqSlice) -> list["_Keys"]:
+        if s.tree is None:
+            return [_Keys(list(range(s.start, s.start + s.count)), s.context_len, s.block_table)]
+        shared = list(range(s.tree.context))
+        return [_Keys([s.start + r], s.tree.context + len(path), s.block_table, shared + path)
+                for r, path in enumerate(s.tree.paths)]
 
 
 class _Group:
     """Sequences attending in one call, and what every layer's call needs of them."""
 
-    def __init__(self, seqs: list[SeqSlice], positions: torch.Tensor, block_size: int, group_size: int):
+    def __init__(self, entries: list[_Keys], positions: torch.Tensor, block_size: int, group_size: int):
         device = positions.device
-        width = max(2, max(s.count for s in seqs))        # a short sequence repeats its last row
-        self.rows = torch.tensor([[s.start + min(i, s.count - 1) for i in range(width)] for s in seqs],
+        width = max(2, max(len(e.rows) for e in entries))         # a short sequence repeats its last row
+        self.rows = torch.tensor([[e.rows[min(i, len(e.rows) - 1)] for i in range(width)] for e in entries],
                                  dtype=torch.int64, device=device)                       # [B, R]
-        self.real_rows = torch.cat([self.rows[i, :s.count] for i, s in enumerate(seqs)])
-        self.real_flat = torch.cat([torch.arange(s.count, device=device) + i * width for i, s in enumerate(seqs)])
+        self.real_rows = torch.cat([self.rows[i, :len(e.rows)] for i, e in enumerate(entries)])
+        self.real_flat = torch.cat([torch.arange(len(e.rows), device=device) + i * width
+                                    for i, e in enumerate(entries)])
         tile = max(KEY_TILE, block_size)
-        self.keys = -(-max(s.context_len for s in seqs) // tile) * tile
+        self.keys = -(-max(e.context_len for e in entries) // tile) * tile
         blocks = self.keys // block_size
-        self.table = torch.stack([torch.cat([s.block_table[:blocks],
-                                             s.block_table.new_zeros(max(0, blocks - s.block_table.shape[0]))])
-                                  for s in seqs]).flatten()          # padding reads block 0, masked
-        contexts = torch.tensor([s.context_len for s in seqs], device=device)
+        tables = torch.stack([torch.cat([e.block_table[:blocks],
+                                         e.block_table.new_zeros(max(0, blocks - e.block_table.shape[0]))])
+                              for e in entries])                    # padding reads block 0, masked
+        if all(e.keys is None for e in entries):
+            self.table, self.slots = tables.flatten(), None
+        else:                                                       # a tree's rows: gather key by key
+            index = torch.arange(self.keys, device=device).repeat(len(entries), 1)            # [B, T]
+            for i, e in enumerate(entries):
+                if e.keys is not None:
+                    index[i, :len(e.keys)] = torch.tensor(e.keys, device=device)
+                    index[i, len(e.keys):] = 0
+            self.table = None
+            self.slots = (tables.gather(1, index // block_size) * block_size + index % block_size).flatten()
+        contexts = torch.tensor([e.context_len for e in entries], device=device)
         # Slots past a context may hold anything (another sequence's old values, or bytes
         # never written): their keys are masked, and their values must be zeros (0 * NaN).
         self.unwritten = (torch.arange(self.keys, device=device) >= contexts[:, None])[:, :, None, None]
-        b = len(seqs)
+        b = len(entries)
         hidden = torch.arange(self.keys, device=device) > positions[self.rows][:, None, :, None]   # [B, 1, R, T]
         self.hidden = hidden.expand(b, group_size, width, self.keys).reshape(b, 1, group_size * width, self.keys)
 
@@ -130,10 +158,16 @@ def _gather(cache: LayerCache, group: _Group, dtype: torch.dtype):
     b = group.rows.shape[0]
 
     def read(values, scales):
-        x = values.index_select(0, group.table).view(b, group.keys, *values.shape[2:])
+        if group.slots is None:
+            x = values.index_select(0, group.table).view(b, group.keys, *values.shape[2:])
+        else:
+            x = values.flatten(0, 1).index_select(0, group.slots).view(b, group.keys, *values.shape[2:])
         if scales is None:
             return x.to(dtype)
-        s = scales.index_select(0, group.table).view(b, group.keys, *scales.shape[2:])
+        if group.slots is None:
+            s = scales.index_select(0, group.table).view(b, group.keys, *scales.shape[2:])
+        else:
+            s = scales.flatten(0, 1).index_select(0, group.slots).view(b, group.keys, *scales.shape[2:])
         return dequantize_fp8(x, s, dtype)
     return read(cache.k, cache.k_scale), read(cache.v, cache.v_scale).masked_fill(group.unwritten, 0)
 
@@ -169,16 +203,31 @@ def attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float)
 
 def _attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     if meta.use_kernels:
-        from engine.kernels import dispatch
         if meta.seqs is None:
+            from engine.kernels import dispatch
             return dispatch.attention(q, k, v, cache, meta, scale)
-        return torch.cat([dispatch.attention(q[s.start:s.start + s.count], k[s.start:s.start + s.count],
-                                             v[s.start:s.start + s.count], cache, one_sequence(meta, s), scale)
-                          for s in meta.seqs])
+        return torch.cat([(_tree_attention if s.tree is not None else _kernel_attention)(
+            q[s.start:s.start + s.count], k[s.start:s.start + s.count], v[s.start:s.start + s.count],
+            cache, meta, s, scale) for s in meta.seqs])
     if meta.pending_kv is not None:
         return _attention_without_store(q, k, v, cache, meta, scale)
     store_kv(cache, k, v, meta.slot_mapping)
     return paged_attention_ref(q, cache, meta, scale)
+
+
+def _kernel_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, s: SeqSlice, scale: float):
+    from engine.kernels import dispatch
+    return dispatch.attention(q, k, v, cache, one_sequence(meta, s), scale)
+
+
+def _tree_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, s: SeqSlice, scale: float):
+    """A draft tree's rows where the Triton kernels run: the kernels have no tree mask, so
+    they attend through the torch path (exact, slower)."""
+    rows = slice(s.start, s.start + s.count)
+    store_kv(cache, k, v, meta.slot_mapping[rows])
+    one = AttentionMetadata(meta.positions[rows], meta.slot_mapping[rows], s.block_table, s.context_len, False,
+                            None, seqs=[SeqSlice(0, s.count, s.block_table, s.context_len, s.tree)])
+    return paged_attention_ref(q, cache, one, scale)
 
 
 def one_sequence(meta: AttentionMetadata, s: SeqSlice) -> AttentionMetadata:

@@ -13,12 +13,28 @@ import torch
 
 
 @dataclass
+class TreeRows:
+    """Rows of a pass that attend as a draft tree (engine.spec.tree): row r is stored at cache
+    index indices[r] and sees the keys at indices 0..context-1, then those in paths[r] (its
+    chain of ancestors, ending with itself), as if that chain had been fed alone. Its
+    position (RoPE and mask) is context + len(paths[r]) - 1."""
+    context: int
+    indices: list[int]
+    paths: list[list[int]]
+
+    @property
+    def positions(self) -> list[int]:
+        return [self.context + len(p) - 1 for p in self.paths]
+
+
+@dataclass
 class SeqSlice:
     """One sequence's part of a batched pass: rows start..start+count-1 of the pass."""
     start: int
     count: int
     block_table: torch.Tensor      # [num_seq_blocks] int64
     context_len: int               # its tokens in the cache once its new ones are written
+    tree: TreeRows | None = None   # its rows attend as a draft tree (None: causally, in order)
 
 
 @dataclass
@@ -48,6 +64,16 @@ def pass_positions(start: int, n: int, block_table: list[int], block_size: int, 
     positions = torch.arange(start, start + n, device=device)
     table = torch.tensor(block_table, dtype=torch.int64, device=device)
     slots = table[positions // block_size] * block_size + positions % block_size
+    return positions, table, slots
+
+
+def tree_pass_positions(tree: TreeRows, block_table: list[int], block_size: int, device) -> tuple:
+    """pass_positions for a tree's rows: their positions (depths past the context), the block
+    table, and the slot of each row's own index."""
+    positions = torch.tensor(tree.positions, dtype=torch.int64, device=device)
+    table = torch.tensor(block_table, dtype=torch.int64, device=device)
+    index = torch.tensor(tree.indices, dtype=torch.int64, device=device)
+    slots = table[index // block_size] * block_size + index % block_size
     return positions, table, slots
 
 

@@ -13,7 +13,7 @@ from engine.cache.kv_cache import FP8_DTYPE, KVCache, is_rotated, resolve_kv_dty
 from engine.cache.memory_plan import plan_memory
 from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata, causal_mask
-from engine.layers.attention_metadata import SeqSlice, pass_positions
+from engine.layers.attention_metadata import SeqSlice, TreeRows, pass_positions, tree_pass_positions
 from engine.loading.loader import LoadedModel
 from engine.models.llama import rope_identity
 from engine.runtime import compiled_step
@@ -34,6 +34,7 @@ class PassItem:
     seq: RunnerSeq
     tokens: list[int]
     logits_rows: int = 1
+    tree: TreeRows | None = None    # its rows attend as a draft tree (stored at num_computed..)
 
 
 def prepare_model(model, device: torch.device) -> None:
@@ -187,8 +188,14 @@ class ModelRunner:
         for item in items:
             start, n = item.seq.num_computed, len(item.tokens)
             self.blocks.ensure_capacity(item.seq, start + n)
-            pos, table, slot = pass_positions(start, n, item.seq.block_table, self.kv.block_size, self.device)
-            slices.append(SeqSlice(row, n, table, start + n))
+            if item.tree is None:
+                pos, table, slot = pass_positions(start, n, item.seq.block_table, self.kv.block_size, self.device)
+            else:
+                if item.tree.indices != list(range(start, start + n)):
+                    raise ValueError("a tree's rows are stored at the sequence's next indices, in order")
+                pos, table, slot = tree_pass_positions(item.tree, item.seq.block_table, self.kv.block_size,
+                                                       self.device)
+            slices.append(SeqSlice(row, n, table, start + n, item.tree))
             positions.append(pos)
             slots.append(slot)
             ids.extend(item.tokens)
@@ -206,6 +213,25 @@ class ModelRunner:
             out.append((logits[used:used + item.logits_rows], hidden[s.start:s.start + s.count]))
             used += item.logits_rows
         return out
+
+    @torch.inference_mode()
+    def compact(self, seq: RunnerSeq, start: int, rows: list[int]) -> None:
+        """After a tree's verify pass (rows stored at start..): move the KV of the kept rows
+        (root first, in path order) to start, start + 1, ..., in every layer, then keep only
+        them. A kept row never lies before its new place, so the copy reads before it writes."""
+        moved = [(start + j, start + r) for j, r in enumerate(rows) if r != j]
+        if moved:
+            table = torch.tensor(seq.block_table, dtype=torch.int64, device=self.device)
+            bs = self.kv.block_size
+            dst, src = (torch.tensor(x, dtype=torch.int64, device=self.device) for x in zip(*moved))
+            dst, src = (table[i // bs] * bs + i % bs for i in (dst, src))
+            for pool in (self.kv.k, self.kv.v, self.kv.k_scale, self.kv.v_scale):
+                if pool is None:
+                    continue
+                flat = pool.flatten(1, 2)                            # [L, num_blocks * block_size, ...]
+                raw = flat.view(torch.uint8) if pool.dtype == FP8_DTYPE else flat
+                raw[:, dst] = raw[:, src]
+        self.rollback(seq, start + len(rows))
 
     def commit(self, seq: RunnerSeq, token_ids: list[int]) -> None:
         """token_ids: the sequence's final tokens; their first num_computed have KV."""

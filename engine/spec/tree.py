@@ -1,0 +1,234 @@
+"""Draft trees: many candidate continuations verified in one target pass (SpecInfer, EAGLE-2).
+
+A tree's nodes are draft tokens, numbered in the order they were grown (a parent before its
+children); node i's parent is parents[i] (-1: a child of the root, the last sampled token).
+The verify pass feeds the root and every node: row 0 is the root at position p, row i + 1 is
+node i, at position p + depth(i) (RoPE and the causal mask see the depth) but stored at
+index p + 1 + i of its sequence's cache (each node its own slot). A row attends to the
+context before p and to its own chain of ancestors: the tree mask. The torch path lays that
+chain out as a sequence of its own (engine.layers.attention), so a node's numbers are the
+same as if its path had been fed as a chain: greedy decoding with a tree is token-identical
+to plain decoding, as with a chain.
+
+Growing (EAGLE-2's rule, `grow`): from the root the draft's top-k tokens are the first
+frontier; each next depth expands the frontier's nodes into their top-k children and keeps
+the best k of those by cumulative log-probability (the product of the draft's confidences
+along the path) as the next frontier; the others stay in the tree as leaves. Then the `nodes` best nodes overall by cumulative log-probability are
+verified; a path's score only falls along it, so that set always holds every node's parent.
+The sum of the kept nodes' confidences is what the draft itself predicts the pass accepts.
+
+Verification: greedy walks from the root, following the child whose token is the target's
+argmax, and emits the target's argmax where no child matches. Sampling stays lossless by
+recursive rejection over siblings (SpecInfer; EAGLE's `evaluate_posterior`): a node's
+children are point-mass proposals tried in order, child x kept with probability p(x) under
+the target's distribution p, and on rejection p loses x (renormalised) before the next
+sibling; when every child is rejected the token is drawn from what is left of p.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import ConfigError
+from engine.layers.attention_metadata import TreeRows
+from engine.metrics import ACCEPTED, BONUS, RESAMPLED
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """What the `draft_tree` setting asks for: top-k per expansion, depth, nodes verified."""
+    top_k: int
+    depth: int
+    nodes: int
+
+    def __str__(self) -> str:
+        return f"{self.top_k}:{self.depth}:{self.nodes}"
+
+
+# `auto`: the tree EAGLE-2 would grow on a small budget; the engine then verifies the best
+# prefix of it that the measured pass costs say pays (engine.spec.policy.choose_tree_nodes).
+AUTO_SHAPE = TreeShape(top_k=4, depth=6, nodes=24)
+MAX_TREE_NODES = 64
+
+
+def parse_tree(value: str) -> TreeShape | None:
+    """The `draft_tree` setting: "off" (None), "auto", or "TOPK:DEPTH:NODES" (e.g. "4:6:24")."""
+    text = str(value).strip().lower()
+    if text == "off":
+        return None
+    if text == "auto":
+        return AUTO_SHAPE
+    try:
+        top_k, depth, nodes = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"draft tree {value!r}: give off, auto or TOPK:DEPTH:NODES, e.g. 4:6:24") from None
+    if not (1 <= top_k <= 16 and 1 <= depth <= 16 and 1 <= nodes <= MAX_TREE_NODES):
+        raise ConfigError(f"draft tree {value!r}: top-k 1..16, depth 1..16 and nodes 1..{MAX_TREE_NODES}")
+    if nodes < depth and top_k == 1:
+        raise ConfigError(f"draft tree {value!r}: a top-1 tree is a chain of `depth` nodes")
+    return TreeShape(top_k, depth, nodes)
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]
+    parents: list[int]                       # -1: a child of the root
+    scores: list[float] = field(default_factory=list)    # cumulative draft log-probability per node
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depths(self) -> list[int]:
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root's child down to `node`."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def children(self) -> list[list[int]]:
+        """children()[i + 1]: node i's children; children()[0]: the root's, in node order."""
+        out: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents):
+            out[p + 1].append(i)
+        return out
+
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def predicted_accepted(self) -> float:
+        """The draft's own expectation of accepted nodes: the sum of path confidences."""
+        return sum(math.exp(s) for s in self.scores)
+
+    def rows(self, start: int) -> "TreeRows":
+        """The verify pass's layout at a root stored at index `start` (see the module doc)."""
+        paths = [[start]] + [[start] + [start + 1 + j for j in self.path(i)] for i in range(len(self))]
+        return TreeRows(context=start, indices=[start + r for r in range(len(self) + 1)], paths=paths)
+
+
+def select(tree: DraftTree, nodes: int) -> DraftTree:
+    """The `nodes` best nodes by cumulative score (ancestor-closed, see the module doc),
+    renumbered in their original order."""
+    if nodes >= len(tree):
+        return tree
+    best = sorted(range(len(tree)), key=lambda i: (-tree.scores[i], i))[:nodes]
+    keep = set(best)
+    for i in best:                     # ties at -inf or equal scores: keep the tree closed
+        keep.update(tree.path(i))
+    order = sorted(keep)
+    new = {old: j for j, old in enumerate(order)}
+    return DraftTree([tree.tokens[i] for i in order], [new.get(tree.parents[i], -1) for i in order],
+                     [tree.scores[i] for i in order])
+
+
+@dataclass
+class TreeVerdict:
+    path: list[int]              # accepted nodes, root's child first
+    tokens: list[int]            # emitted: the accepted nodes' tokens, then one resampled or bonus token
+    kinds: list[str]
+    attempted_depths: int        # depths at which a node was tried (accepted path + the failed try)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+    @property
+    def rows(self) -> list[int]:
+        """The pass rows (root first) whose KV stays: the root and the accepted nodes."""
+        return [0] + [i + 1 for i in self.path]
+
+
+def greedy_verify_tree(tree: DraftTree, target_argmax: list[int]) -> TreeVerdict:
+    """target_argmax: the target's argmax at every row (root first)."""
+    children = tree.children()
+    path, row = [], 0
+    while True:
+        want = target_argmax[row]
+        match = next((c for c in children[row] if tree.tokens[c] == want), None)
+        if match is None:
+            tokens = [tree.tokens[i] for i in path] + [want]
+            kind = BONUS if not children[row] else RESAMPLED
+            return TreeVerdict(path, tokens, [ACCEPTED] * len(path) + [kind],
+                               len(path) + (1 if children[row] else 0))
+        path.append(match)
+        row = match + 1
+
+
+def sample_verify_tree(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator) -> TreeVerdict:
+    """target_probs [rows, V]: the target's distribution at every row (root first)."""
+    children = tree.children()
+    path, row = [], 0
+    while True:
+        p = target_probs[row].clone()
+        match = None
+        for c in children[row]:
+            x = tree.tokens[c]
+            u = float(torch.rand((), generator=generator))
+            if u < float(p[x]):                 # a point mass: min(1, p(x) / 1)
+                match = c
+                break
+            p[x] = 0.0
+            total = float(p.sum())
+            if total <= 0.0:                    # nothing left of p: cannot happen unless p was a point mass
+                p = target_probs[row].clone()
+                break
+            p /= total
+        if match is None:
+            token = int(torch.multinomial(p, 1, generator=generator))
+            kind = BONUS if not children[row] else RESAMPLED
+            return TreeVerdict(path, [tree.tokens[i] for i in path] + [token], [ACCEPTED] * len(path) + [kind],
+                               len(path) + (1 if children[row] else 0))
+        path.append(match)
+        row = match + 1
+
+
+def attempted_depths(verdict: TreeVerdict) -> list[bool]:
+    """Per depth: accepted, then the failed try if one was made (engine.metrics' positions)."""
+    return [d < verdict.num_accepted for d in range(verdict.attempted_depths)]
+
+
+def grow(root_logp: torch.Tensor, expand, shape: TreeShape, vocab: torch.Tensor | None = None) -> DraftTree:
+    """EAGLE-2's expansion. root_logp [V]: the draft's log-probabilities after the root.
+    expand(frontier nodes, tree) -> [len(frontier), V] log-probabilities after each of them
+    (the draft run on the frontier in one pass). vocab: the token id of each of the V
+    entries (a reduced head), None: the entry is the token id. Returns every grown node
+    (select trims it)."""
+    k = shape.top_k
+    token = (lambda i: int(i)) if vocab is None else (lambda i: int(vocab[i]))
+    top = torch.topk(root_logp, min(k, root_logp.shape[-1]))
+    tree = DraftTree([], [], [])
+    frontier = []
+    for s, t in zip(top.values.tolist(), top.indices.tolist()):
+        if s == float("-inf"):
+            break
+        frontier.append(len(tree))
+        tree.tokens.append(token(t))
+        tree.parents.append(-1)
+        tree.scores.append(float(s))
+    for _ in range(shape.depth - 1):
+        if not frontier:
+            break
+        logp = expand(frontier, tree)                                           # [F, V]
+        cum = logp + torch.tensor([tree.scores[i] for i in frontier], dtype=logp.dtype)[:, None]
+        vals, idx = torch.topk(cum, min(k, cum.shape[-1]), dim=-1)              # each node's top-k children
+        new = []
+        for f, parent in enumerate(frontier):
+            for s, t in zip(vals[f].tolist(), idx[f].tolist()):
+                if s == float("-inf"):
+                    break
+                new.append(len(tree))
+                tree.tokens.append(token(t))
+                tree.parents.append(parent)
+                tree.scores.append(float(s))
+        new.sort(key=lambda i: (-tree.scores[i], i))                            # the best k grow on
+        frontier = sorted(new[:k])
+    return tree
