@@ -17,7 +17,10 @@ The recipe, offline and on the CPU, from the target alone:
      are used. Fixed seed, data order and step count;
   4. held-out evaluation at every checkpoint: the target's answers to conversations training
      never saw (the bench's chat prompts among them), greedy speculation at k replayed
-     exactly with the unrolled head: per-position acceptance and tau;
+     exactly with the unrolled head: per-position acceptance and tau, beside the same on a
+     fixed sample of the training answers (their gap tells memorisation from capacity);
+     `python -m engine.training.diagnose` measures a finished head further (top-k recall by
+     depth, vocabulary, alignment with the proposer and the engine);
   5. the folder: config.json, model.safetensors (fp16, a few MB) and distill_report.json.
 """
 from __future__ import annotations
@@ -221,6 +224,10 @@ def evaluate(head: EagleHead, held: list[Sequence], k: int) -> dict:
 
 # ---- training ---------------------------------------------------------------------------------------
 def train(head: EagleHead, train_set: list[Sequence], held: list[Sequence], recipe: Recipe, log=print) -> dict:
+    """Returns the training time, the evaluation curve (at every eval: greedy acceptance per
+    position on the held-out answers and on a fixed sample of the training answers, side by
+    side; a wide gap is memorisation) and the final loss."""
+    probe = training_probe(train_set, max(len(held), 64))
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens.")]
     for p in head.parameters():
         p.requires_grad_(False)
@@ -251,17 +258,26 @@ def train(head: EagleHead, train_set: list[Sequence], held: list[Sequence], reci
                 f"train step-1 agreement {sum(h[1] for h in recent) / 25:.3f}  {time.perf_counter() - t0:.0f} s")
         if step % recipe.eval_every == 0 or step == recipe.steps:
             head.eval()
-            ev = evaluate(head, held, recipe.k)
+            ev, ev_train = evaluate(head, held, recipe.k), evaluate(head, probe, recipe.k)
             head.train()
             curve.append({"step": step, "seconds": round(time.perf_counter() - t0, 1),
                           "per_position": [round(x, 4) for x in ev["per_position"]],
-                          "mean_accepted_len": round(ev["mean_accepted_len"] or 0.0, 4)})
-            log(f"  step {step}: held-out per-position {curve[-1]['per_position']}, tau {curve[-1]['mean_accepted_len']}")
+                          "mean_accepted_len": round(ev["mean_accepted_len"] or 0.0, 4),
+                          "train_per_position": [round(x, 4) for x in ev_train["per_position"]],
+                          "train_mean_accepted_len": round(ev_train["mean_accepted_len"] or 0.0, 4)})
+            c = curve[-1]
+            log(f"  step {step}: per-position acceptance  train {c['train_per_position']} tau {c['train_mean_accepted_len']}"
+                f"  |  held-out {c['per_position']} tau {c['mean_accepted_len']}")
     head.eval()
     for p in head.parameters():
         p.requires_grad_(False)
     return {"train_seconds": time.perf_counter() - t0, "heldout_curve": curve,
             "final_train_loss": sum(h[0] for h in history[-50:]) / max(len(history[-50:]), 1)}
+
+
+def training_probe(train_set: list[Sequence], n: int) -> list[Sequence]:
+    """n training sequences spread evenly over the set: the training side of the evaluation."""
+    return train_set[::max(1, len(train_set) // n)][:n]
 
 
 def epoch_batches(seqs: list[Sequence], batch_size: int, rng: random.Random) -> list[list[int]]:
@@ -294,9 +310,12 @@ def run(recipe: Recipe, out: Path, threads: int = 2, data_cache: Path | None = N
         head = build_head(target, head_ids)
         log(f"training the EAGLE head: {len(head_ids)}-token head, depth {recipe.depth}, {recipe.steps} steps "
             f"of {recipe.batch_size} sequences, {sum(len(s.answer_ids) for s in train_set)} answer tokens")
+        coverage = _coverage(train_set, held, head_ids)
+        log(f"target tokens outside the head's vocabulary: train {1 - coverage['head_coverage_train']:.4f}, "
+            f"held-out {1 - coverage['head_coverage_heldout']:.4f}")
         training = train(head, train_set, held, recipe, log)
         report = {"recipe": asdict(recipe), "command": "python -m engine.training.distill " + " ".join(sys.argv[1:]),
-                  "threads": threads, "data": {**data_info, **_coverage(train_set, held, head_ids)}, **training,
+                  "threads": threads, "data": {**data_info, **coverage}, **training,
                   "heldout": training["heldout_curve"][-1], "torch": torch.__version__,
                   "python": platform.python_version()}
         save_eagle(head, out, report)
@@ -320,6 +339,10 @@ def _coverage(train_set, held, head_ids) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--diagnose" in argv:                 # the head's measures: engine.training.diagnose
+        from engine.training.diagnose import main as diagnose
+        return diagnose([a for a in argv if a != "--diagnose"])
     d = Recipe()
     ap = argparse.ArgumentParser(prog="python -m engine.training.distill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -328,6 +351,8 @@ def main(argv=None) -> int:
         ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data-cache", type=Path, default=None, help="where the generated data is kept (default: the user cache)")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="measure a head instead of training one: python -m engine.training.diagnose --help")
     a = ap.parse_args(argv)
     recipe = Recipe(**{name: getattr(a, name) for name in asdict(d)})
     report = run(recipe, a.out, a.threads, a.data_cache, log=lambda m: print(m, file=sys.stderr, flush=True))

@@ -256,6 +256,29 @@ def load_sequences(path) -> tuple[list[Sequence], dict]:
     return seqs, info
 
 
+def answers(target, conversations: list[list[dict]], max_new_tokens: int, batch_size: int, cache, log=print,
+            model=None) -> tuple[list[Sequence], dict]:
+    """The target's greedy answers to `conversations` (bf16, as `dataset` makes them), kept in
+    `cache` keyed by the conversations and everything else that changes them. For a part of
+    the data (engine.training.diagnose) without generating all of it."""
+    import hashlib
+    import json
+    key = hashlib.sha256(json.dumps([conversations, max_new_tokens, batch_size, target.identity,
+                                     torch.__version__]).encode()).hexdigest()[:16]
+    path = cache / f"answers-{key}.safetensors"
+    if path.is_file():
+        log(f"reusing {len(conversations)} generated answers in {path}")
+        return load_sequences(path)
+    if model is None:
+        from engine.loading.loader import load_model
+        model = load_model(target.folder, dtype=torch.bfloat16, max_positions=target.model.max_positions).model
+    log(f"generating answers for {len(conversations)} conversations, {batch_size} per pass")
+    seqs, info = generate(model, target.tokenizer, conversations, max_new_tokens, batch_size, log)
+    info.update(conversations=len(conversations), key=key)
+    save_sequences(seqs, path, info)
+    return seqs, info
+
+
 def dataset(target, n_train: int, seed: int, max_new_tokens: int, batch_size: int, cache, log=print,
             threads: int | None = None) -> tuple[list[Sequence], list[Sequence], dict]:
     """(train, held-out, info): generated once in bf16 and kept in `cache` (a folder), keyed by
