@@ -72,6 +72,42 @@ def _num(x) -> str:
 
 
 MAX_SPEC_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """What the `draft_tree` setting asks for: top-k per expansion, depth, nodes verified."""
+    top_k: int
+    depth: int
+    nodes: int
+
+    def __str__(self) -> str:
+        return f"{self.top_k}:{self.depth}:{self.nodes}"
+
+
+# `auto`: the tree EAGLE-2 would grow on a small budget; the engine then verifies the best
+# nodes of it that the measured pass costs say pay (engine.spec.policy).
+AUTO_SHAPE = TreeShape(top_k=4, depth=6, nodes=24)
+MAX_TREE_NODES = 64
+
+
+def parse_tree(value: str) -> TreeShape | None:
+    """The `draft_tree` setting: "off" (None), "auto", or "TOPK:DEPTH:NODES" (e.g. "4:6:24")."""
+    text = str(value).strip().lower()
+    if text == "off":
+        return None
+    if text == "auto":
+        return AUTO_SHAPE
+    try:
+        top_k, depth, nodes = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"draft tree {value!r}: give off, auto or TOPK:DEPTH:NODES, e.g. 4:6:24") from None
+    if not (1 <= top_k <= 16 and 1 <= depth <= 16 and 1 <= nodes <= MAX_TREE_NODES):
+        raise ConfigError(f"draft tree {value!r}: top-k 1..16, depth 1..16 and nodes 1..{MAX_TREE_NODES}")
+    if nodes < depth and top_k == 1:
+        raise ConfigError(f"draft tree {value!r}: a top-1 tree is a chain of `depth` nodes")
+    return TreeShape(top_k, depth, nodes)
+
 # Device-dependent defaults of max_num_seqs / max_num_batched_tokens (None in the table).
 # On a small CPU a step of 256 prefill tokens already takes a few hundred ms: more would
 # stall the other requests' decoding for longer than a chat user waits between words.
@@ -116,6 +152,10 @@ SETTINGS: tuple[Setting, ...] = (
             choices={"auto": "by batch size (measured)", "fixed": "always k"},
             help="auto: each step verifies the k (up to the k above, 0 included) that the measured pass and draft "
             "costs at the current batch size say is fastest; fixed: always k"),
+    Setting("draft_tree", str, "off", ENGINE, LIVE, "Draft tree",
+            help="off: a chain of k tokens; auto: an EAGLE-2 tree (top-4, depth 6, up to 24 nodes), trimmed each step "
+            "to the nodes the measured pass costs say pay; or TOPK:DEPTH:NODES, e.g. 4:6:24. The EAGLE head and the "
+            "draft model grow trees; n-gram stays a chain", group=SPECULATION_GROUP),
     Setting("ngram_min", int, 1, ENGINE, LIVE, "N-gram min", low=1, high=16, group=SPECULATION_GROUP),
     Setting("ngram_max", int, 4, ENGINE, LIVE, "N-gram max", low=1, high=16, group=SPECULATION_GROUP),
     # ---- KV cache ----
@@ -221,6 +261,7 @@ class _EngineChecks(_Validated):
     def _check(self) -> None:
         if self.ngram_min > self.ngram_max:
             raise ConfigError(f"n-gram sizes must satisfy min <= max, got {self.ngram_min}..{self.ngram_max}")
+        parse_tree(self.draft_tree)
 
 
 class _SamplingChecks(_Validated):

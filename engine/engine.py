@@ -26,7 +26,7 @@ import torch
 from engine.backend import ReconfigureResult, run_to_end
 from engine.cache.memory_plan import MemoryPlan, plan_memory
 from engine.config import (BY_KEY, ENGINE, LIVE, NEXT_REQUEST, SCHEDULER_DEFAULTS, SETTINGS, EngineConfig,
-                           SamplingParams, keys)
+                           SamplingParams, TreeShape, keys, parse_tree)
 from engine.errors import CacheTooSmallError, ConfigError, PromptTooLongError, WorkbenchError
 from engine.loading import loader
 from engine.metrics import EngineStep, RequestStats, StepEvent
@@ -210,6 +210,7 @@ class LLMEngine:
         return {"kv_cache_dtype": self.runner.kv_dtype_name, "block_size": c.block_size,
                 "enable_prefix_caching": c.enable_prefix_caching, "proposer": self.proposer_in_effect(),
                 "num_speculative_tokens": c.num_speculative_tokens, "draft_model": self.draft_name,
+                "draft_tree": str(self.tree_in_effect() or "off"),
                 "eagle_head": None if self.eagle is None else (self.eagle[0] or "shipped"),
                 "kv_pool_blocks": self.runner.kv.num_blocks, "kernels": self.runner.use_kernels,
                 "threads": torch.get_num_threads(), "device": str(self.device),
@@ -222,6 +223,14 @@ class LLMEngine:
     def plain_step_key(self) -> tuple:
         """What changes a plain decode step's time (the proposer does not)."""
         return (self.runner.kv_dtype_name, self.runner.compile_state, torch.get_num_threads())
+
+    def tree_in_effect(self) -> TreeShape | None:
+        """The draft tree each decode step grows, or None: a chain (the n-gram proposer has
+        no tree; the Triton kernels have no tree mask, so their tree rows attend through the
+        torch path: still exact, slower)."""
+        if self.proposer_in_effect() not in ("eagle", "draft"):
+            return None
+        return parse_tree(self.config.draft_tree)
 
     def proposer_in_effect(self) -> str:
         p = self.config.proposer
@@ -338,7 +347,8 @@ class LLMEngine:
             return events
         max_seqs, budget = self.scheduler_limits()
         plan = self.scheduler.schedule(self.runner, max_seqs, budget, self._k_for_step())
-        work = [self._prepare(s) for s in plan.scheduled]
+        rows = sum(s.num_tokens for s in plan.scheduled)           # before drafts
+        work = [self._prepare(s, rows - s.num_tokens) for s in plan.scheduled]
         t_pass = time.perf_counter()
         results = self._forward(work)
         pass_s = time.perf_counter() - t_pass
@@ -349,7 +359,10 @@ class LLMEngine:
             event = w.request.finish_pass(start, w.item.tokens, logits, hidden, w.proposal, pass_s, compile_s)
             if event is not None:
                 stepped.append(event)
-                if w.drafts:
+                if w.proposal is not None and w.proposal.tree is not None and w.drafts:
+                    self.policy.record_tree(event.tree_predicted_accepted, event.accepted, len(event.token_ids),
+                                            pass_s + w.proposal.time_s)
+                elif w.drafts:
                     self.policy.record_verdict(self.proposer_in_effect(), event.accepted_per_position)
             if w.request.finished:
                 self._forget(w.request)
@@ -377,17 +390,28 @@ class LLMEngine:
         if not work:
             return []
         runner = self.runner
-        if runner.compiled is not None and len(work) == 1 and work[0].decode:
+        if runner.compiled is not None and len(work) == 1 and work[0].decode and work[0].item.tree is None:
             item = work[0].item
             logits = runner.forward(item.seq, item.tokens, logits_for=item.logits_rows)
             return [(logits, runner.last_hidden)]
         return runner.forward_batch([w.item for w in work])
 
-    def _prepare(self, scheduled) -> "_Work":
-        """A scheduled request's rows: a prompt chunk, or its last token and drafts to verify."""
+    def _prepare(self, scheduled, other_rows: int = 0) -> "_Work":
+        """A scheduled request's rows: a prompt chunk, or its last token and drafts to verify
+        (a chain, or a tree: the root and every node, each row attending its own path).
+        other_rows: the other requests' rows in the pass, before their drafts."""
         request = scheduled.request
         decode = request.decoding
-        proposal = request.propose(scheduled.max_drafts) if decode and scheduled.max_drafts else None
+        tree = self.tree_in_effect()
+        proposal = request.propose(scheduled.max_drafts, tree) if decode and scheduled.max_drafts else None
+        if proposal is not None and proposal.tree is not None:
+            if self.config.speculation_policy == "auto":
+                proposal = proposal.trimmed(self.policy.choose_tree_nodes(proposal.tree.scores, scheduled.max_drafts,
+                                                                          other_rows))
+            start = request.num_computed
+            item = PassItem(request.seq, request.token_ids[start:] + proposal.tokens, 1 + len(proposal.tokens),
+                            proposal.tree.rows(start) if proposal.tokens else None)
+            return _Work(request, item, proposal, decode, scheduled.max_drafts)
         drafts = proposal.tokens if proposal is not None else []
         if proposal is not None:
             self.policy.record_draft(len(drafts), proposal.time_s)
@@ -403,9 +427,15 @@ class LLMEngine:
         c, proposer = self.config, self.proposer_in_effect()
         if proposer == "off":
             return 0
+        decoding = sum(1 for r in self.scheduler.running if r.decoding)
+        tree = self.tree_in_effect()
+        if tree is not None:
+            others = sum(r.num_uncomputed for r in self.scheduler.running) - 1
+            if c.speculation_policy == "fixed" or self.policy.grow_tree(1 + max(others, 0)):
+                return tree.nodes
+            return 0
         if c.speculation_policy == "fixed":
             return c.num_speculative_tokens
-        decoding = sum(1 for r in self.scheduler.running if r.decoding)
         return self.policy.choose_k(proposer, max(decoding, 1), c.num_speculative_tokens)
 
     def _step_stats(self, plan, work: list["_Work"], events: list[StepEvent], pass_s: float, step_s: float) -> EngineStep:

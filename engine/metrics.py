@@ -185,6 +185,8 @@ class StepEvent:
     request_id: int | None = None       # which request advanced (LLMEngine.submit's id)
     engine_step: dict | None = None     # the engine step that produced it (EngineStep.as_dict)
     compile_s: float = 0.0              # seconds of this step spent compiling (0.0: none); kept out of decode speed
+    tree_nodes: int = 0                 # a draft tree's nodes verified in this step (0: a chain, or none)
+    tree_predicted_accepted: float | None = None   # what the draft's confidences predicted it accepts
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,7 @@ from engine.metrics import TARGET, RequestStats, StepEvent, attempted_positions,
 from engine.runtime.detokenizer import Detokenizer
 from engine.runtime.model_runner import ModelRunner, RunnerSeq
 from engine.spec.spec_decode import Proposal, Proposer, greedy_verify, rejection_sample
+from engine.spec.tree import TreeShape, attempted_depths, greedy_verify_tree, sample_verify_tree
 from engine.spec.step_costs import PlainStepClock
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -125,13 +126,22 @@ class Request:
         self.state = FINISHED
 
     # ---- speculation ---------------------------------------------------------------
-    def propose(self, k: int) -> Proposal | None:
-        """Draft up to k tokens for a decode step (None: no proposer, or nothing to draft)."""
-        k = min(k, self.room - 1)
-        if k < 1:
-            return None
+    def propose(self, k: int, tree: TreeShape | None = None) -> Proposal | None:
+        """Draft up to k tokens for a decode step (None: no proposer, or nothing to draft); with
+        a tree shape and a proposer that grows trees, a tree of at most k nodes (a tree's
+        nodes are not all emitted: its depth, not its size, is what `room` limits)."""
         proposer = self._proposer()
         if proposer is None:
+            return None
+        if tree is not None and proposer.supports_trees and k >= 1 and self.room > 1:
+            depth = min(tree.depth, self.room - 1)
+            shape = TreeShape(tree.top_k, depth, min(k, tree.nodes))
+            try:
+                return proposer.propose_tree(self.token_ids, shape, self.params, self.generator)
+            except CacheTooSmallError:
+                return None
+        k = min(k, self.room - 1)
+        if k < 1:
             return None
         try:
             return proposer.propose(self.token_ids, k, self.params, self.generator)
@@ -162,6 +172,8 @@ class Request:
         then kept out of decode speed)."""
         self.step_compile_s += compile_s
         runner = self.engine.runner
+        if proposal is not None and proposal.tree is not None and proposal.tokens:
+            return self._finish_tree(start, logits, hidden, proposal, pass_s)
         self.last_pass = (start, hidden)
         for p in self.proposers.values():
             p.target_pass(start, hidden)
@@ -189,12 +201,35 @@ class Request:
             p.accepted(self.token_ids)
         return event
 
+    def _finish_tree(self, start: int, logits: torch.Tensor, hidden: torch.Tensor, proposal: Proposal,
+                     pass_s: float) -> StepEvent:
+        """A tree's verify pass (rows: the root at `start`, then every node): walk the tree,
+        keep the root's and the accepted path's KV (compacted to start..), free the rest."""
+        tree, runner = proposal.tree, self.engine.runner
+        if self.params.greedy:
+            verdict = greedy_verify_tree(tree, logits.argmax(-1).tolist())
+        else:
+            verdict = sample_verify_tree(tree, probabilities(logits, self.params), self.generator)
+        rows = verdict.rows
+        runner.compact(self.seq, start, rows)
+        hidden = hidden[rows]                     # the kept rows, as a chain would have them
+        self.last_pass = (start, hidden)
+        for p in self.proposers.values():
+            p.target_pass(start, hidden)
+        runner.commit(self.seq, self.token_ids + verdict.tokens)
+        event = self._emit(verdict.tokens, verdict.kinds, pass_s, draft_time=proposal.time_s,
+                           proposed=len(tree), accepted=verdict.num_accepted, positions=attempted_depths(verdict),
+                           tree_nodes=len(tree), tree_predicted=tree.predicted_accepted())
+        for p in self.proposers.values():
+            p.accepted(self.token_ids)
+        return event
+
     def cancelled_event(self) -> StepEvent:
         return self._emit([], [], 0.0, target_passes=0, cancelled=True)
 
     # ---- events ------------------------------------------------------------------
     def _emit(self, tokens, kinds, pass_s: float, draft_time=0.0, proposed=0, accepted=0,
-              positions=(), target_passes=1, cancelled=False) -> StepEvent:
+              positions=(), target_passes=1, cancelled=False, tree_nodes=0, tree_predicted=None) -> StepEvent:
         eng, stats = self.engine, self.stats
         tokens, kinds, reason = self._clip(tokens, kinds)
         reason = "cancelled" if cancelled else reason
@@ -213,7 +248,7 @@ class Request:
             generated_tokens=stats.generated_tokens + len(tokens),
             ttft_s=(now - self.t_submit) if first else None, finished=reason is not None,
             finish_reason=reason, settings=self._settings_if_changed(), request_id=self.request_id,
-            compile_s=self.step_compile_s)
+            compile_s=self.step_compile_s, tree_nodes=tree_nodes, tree_predicted_accepted=tree_predicted)
         self.t_last_event, self.step_compile_s = now, 0.0
         stats.record_step(event)
         event.running = stats.as_dict()

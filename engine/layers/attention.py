@@ -131,11 +131,13 @@ class _Group:
         tile = max(KEY_TILE, block_size)
         self.keys = -(-max(e.context_len for e in entries) // tile) * tile
         blocks = self.keys // block_size
+        if any(e.keys is not None for e in entries):                # a tree row's chain may lie past its context
+            blocks = max(blocks, max(max(e.keys) // block_size + 1 for e in entries if e.keys is not None))
         tables = torch.stack([torch.cat([e.block_table[:blocks],
                                          e.block_table.new_zeros(max(0, blocks - e.block_table.shape[0]))])
                               for e in entries])                    # padding reads block 0, masked
         if all(e.keys is None for e in entries):
-            self.table, self.slots = tables.flatten(), None
+            self.table, self.slots = tables[:, :self.keys // block_size].flatten(), None
         else:                                                       # a tree's rows: gather key by key
             index = torch.arange(self.keys, device=device).repeat(len(entries), 1)            # [B, T]
             for i, e in enumerate(entries):

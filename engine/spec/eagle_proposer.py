@@ -23,10 +23,11 @@ import time
 import torch
 
 from engine.config import SamplingParams
-from engine.layers.attention_metadata import AttentionMetadata, causal_mask
+from engine.layers.attention_metadata import AttentionMetadata, SeqSlice, TreeRows, causal_mask
 from engine.layers.sampler import probabilities
 from engine.models.eagle_head import EagleHead
 from engine.spec.spec_decode import Proposal, Proposer
+from engine.spec.tree import TreeShape, grow, select
 
 GROW = 256          # feature and cache room is added in steps of this many positions
 
@@ -56,17 +57,11 @@ class EagleProposer(Proposer):
     @torch.inference_mode()
     def propose(self, token_ids, k, params: SamplingParams, generator) -> Proposal:
         t0 = time.perf_counter()
-        n = len(token_ids)
-        last = n - 2                                 # the last position whose feature the head may read
-        if self.base is None or self.have <= last or last < self.base:
+        first_pass = self._catch_up(token_ids)
+        if first_pass is None:
             return Proposal([], None, time.perf_counter() - t0)
-        head = self.head
-        first = min(self.kv_end, last)
-        ids = torch.tensor(token_ids[first + 1:last + 2], dtype=torch.int64, device=self.device)
-        meta = self._meta(first, last - first + 1)
-        logits, g = head.step(ids, self.features[first - self.base:last - self.base + 1], self.kv, meta,
-                              meta.positions + self.base)
-        self.kv_end = last + 1
+        logits, g = first_pass
+        head, last = self.head, len(token_ids) - 2
         tokens, probs = [], []
         for i in range(k):
             token, q = self._pick(logits[-1:], params, generator)
@@ -81,6 +76,62 @@ class EagleProposer(Proposer):
             meta = self._meta(pos, 1)
             logits, g = head.step(ids, g[-1:], self.kv, meta, meta.positions + self.base)
         return Proposal(tokens, torch.stack(probs) if probs else None, time.perf_counter() - t0)
+
+    supports_trees = True
+
+    @torch.inference_mode()
+    def propose_tree(self, token_ids, shape: TreeShape, params: SamplingParams, generator) -> Proposal:
+        """EAGLE-2: the catch-up pass as for a chain, then one head pass per depth over the
+        frontier, each node attending the true-feature entries and its own chain of guessed
+        entries (stored past them, overwritten by the next catch-up like a chain's)."""
+        t0 = time.perf_counter()
+        first_pass = self._catch_up(token_ids)
+        if first_pass is None:
+            return Proposal([], None, time.perf_counter() - t0)
+        logits, g = first_pass
+        head, context = self.head, self.kv_end - self.base          # true-feature entries in the head's cache
+        index: dict[int, int] = {}                                  # node -> its slot in the head's cache
+        out_feature: dict[int, torch.Tensor] = {-1: g[-1:]}         # node -> the head's guess after it
+
+        def expand(frontier, tree):
+            first = context + len(index)
+            self._ensure(first + len(frontier) + 1)
+            index.update({node: first + j for j, node in enumerate(frontier)})
+            rows = TreeRows(context, [index[f] for f in frontier], [[index[a] for a in tree.path(f)] for f in frontier])
+            meta = self._tree_meta(rows)
+            ids = torch.tensor([tree.tokens[f] for f in frontier], dtype=torch.int64, device=self.device)
+            feats = torch.cat([out_feature[tree.parents[f]] for f in frontier])
+            reduced, g_out = head.step(ids, feats, self.kv, meta, meta.positions + self.base)
+            for j, f in enumerate(frontier):
+                out_feature[f] = g_out[j:j + 1]
+            return torch.log_softmax(reduced, -1)
+
+        tree = select(grow(torch.log_softmax(logits[-1], -1), expand, shape, vocab=head.head_token_ids), shape.nodes)
+        return Proposal(list(tree.tokens), None, time.perf_counter() - t0, tree)
+
+    def _catch_up(self, token_ids):
+        """The head's pass over the positions it has target features for and no entry yet;
+        (reduced logits, guessed features) of its rows, the last drafting the first token.
+        None: no feature for the last position yet."""
+        n = len(token_ids)
+        last = n - 2
+        if self.base is None or self.have <= last or last < self.base:
+            return None
+        first = min(self.kv_end, last)
+        ids = torch.tensor(token_ids[first + 1:last + 2], dtype=torch.int64, device=self.device)
+        meta = self._meta(first, last - first + 1)
+        out = self.head.step(ids, self.features[first - self.base:last - self.base + 1], self.kv, meta,
+                             meta.positions + self.base)
+        self.kv_end = last + 1
+        return out
+
+    def _tree_meta(self, rows: TreeRows) -> AttentionMetadata:
+        positions = torch.tensor(rows.positions, device=self.device)
+        slots = torch.tensor(rows.indices, device=self.device)
+        context = max(rows.indices) + 1
+        blocks = torch.arange(-(-context // self.block_size), device=self.device)
+        return AttentionMetadata(positions, slots, blocks, context, False, None,
+                                 seqs=[SeqSlice(0, len(rows.indices), blocks, context, rows)])
 
     def _pick(self, reduced_logits: torch.Tensor, params: SamplingParams, generator):
         if params.greedy:

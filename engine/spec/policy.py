@@ -13,17 +13,32 @@ with tau from engine.metrics.expected_accepted_len, alpha the proposer's measure
 acceptance, pass_s the measured time of a pass that wide (interpolated between the widths
 measured so far, linearly) and draft_s the measured time to draft one token. A width past
 every measured one is tried once (k at its largest) before it is predicted.
+
+A draft tree (engine.spec.tree) is trimmed after it is grown: the n best nodes by the draft's
+cumulative confidence are expected to accept calibration * (sum of their confidences) tokens
+(EAGLE-2's observation that the confidence tracks acceptance; calibration is measured:
+accepted over predicted, over the recent trees), and the n that maximises
+
+    (1 + calibration * sum of the n best confidences) / pass_s(1 + n rows + other rows)
+
+is verified, n = 0 (a plain step) included. Whether to grow a tree at all is measured too:
+the recent tree steps' tokens per second (drafting included) against a plain step's; when
+trees lose, plain steps run, with one tree every PROBE_EVERY steps to keep measuring.
 """
 from __future__ import annotations
 
 import statistics
 from collections import deque
 
+import math
+
 from engine.metrics import PositionCounts, expected_accepted_len
 
 KEEP = 32               # recent measurements per width
 PRIOR_ALPHA = 0.6       # until a proposer has been tried: optimistic, or it would never be tried
 MIN_ATTEMPTS = 16       # attempted draft positions before the measured alpha is trusted
+MIN_TREES = 8           # tree steps before their calibration and speed are trusted
+PROBE_EVERY = 16        # while trees lose: one tree step in this many, to keep measuring
 
 
 class SpeculationPolicy:
@@ -31,6 +46,8 @@ class SpeculationPolicy:
         self.pass_s: dict[int, deque] = {}          # rows in the pass -> recent pass seconds
         self.draft_s: deque = deque(maxlen=KEEP)    # seconds per drafted token
         self.positions: dict[str, PositionCounts] = {}
+        self.trees: deque = deque(maxlen=KEEP)     # (predicted accepted, accepted, tokens, seconds) per tree step
+        self.skipped_trees = 0                     # plain steps in a row since trees last lost
 
     # ---- measurements --------------------------------------------------------------
     def record_pass(self, rows: int, seconds: float) -> None:
@@ -81,3 +98,49 @@ class SpeculationPolicy:
             seconds = self.predicted_pass_s(batch * (k + 1) + other_rows) + batch * k * draft
             return batch * expected_accepted_len(alpha, k) / seconds
         return max(range(k_max + 1), key=throughput)
+
+    # ---- trees -----------------------------------------------------------------------
+    def record_tree(self, predicted: float, accepted: int, tokens: int, seconds: float) -> None:
+        """One tree step: its predicted and accepted nodes, tokens emitted, pass + draft seconds."""
+        self.trees.append((predicted, accepted, tokens, seconds))
+
+    def tree_calibration(self) -> float:
+        """Accepted nodes over the draft's predicted ones, recent trees (1.0 until measured)."""
+        if len(self.trees) < MIN_TREES:
+            return 1.0
+        predicted = sum(t[0] for t in self.trees)
+        return sum(t[1] for t in self.trees) / predicted if predicted > 0 else 0.0
+
+    def grow_tree(self, rows: int) -> bool:
+        """Grow a tree this step? Yes until MIN_TREES were measured; then while the recent tree
+        steps emit more tokens per second than a plain pass of `rows` rows (this sequence's one
+        row and the others'), and once every PROBE_EVERY steps when they do not."""
+        plain = self.predicted_pass_s(rows)
+        if len(self.trees) < MIN_TREES or plain is None:
+            return True
+        tree_rate = sum(t[2] for t in self.trees) / sum(t[3] for t in self.trees)
+        if tree_rate > 1.0 / plain:
+            self.skipped_trees = 0
+            return True
+        self.skipped_trees += 1
+        if self.skipped_trees >= PROBE_EVERY:
+            self.skipped_trees = 0
+            return True
+        return False
+
+    def choose_tree_nodes(self, scores: list[float], max_nodes: int, other_rows: int = 0) -> int:
+        """How many of a grown tree's best nodes to verify (see the module doc); all of them
+        until a pass that wide was measured."""
+        confidences = sorted((math.exp(s) for s in scores), reverse=True)[:max_nodes]
+        widest = 1 + len(confidences) + other_rows
+        if not self.pass_s or max(self.pass_s) < widest:
+            return len(confidences)
+        calibration = self.tree_calibration()
+        best, best_rate, expected = 0, 0.0, 1.0
+        for n in range(len(confidences) + 1):
+            if n:
+                expected += calibration * confidences[n - 1]
+            rate = expected / self.predicted_pass_s(1 + n + other_rows)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best

@@ -18,8 +18,11 @@ import torch
 
 from engine.config import SamplingParams
 from engine.errors import DraftIncompatibleError
+from engine.layers.attention_metadata import TreeRows
 from engine.layers.sampler import probabilities
 from engine.metrics import ACCEPTED, BONUS, RESAMPLED
+from engine.runtime.model_runner import PassItem
+from engine.spec.tree import DraftTree, TreeShape, grow, select
 
 
 # ---- the rejection sampler (pure) ---------------------------------------------
@@ -72,6 +75,12 @@ class Proposal:
     tokens: list[int]
     probs: torch.Tensor | None    # [len(tokens), V] draft distribution, None for point masses
     time_s: float = 0.0
+    tree: DraftTree | None = None  # a draft tree (tokens are its nodes'); None: a chain
+
+    def trimmed(self, nodes: int) -> "Proposal":
+        """A tree cut to its `nodes` best nodes (engine.spec.tree.select)."""
+        tree = select(self.tree, nodes)
+        return Proposal(list(tree.tokens), None, self.time_s, tree)
 
 
 class Proposer:
@@ -79,6 +88,13 @@ class Proposer:
         pass
 
     def propose(self, token_ids: list[int], k: int, params: SamplingParams, generator) -> Proposal:
+        raise NotImplementedError
+
+    supports_trees = False
+
+    def propose_tree(self, token_ids: list[int], shape: TreeShape, params: SamplingParams, generator) -> Proposal:
+        """A draft tree of at most shape.nodes nodes (engine.spec.tree.grow), for proposers
+        with supports_trees."""
         raise NotImplementedError
 
     def target_pass(self, start: int, hidden: torch.Tensor) -> None:
@@ -145,6 +161,30 @@ class DraftModelProposer(Proposer):
                 logits = runner.forward(seq, [token])
         self.fed = list(token_ids) + tokens[:-1]
         return Proposal(tokens, torch.stack(probs) if probs else None, time.perf_counter() - t0)
+
+    supports_trees = True
+
+    def propose_tree(self, token_ids, shape, params, generator) -> Proposal:
+        """Each depth's frontier is one tree pass of the draft model over its own cache (rows
+        past the context, each attending its chain: engine.spec.tree); `accepted` rolls the
+        nodes back, and the next catch-up feeds the accepted tokens as a chain."""
+        t0 = time.perf_counter()
+        seq, runner = self.seq, self.runner
+        logits = runner.forward(seq, token_ids[seq.num_computed:])      # catch up; the root's row is last
+        context = seq.num_computed
+        index: dict[int, int] = {}                                      # node -> its cache index
+
+        def expand(frontier, tree):
+            first = seq.num_computed
+            index.update({node: first + j for j, node in enumerate(frontier)})
+            rows = TreeRows(context, [index[f] for f in frontier], [[index[a] for a in tree.path(f)] for f in frontier])
+            (out, _), = runner.forward_batch([PassItem(seq, [tree.tokens[f] for f in frontier], len(frontier), rows)])
+            return torch.log_softmax(out, -1)
+
+        tree = grow(torch.log_softmax(logits[-1], -1), expand, shape)
+        self.fed = list(token_ids)
+        tree = select(tree, shape.nodes)
+        return Proposal(list(tree.tokens), None, time.perf_counter() - t0, tree)
 
     def accepted(self, token_ids: list[int]) -> None:
         # Draft KV stays valid only where what it was fed agrees with what the target settled on.

@@ -31,44 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.errors import ConfigError
+from engine.config import TreeShape, parse_tree  # noqa: F401 (the setting's value, re-exported)
 from engine.layers.attention_metadata import TreeRows
 from engine.metrics import ACCEPTED, BONUS, RESAMPLED
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """What the `draft_tree` setting asks for: top-k per expansion, depth, nodes verified."""
-    top_k: int
-    depth: int
-    nodes: int
-
-    def __str__(self) -> str:
-        return f"{self.top_k}:{self.depth}:{self.nodes}"
-
-
-# `auto`: the tree EAGLE-2 would grow on a small budget; the engine then verifies the best
-# prefix of it that the measured pass costs say pays (engine.spec.policy.choose_tree_nodes).
-AUTO_SHAPE = TreeShape(top_k=4, depth=6, nodes=24)
-MAX_TREE_NODES = 64
-
-
-def parse_tree(value: str) -> TreeShape | None:
-    """The `draft_tree` setting: "off" (None), "auto", or "TOPK:DEPTH:NODES" (e.g. "4:6:24")."""
-    text = str(value).strip().lower()
-    if text == "off":
-        return None
-    if text == "auto":
-        return AUTO_SHAPE
-    try:
-        top_k, depth, nodes = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise ConfigError(f"draft tree {value!r}: give off, auto or TOPK:DEPTH:NODES, e.g. 4:6:24") from None
-    if not (1 <= top_k <= 16 and 1 <= depth <= 16 and 1 <= nodes <= MAX_TREE_NODES):
-        raise ConfigError(f"draft tree {value!r}: top-k 1..16, depth 1..16 and nodes 1..{MAX_TREE_NODES}")
-    if nodes < depth and top_k == 1:
-        raise ConfigError(f"draft tree {value!r}: a top-1 tree is a chain of `depth` nodes")
-    return TreeShape(top_k, depth, nodes)
 
 
 @dataclass

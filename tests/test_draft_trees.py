@@ -1,0 +1,264 @@
+"""Draft trees (engine.spec.tree): the tree mask against a brute-force reference, exact KV
+compaction, growth and selection, lossless verification (greedy and sampled), and the
+engine with trees on: token-identical greedy output alone and batched, no block leak."""
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.config import EngineConfig, parse_tree
+from engine.errors import ConfigError
+from engine.metrics import ACCEPTED, BONUS, RESAMPLED
+from engine.runtime.model_runner import ModelRunner, PassItem
+from engine.spec.policy import SpeculationPolicy
+from engine.spec.tree import DraftTree, TreeShape, greedy_verify_tree, grow, sample_verify_tree, select
+from tests.conftest import chat
+
+GREEDY = SamplingParams(max_tokens=24, stop_on_eos=False)
+# 7 nodes: two children of the root, one of them with two children, paths of depth 1..4
+TREE = DraftTree([5, 6, 7, 8, 9, 10, 11], [-1, -1, 0, 0, 1, 2, 5], [-0.1, -0.5, -0.3, -0.9, -1.2, -0.6, -0.8])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_by_dtype(tmp_path_factory):
+    """The tiny model (tests/conftest.py) loaded in a given dtype."""
+    from engine.loading.loader import load_model
+    from engine.loading.synthetic import write_checkpoint
+    from tests.conftest import TINY_SEED
+    folder = write_checkpoint(tmp_path_factory.mktemp("tiny-trees"), "tiny", seed=TINY_SEED)
+    loaded = {}
+
+    def get(dtype):
+        if dtype not in loaded:
+            loaded[dtype] = load_model(str(folder), dtype=dtype)
+        return loaded[dtype]
+    return get
+
+
+def _runner(model, kv="auto"):
+    return ModelRunner(model, EngineConfig(kv_cache_bytes=8 * 2**20, kv_cache_dtype=kv), torch.device("cpu"))
+
+
+def _slots(runner, seq, n):
+    bs = runner.kv.block_size
+    return [seq.block_table[p // bs] * bs + p % bs for p in range(n)]
+
+
+# ---- the tree mask -------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,kv", [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.bfloat16, "fp8_e4m3"),
+                                      (torch.bfloat16, "fp8_e4m3_hadamard")])
+def test_each_tree_row_equals_its_path_fed_alone(tiny_by_dtype, dtype, kv):
+    """Brute force: every node's logits and hidden state from the tree pass are bitwise those of
+    its path fed as a chain in a pass of its own (the context prefilled the same way)."""
+    runner = _runner(tiny_by_dtype(dtype), kv)
+    prompt, root = list(range(100, 170)), 42
+    seq = runner.start(prompt)
+    runner.forward(seq, prompt)
+    start = seq.num_computed
+    (logits, hidden), = runner.forward_batch([PassItem(seq, [root] + TREE.tokens, len(TREE) + 1, TREE.rows(start))])
+    for node in [-1] + list(range(len(TREE))):
+        path = [] if node < 0 else TREE.path(node)
+        alone = runner.start(prompt)
+        runner.forward(alone, prompt)
+        tokens = [root] + [TREE.tokens[j] for j in path]
+        (ref_logits, ref_hidden), = runner.forward_batch([PassItem(alone, tokens, len(tokens))])
+        assert torch.equal(ref_logits[-1], logits[node + 1]), f"node {node}"
+        assert torch.equal(ref_hidden[-1], hidden[node + 1]), f"node {node}"
+        runner.end(alone)
+    runner.end(seq)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_compaction_leaves_exactly_the_chain_kv(tiny_model, kv):
+    """After keeping the root and the path to node 6, the sequence's KV bytes (values and FP8
+    scales) equal those of feeding that path as a chain, and the blocks past it are freed."""
+    runner = _runner(tiny_model, kv)
+    prompt, root = list(range(100, 170)), 42
+    seq = runner.start(prompt)
+    runner.forward(seq, prompt)
+    start = seq.num_computed
+    runner.forward_batch([PassItem(seq, [root] + TREE.tokens, len(TREE) + 1, TREE.rows(start))])
+    path = TREE.path(6)
+    runner.compact(seq, start, [0] + [j + 1 for j in path])
+    chain = runner.start(prompt)
+    runner.forward(chain, prompt)
+    runner.forward_batch([PassItem(chain, [root] + [TREE.tokens[j] for j in path], 1)])
+    assert seq.num_computed == chain.num_computed == start + 1 + len(path)
+    assert len(seq.block_table) == runner.blocks.blocks_for(seq.num_computed)
+    a, b = _slots(runner, seq, seq.num_computed), _slots(runner, chain, chain.num_computed)
+    for pool in (runner.kv.k, runner.kv.v, runner.kv.k_scale, runner.kv.v_scale):
+        if pool is None:
+            continue
+        flat = pool.flatten(1, 2)
+        flat = flat.view(torch.uint8) if flat.element_size() == 1 else flat
+        assert torch.equal(flat[:, a], flat[:, b])
+    runner.end(seq)
+    runner.end(chain)
+    assert runner.blocks.num_used_blocks == 0
+
+
+# ---- growth, selection, verification ------------------------------------------------------
+def test_tree_shape_setting():
+    assert parse_tree("off") is None and parse_tree("auto") == TreeShape(4, 6, 24)
+    assert parse_tree("8:5:32") == TreeShape(8, 5, 32)
+    for bad in ("8:5", "a:b:c", "0:5:8", "4:6:999"):
+        with pytest.raises(ConfigError, match="draft tree"):
+            EngineConfig(draft_tree=bad)
+
+
+def test_grow_follows_cumulative_confidence():
+    """EAGLE-2: each depth keeps the best top_k expansions by cumulative log-probability."""
+    vocab = 6
+    logp = torch.log_softmax(torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0, -2.0]), -1)
+
+    def expand(frontier, tree):                   # every node sees the same draft distribution
+        return logp.repeat(len(frontier), 1)
+    tree = grow(logp, expand, TreeShape(top_k=2, depth=3, nodes=64))
+    assert tree.parents[:2] == [-1, -1] and tree.tokens[:2] == [0, 1]
+    # depth 2: 2 children of each frontier node (4 nodes); depth 3 grows from the best 2 of them
+    assert [d for d in tree.depths] == [1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+    scores = tree.scores
+    for i, p in enumerate(tree.parents):
+        if p >= 0:
+            assert scores[i] < scores[p]          # confidence only falls along a path
+    small = select(tree, 4)
+    assert len(small) == 4 and all(p < i for i, p in enumerate(small.parents))
+    assert sorted(small.scores, reverse=True) == sorted(tree.scores, reverse=True)[:4]
+    assert vocab == logp.shape[0]
+
+
+def test_greedy_tree_verification_takes_the_longest_matching_path():
+    # target argmax per row (root, nodes 0..6): root -> 5 (node 0), node 0 -> 7 (node 2), node 2 -> 10 (node 5),
+    # node 5 -> 3 (no child matches: resampled)
+    argmax = [5, 7, 0, 10, 0, 0, 3, 0]
+    v = greedy_verify_tree(TREE, argmax)
+    assert v.path == [0, 2, 5] and v.tokens == [5, 7, 10, 3] and v.kinds == [ACCEPTED] * 3 + [RESAMPLED]
+    assert v.rows == [0, 1, 3, 6] and v.attempted_depths == 4
+    v = greedy_verify_tree(TREE, [5, 7, 0, 10, 0, 0, 11, 4])      # down to the leaf 6, then a bonus
+    assert v.path == [0, 2, 5, 6] and v.tokens == [5, 7, 10, 11, 4] and v.kinds[-1] == BONUS
+    v = greedy_verify_tree(TREE, [1] + [0] * 7)                   # nothing matches at the root
+    assert v.path == [] and v.tokens == [1] and v.attempted_depths == 1
+
+
+def test_sibling_rejection_keeps_the_target_distribution():
+    """Recursive rejection over a node's children (point masses) emits exactly p."""
+    p = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
+    tree = DraftTree([1, 3, 0], [-1, -1, -1], [-1.0, -2.0, -3.0])     # three siblings under the root
+    probs = p.repeat(len(tree) + 1, 1)
+    g = torch.Generator().manual_seed(0)
+    n = 30000
+    counts = torch.zeros(5)
+    for _ in range(n):
+        counts[sample_verify_tree(tree, probs, g).tokens[0]] += 1
+    expected = p * n
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    p_value = float(torch.special.gammaincc(torch.tensor(2.0), torch.tensor(statistic / 2)))
+    assert p_value > 0.001, counts / n
+
+
+def test_tree_nodes_follow_the_measured_costs():
+    policy = SpeculationPolicy()
+    scores = [-0.1, -0.3, -0.6, -1.0, -1.5]
+    assert policy.choose_tree_nodes(scores, 5) == 5          # nothing measured yet: all of them, once
+    for rows, seconds in ((1, 0.010), (6, 0.011)):
+        for _ in range(3):
+            policy.record_pass(rows, seconds)
+    assert policy.choose_tree_nodes(scores, 5) == 5          # nearly free rows: verify them all
+    policy.pass_s.clear()
+    for rows, seconds in ((1, 0.010), (6, 0.060)):
+        for _ in range(3):
+            policy.record_pass(rows, seconds)
+    assert policy.choose_tree_nodes(scores, 5) == 0          # each row costs a step: a plain step pays most
+
+
+# ---- the engine ------------------------------------------------------------------------------
+def _no_blocks_in_use(eng) -> bool:
+    return all(r.blocks.num_used_blocks == 0 for r in eng.runners())
+
+
+@pytest.mark.parametrize("kv,prefix", [("auto", True), ("fp8_e4m3", False)])
+def test_greedy_with_a_draft_model_tree_is_token_identical_alone_and_batched(make_tiny_engine, kv, prefix):
+    base = make_tiny_engine(kv_cache_dtype=kv, enable_prefix_caching=prefix)
+    prompts = [base.encode(chat(q)) for q in ("What is the capital of France?", "Name three colours.", "Count to five.")]
+    expected = [base.generate_text(p, GREEDY)[1] for p in prompts]
+    eng = make_tiny_engine(kv_cache_dtype=kv, enable_prefix_caching=prefix)
+    eng.set_draft_model("self:1")
+    eng.reconfigure(proposer="draft", draft_tree="3:4:10")
+    assert eng.settings()["draft_tree"] == "3:4:10"
+    outs = [eng.generate_text(p, GREEDY) for p in prompts]
+    assert [o[1] for o in outs] == expected
+    assert sum(o[2].accepted for o in outs) > 0 and sum(o[2].proposed for o in outs) > 0
+    assert _no_blocks_in_use(eng)
+    ids = [eng.submit(p, GREEDY) for p in prompts]               # all three in the same steps
+    got = {i: [] for i in ids}
+    while eng.has_work:
+        for ev in eng.step():
+            got[ev.request_id] += ev.token_ids
+    assert [got[i] for i in ids] == expected
+    assert _no_blocks_in_use(eng)
+
+
+def test_no_block_leak_after_200_tree_steps_with_cancels(make_tiny_engine):
+    eng = make_tiny_engine(enable_prefix_caching=True)
+    eng.set_draft_model("self:1")
+    eng.reconfigure(proposer="draft", draft_tree="3:4:10")
+    params = SamplingParams(max_tokens=40, stop_on_eos=False, temperature=1.0, seed=1)
+    prompts = [eng.encode(chat(f"Tell me about the number {i}.")) for i in range(12)]
+    steps = tree_steps = submitted = 0
+    while steps < 200:
+        while len(eng.requests) < 3 and submitted < len(prompts) * 4:
+            eng.submit(prompts[submitted % len(prompts)], params)
+            submitted += 1
+        for ev in eng.step():
+            tree_steps += ev.tree_nodes > 0
+        steps += 1
+        if steps % 7 == 0 and eng.requests:
+            eng.cancel(next(iter(eng.requests)))
+    eng.cancel()
+    eng.step()
+    assert tree_steps > 50 and not eng.has_work
+    assert _no_blocks_in_use(eng)
+
+
+def test_greedy_with_the_shipped_head_tree_is_token_identical(make_engine):
+    eng = make_engine(kv_cache_dtype="fp8_e4m3", enable_prefix_caching=True)
+    prompt = chat("Explain what a hash table is in two sentences.")
+    expected = eng.generate_text(prompt, GREEDY)[1]
+    eng.reconfigure(proposer="eagle", draft_tree="4:5:16")
+    _, out, stats = eng.generate_text(prompt, GREEDY)
+    assert out == expected
+    assert 0 < stats.accepted < stats.proposed
+    assert _no_blocks_in_use(eng)
+
+
+def test_sampled_eagle_tree_keeps_the_target_distribution(make_engine):
+    """Temperature 1 on the real model with a tree: the second token goes through the head's
+    tree and recursive rejection over siblings; given the commonest first token, its
+    frequencies match the target's own probabilities (chi-square, top-k 4 support)."""
+    eng = make_engine(enable_prefix_caching=True)
+    eng.reconfigure(proposer="eagle", draft_tree="4:2:8")
+    prompt = eng.encode(chat("Name a colour."))
+    params = [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, stop_on_eos=False, seed=s) for s in range(300)]
+    pairs = [tuple(eng.generate_text(prompt, p)[1][:2]) for p in params]
+    first = max(set(a for a, _ in pairs), key=lambda a: sum(x == a for x, _ in pairs))
+    seconds = [b for a, b in pairs if a == first]
+    from engine.layers.sampler import probabilities
+    runner, ids = eng.runner, prompt + [first]
+    seq = runner.start(ids)
+    logits = runner.forward(seq, ids[seq.num_computed:])
+    runner.end(seq)
+    p = probabilities(logits[-1], SamplingParams(temperature=1.0, top_k=4))
+    support = torch.nonzero(p).flatten().tolist()
+    observed = [seconds.count(t) for t in support]
+    assert sum(observed) == len(seconds) >= 60
+    expected = [float(p[t]) * len(seconds) for t in support]
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    p_value = float(torch.special.gammaincc(torch.tensor((len(support) - 1) / 2), torch.tensor(statistic / 2)))
+    assert p_value > 0.001, (observed, expected)
