@@ -238,6 +238,9 @@ class RequestStats:
     preemptions: int = 0
     itl_s: list[float] = field(default_factory=list)    # gaps between its events after the first
     compile_s: float = 0.0            # wall time of its decode steps that compiled (kept out of decode speed)
+    tree_steps: int = 0               # decode steps that verified a draft tree
+    tree_nodes: int = 0               # nodes those trees verified
+    tree_predicted: float = 0.0       # accepted nodes the draft's confidences predicted for them
     compile_tokens: int = 0           # tokens those steps emitted
 
     def record_step(self, event: StepEvent) -> None:
@@ -255,6 +258,10 @@ class RequestStats:
             self.compile_tokens += event.num_tokens
         self.proposed += event.proposed
         self.accepted += event.accepted
+        if event.tree_nodes:
+            self.tree_steps += 1
+            self.tree_nodes += event.tree_nodes
+            self.tree_predicted += event.tree_predicted_accepted or 0.0
         self.draft_time_s = plus(self.draft_time_s, event.draft_time_s)
         self.target_time_s = plus(self.target_time_s, event.target_time_s)
         self.positions.add(event.accepted_per_position)
@@ -306,7 +313,7 @@ class RequestStats:
 # RequestStats' additive counters (its positions add up apart, by PositionCounts.merge).
 COUNTERS = ("prompt_tokens", "prefix_hit_tokens", "generated_tokens", "ttft_s", "decode_tokens",
             "decode_time_s", "target_passes", "proposed", "accepted", "draft_time_s", "target_time_s",
-            "compile_s", "compile_tokens")
+            "compile_s", "compile_tokens", "tree_steps", "tree_nodes", "tree_predicted")
 
 
 def combined(stats: list[RequestStats]) -> RequestStats:

@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=4096, help="memory: tokens per sequence")
     ap.add_argument("--k", type=int, default=4, help="speculative: draft tokens per step")
     ap.add_argument("--proposer", choices=["draft", "eagle", "ngram"], default="eagle")
+    ap.add_argument("--tree", default="off", help="speculative: the draft_tree setting (off, auto, TOPK:DEPTH:NODES)")
     ap.add_argument("--draft", default=None,
                     help="speculative: the draft model (--proposer draft; default self:8, the target's first 8 layers) or the "
                     "EAGLE head folder (--proposer eagle; default the shipped head); memory: counted in the plan")

@@ -318,7 +318,7 @@ def bench_speculative(args) -> dict:
     encoded = [eng.encode(chat(p)) for p in prompts]
 
     def run(proposer):
-        eng.reconfigure(proposer=proposer, num_speculative_tokens=args.k)
+        eng.reconfigure(proposer=proposer, num_speculative_tokens=args.k, draft_tree=args.tree)
         outs, stats = [], []
         for ids in encoded:
             _, out, s = eng.generate_text(ids, params)
@@ -341,4 +341,20 @@ def bench_speculative(args) -> dict:
             "predicted_speedup": report["predicted_speedup"], "break_even_alpha": report["break_even_alpha"],
             "draft_target_cost_ratio": report["draft_cost"], "verify_vs_decode_step": report["verify_cost"],
             "dtype": _dtype(eng), "compile": eng.settings()["compile"],
-            "greedy_identical": spec_out == base_out}
+            "greedy_identical": spec_out == base_out, **_tree_figures(spec, plain_step_s, eng)}
+
+
+def _tree_figures(spec, plain_step_s: float, eng) -> dict:
+    """With a draft tree: what the trees were, and the speedup the draft's own confidences
+    predict (1 + predicted accepted nodes per tree, over the measured cost of a tree step:
+    drafting plus the verify pass, relative to a plain step) next to the measured one."""
+    tree = eng.settings()["draft_tree"]
+    if not spec.tree_steps:
+        return {"tree": tree}
+    step_cost = (spec.draft_time_s + spec.target_time_s) / spec.target_passes / plain_step_s
+    predicted_tau = 1 + spec.tree_predicted / spec.tree_steps
+    return {"tree": tree, "tree_steps": spec.tree_steps, "plain_steps": spec.target_passes - spec.tree_steps,
+            "tree_nodes_mean": spec.tree_nodes / spec.tree_steps,
+            "tree_predicted_tau": predicted_tau,
+            "tree_accepted_per_tree": spec.accepted / spec.tree_steps,
+            "tree_step_cost": step_cost, "tree_predicted_speedup": predicted_tau / step_cost}

@@ -34,9 +34,10 @@ def kernels_available(device: torch.device | str) -> bool:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
-              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+              meta: AttentionMetadata, scale: float, tree: tuple | None = None) -> torch.Tensor:
     """q [N, H_q, D], k/v [N, H_kv, D] of one sequence -> [N, H_q, D]. Same contract as
-    `engine.layers.attention.attention`."""
+    `engine.layers.attention.attention`. tree: (bits [N] int64, start [1] int32), see
+    paged_attention; meta.positions are then the rows' cache indices (the causal part)."""
     if _IMPORT_ERROR is not None:
         raise RuntimeError("Triton kernels were requested but triton failed to import "
                            f"({_IMPORT_ERROR}); install triton or turn kernels off.") from _IMPORT_ERROR
@@ -45,7 +46,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCac
     # The kernel masks by meta.positions itself, so it is correct for any positions; the
     # token count alone picks the launch shape and no device value is read back (no sync).
     if num_tokens <= MAX_DECODE_TOKENS:
+        batched_tree = None if tree is None else (tree[0][None], tree[1])
         out = paged_attention(q[None], cache, meta.block_table[None], meta.positions[None],
-                              meta.context_len, scale, DECODE_PARTITION, DECODE_BLOCK_N)
+                              meta.context_len, scale, DECODE_PARTITION, DECODE_BLOCK_N, batched_tree)
         return out[0]                                                            # [N, H_q, D]
-    return paged_prefill_attention(q, cache, meta.block_table, meta.positions, meta.context_len, scale)
+    return paged_prefill_attention(q, cache, meta.block_table, meta.positions, meta.context_len, scale, tree=tree)

@@ -55,11 +55,11 @@ def _load_scale(scale_ptr, slot, kvh, tok_ok, stride_ss):
 @triton.jit
 def _paged_attn_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, positions_ptr,
-        out_ptr, lse_ptr,
-        stride_qb, stride_qq, stride_qh, stride_bt, stride_pb, stride_cs, stride_ch, stride_ss,
+        out_ptr, lse_ptr, tree_bits_ptr, tree_start_ptr,
+        stride_qb, stride_qq, stride_qh, stride_bt, stride_pb, stride_cs, stride_ch, stride_ss, stride_tb,
         stride_ob, stride_op, stride_oq, stride_oh, stride_lb, stride_lp, stride_lq,
         qk_scale_log2, num_queries, group, num_row_chunks, partition_size,
-        IS_FP8: tl.constexpr, STORE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        IS_FP8: tl.constexpr, STORE_LSE: tl.constexpr, IS_TREE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLOT_DTYPE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     seq = tl.program_id(0)
@@ -73,6 +73,9 @@ def _paged_attn_kernel(
     pos = tl.load(positions_ptr + seq * stride_pb + qtok, mask=row_ok, other=-1).to(tl.int32)  # [M]
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < HEAD_DIM
+    if IS_TREE:   # a draft tree: keys from tree_start on are seen only along the row's path (bit i: key tree_start + i)
+        tree_start = tl.load(tree_start_ptr + seq).to(tl.int32)
+        tree_bits = tl.load(tree_bits_ptr + seq * stride_tb + qtok, mask=row_ok, other=0)            # [M] int64
 
     # Keys this program reads: its partition, cut at the chunk's last query position.
     start = part * partition_size
@@ -94,7 +97,13 @@ def _paged_attn_kernel(
             if IS_FP8:
                 s = s * _load_scale(k_scale_ptr, slot, kvh, tok_ok, stride_ss)[None, :]
             s = s * qk_scale_log2
-            s = tl.where(tok_ok[None, :] & (toks[None, :] <= pos[:, None]), s, float("-inf"))
+            seen = tok_ok[None, :] & (toks[None, :] <= pos[:, None])
+            if IS_TREE:
+                rel = toks - tree_start
+                shift = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)
+                on_path = ((tree_bits[:, None] >> shift[None, :]) & 1) != 0
+                seen = seen & ((rel[None, :] < 0) | on_path)
+            s = tl.where(seen, s, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with no key yet: no NaN
@@ -148,10 +157,13 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 
 def paged_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, positions: torch.Tensor,
-                    max_context_len: int, scale: float, partition_size: int, block_n: int) -> torch.Tensor:
+                    max_context_len: int, scale: float, partition_size: int, block_n: int,
+                    tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [B, Q, H_q, D], block_tables [B, max_blocks], positions [B, Q] (query token i of
     sequence b sees keys at positions <= positions[b, i]; its keys must be in the cache)
-    -> [B, Q, H_q, D]. `partition_size` must be a multiple of `block_n`."""
+    -> [B, Q, H_q, D]. `partition_size` must be a multiple of `block_n`.
+    tree: (bits [B, Q] int64, start [B] int32): a draft tree's mask on top of that: a key at
+    start + i (0 <= i < 64) is seen only where bit i of the query's bits is set."""
     batch, num_queries, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = cache.k.shape
     group = num_q_heads // num_kv_heads
@@ -178,13 +190,14 @@ def paged_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tens
         part_out = _empty(batch, num_parts, num_queries, num_q_heads, head_dim, dtype=torch.float32,
                           device=q.device)
         lse = _empty(batch, num_parts, num_queries, num_q_heads, dtype=torch.float32, device=q.device)
+    tree_bits, tree_start = tree if tree is not None else (positions, positions)     # unused without a tree
     _paged_attn_kernel[(batch, num_kv_heads * row_chunks, num_parts)](
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, positions, part_out, lse,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, positions, part_out, lse, tree_bits, tree_start,
         q.stride(0), q.stride(1), q.stride(2), block_tables.stride(0), positions.stride(0),
-        cache.k.stride(1), cache.k.stride(2), stride_ss,
+        cache.k.stride(1), cache.k.stride(2), stride_ss, tree_bits.stride(0),
         *part_out.stride()[:4], *lse.stride()[:3],
         scale * math.log2(math.e), num_queries, group, row_chunks, partition_size,
-        IS_FP8=is_fp8, STORE_LSE=num_parts > 1, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        IS_FP8=is_fp8, STORE_LSE=num_parts > 1, IS_TREE=tree is not None, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         # 32-bit slot offsets save registers; 64-bit only where the cache needs them
         SLOT_DTYPE=tl.int64 if cache.k.numel() >= 2**31 else tl.int32,
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",  # fp32: no TF32
@@ -216,12 +229,14 @@ def paged_decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: tor
 
 def paged_prefill_attention(q: torch.Tensor, cache: LayerCache, block_table: torch.Tensor,
                             positions: torch.Tensor, context_len: int, scale: float,
-                            block_n: int = PREFILL_BLOCK_N) -> torch.Tensor:
+                            block_n: int = PREFILL_BLOCK_N, tree: tuple | None = None) -> torch.Tensor:
     """One sequence's prefill over paged KV: q [N, H_q, D] for the uncached tokens at
     `positions` [N]; keys are everything in the cache up to each position (prefix-cache
     hits included) -> [N, H_q, D]. Query rows give the parallelism, so no split-K: one
     partition (its size is a runtime argument, so no recompile per prompt length)."""
     partition = triton.cdiv(context_len, block_n) * block_n
+    if tree is not None:
+        tree = (tree[0][None], tree[1])
     out = paged_attention(q[None], cache, block_table[None], positions[None], context_len, scale,
-                          partition, block_n)
+                          partition, block_n, tree)
     return out[0]

@@ -86,17 +86,22 @@ def paged_attention_ref(q: torch.Tensor, cache: LayerCache, meta: AttentionMetad
     keys, and tiles summed in order. GQA without copying KV heads: a group's G query heads
     are folded into the query axis, so each KV head is read once for all of them."""
     if meta.plan is None:                 # the same for every layer: built once per pass
-        meta.plan = [_Group(group, meta.positions, cache.k.shape[1], q.shape[1] // cache.k.shape[2])
-                     for group in _groups(meta.sequences())]
+        block_size, group_size = cache.k.shape[1], q.shape[1] // cache.k.shape[2]
+        seqs = meta.sequences()
+        meta.plan = [_Group(group, meta.positions, block_size, group_size) for group in _groups(seqs)]
+        meta.plan += [_TreeGroup(s, meta.positions, block_size, group_size) for s in seqs if s.tree is not None]
     out = torch.empty_like(q)
     for group in meta.plan:
+        if isinstance(group, _TreeGroup):
+            out[group.real_rows] = _attend_tree(q, cache, group, scale)
+            continue
         result = _attend(q[group.rows], cache, group, scale)                 # [B, R, H_q, D]
         out[group.real_rows] = result.flatten(0, 1)[group.real_flat]
     return out
 
 
 def _groups(seqs: list[SeqSlice]) -> list[list["_Keys"]]:
-    entries = [e for s in seqs for e in _Keys.of(s)]
+    entries = [_Keys.of(s) for s in seqs if s.tree is None]
     short = [e for e in entries if len(e.rows) <= SHORT_ROWS]
     return ([short] if short else []) + [[e] for e in entries if len(e.rows) > SHORT_ROWS]
 
@@ -109,12 +114,26 @@ class _Keys:
         self.rows, self.context_len, self.block_table, self.keys = rows, context_len, block_table, keys
 
     @staticmethod
-    def of(s: SeqSlice) -> list["_Keys"]:
-        if s.tree is None:
-            return [_Keys(list(range(s.start, s.start + s.count)), s.context_len, s.block_table)]
-        shared = list(range(s.tree.context))
-        return [_Keys([s.start + r], s.tree.context + len(path), s.block_table, shared + path)
-                for r, path in enumerate(s.tree.paths)]
+    def of(s: SeqSlice) -> "_Keys":
+        return _Keys(list(range(s.start, s.start + s.count)), s.context_len, s.block_table)
+
+
+class _TreeGroup:
+    """A draft tree's rows. Each row sees the keys a chain of its own path would, in the
+    same tiles: the context's whole tiles, the same for every row (read once, attended by
+    all rows in one product), then its tail: the rest of the context and its path, laid out
+    key by key as that chain would hold them (a _Group of one row per entry, positions
+    counted from the first tail key)."""
+
+    def __init__(self, s: SeqSlice, positions: torch.Tensor, block_size: int, group_size: int):
+        tree, tile = s.tree, max(KEY_TILE, block_size)
+        self.shared = tree.context // tile * tile                    # keys in whole tiles before the tail
+        self.real_rows = torch.arange(s.start, s.start + s.count, device=positions.device)
+        tail_keys = list(range(self.shared, tree.context))
+        entries = [_Keys([s.start + r], tree.context - self.shared + len(path), s.block_table, tail_keys + path)
+                   for r, path in enumerate(tree.paths)]
+        self.tail = _Group(entries, positions - self.shared, block_size, group_size)
+        self.table = s.block_table[:self.shared // block_size]
 
 
 class _Group:
@@ -174,6 +193,46 @@ def _gather(cache: LayerCache, group: _Group, dtype: torch.dtype):
     return read(cache.k, cache.k_scale), read(cache.v, cache.v_scale).masked_fill(group.unwritten, 0)
 
 
+def _attend_tree(q: torch.Tensor, cache: LayerCache, group: _TreeGroup, scale: float) -> torch.Tensor:
+    """A tree's rows of q [N, H_q, D] -> [R, H_q, D]: _attend's arithmetic, each row over the
+    shared tiles and its own tail tiles, with every tile's products and sums taken as _attend
+    takes them for a chain, so each row's numbers are its chain's."""
+    tail = group.tail
+    qt = q[tail.rows]                                                        # [R, W, H_q, D]
+    r, w, num_q_heads, head_dim = qt.shape
+    k_t, v_t = _gather(cache, tail, q.dtype)                                 # [R, Tt, H_kv, D]
+    num_kv_heads = k_t.shape[2]
+    g = num_q_heads // num_kv_heads
+    qg = qt.view(r, w, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(r, num_kv_heads, g * w, head_dim)
+    scores = torch.matmul(qg, k_t.permute(0, 2, 3, 1)) * scale              # [R, H_kv, G*W, Tt]
+    scores = scores.float().masked_fill(tail.hidden, float("-inf"))
+    shared = group.shared
+    if shared:
+        k_s, v_s = gather_kv(cache, group.table, shared, q.dtype)            # [S, H_kv, D]
+        # every row's queries (the first of its W copies) against the shared keys, in one product
+        q_s = qg.view(r, num_kv_heads, g, w, head_dim)[:, :, :, 0].permute(1, 2, 0, 3).reshape(
+            num_kv_heads, g * r, head_dim)
+        s_s = (torch.matmul(q_s, k_s.permute(1, 2, 0)) * scale).float()      # [H_kv, G*R, S]
+        s_s = s_s.view(num_kv_heads, g, r, shared).permute(2, 0, 1, 3)[:, :, :, None].expand(
+            r, num_kv_heads, g, w, shared).reshape(r, num_kv_heads, g * w, shared)
+        scores = torch.cat([s_s, scores], -1)
+    keys = scores.shape[-1]
+    tiles, shared_tiles = keys // KEY_TILE, shared // KEY_TILE
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    tiled = weights.view(r, num_kv_heads, g * w, tiles, KEY_TILE)
+    total = tiled.sum(-1).cumsum(-1)[..., -1]                                # [R, H_kv, G*W]
+    v_tiles = v_t.permute(0, 2, 1, 3).reshape(r, num_kv_heads, tiles - shared_tiles, KEY_TILE, head_dim)
+    parts = torch.matmul(tiled[:, :, :, shared_tiles:].transpose(2, 3).to(v_t.dtype), v_tiles)  # [R, H_kv, Tt/64, G*W, D]
+    if shared:
+        vs_tiles = v_s.permute(1, 0, 2).reshape(num_kv_heads, shared_tiles, KEY_TILE, head_dim)
+        w_s = tiled[:, :, :, :shared_tiles].permute(1, 3, 0, 2, 4).reshape(
+            num_kv_heads, shared_tiles, r * g * w, KEY_TILE).to(v_s.dtype)
+        p_s = torch.matmul(w_s, vs_tiles).view(num_kv_heads, shared_tiles, r, g * w, head_dim).permute(2, 0, 1, 3, 4)
+        parts = torch.cat([p_s, parts], 2)
+    out = (parts.float().cumsum(2)[:, :, -1] / total[..., None]).to(q.dtype)   # [R, H_kv, G*W, D]
+    return out.view(r, num_kv_heads, g, w, head_dim)[:, :, :, 0].reshape(r, num_q_heads, head_dim)
+
+
 def _attend(q: torch.Tensor, cache: LayerCache, group: _Group, scale: float) -> torch.Tensor:
     """q [B, R, H_q, D] -> [B, R, H_q, D] (see paged_attention_ref)."""
     b, r, num_q_heads, head_dim = q.shape
@@ -223,13 +282,30 @@ def _kernel_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, s: Se
 
 
 def _tree_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, s: SeqSlice, scale: float):
-    """A draft tree's rows where the Triton kernels run: the kernels have no tree mask, so
-    they attend through the torch path (exact, slower)."""
-    rows = slice(s.start, s.start + s.count)
-    store_kv(cache, k, v, meta.slot_mapping[rows])
-    one = AttentionMetadata(meta.positions[rows], meta.slot_mapping[rows], s.block_table, s.context_len, False,
-                            None, seqs=[SeqSlice(0, s.count, s.block_table, s.context_len, s.tree)])
-    return paged_attention_ref(q, cache, one, scale)
+    """A draft tree's rows where the Triton kernels run: the kernels mask each row by its
+    cache index (the causal part) and by a bit per tree key on its path, the keys past the
+    context (TREE_KEYS of them at most; a wider tree attends through the torch path)."""
+    from engine.kernels import dispatch
+    tree, rows = s.tree, slice(s.start, s.start + s.count)
+    if max(tree.indices) - tree.context >= TREE_KEYS:
+        store_kv(cache, k, v, meta.slot_mapping[rows])
+        one = AttentionMetadata(meta.positions[rows], meta.slot_mapping[rows], s.block_table, s.context_len, False,
+                                None, seqs=[SeqSlice(0, s.count, s.block_table, s.context_len, tree)])
+        return paged_attention_ref(q, cache, one, scale)
+    device = q.device
+    bits = torch.tensor([_signed64(sum(1 << (i - tree.context) for i in path)) for path in tree.paths],
+                        dtype=torch.int64, device=device)
+    index = torch.tensor(tree.indices, dtype=torch.int64, device=device)
+    one = AttentionMetadata(index, meta.slot_mapping[rows], s.block_table, s.context_len, True, None)
+    start = torch.tensor([tree.context], dtype=torch.int32, device=device)
+    return dispatch.attention(q, k, v, cache, one, scale, tree=(bits, start))
+
+
+TREE_KEYS = 64          # tree keys one int64 mask word covers (the kernels' tree mask)
+
+
+def _signed64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 def one_sequence(meta: AttentionMetadata, s: SeqSlice) -> AttentionMetadata:
