@@ -15,6 +15,8 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
         return describe_server(settings)
     proposer = settings.get("proposer", "off")
     speculation = "off" if proposer == "off" else f"{proposer}, k={settings.get('num_speculative_tokens')}"
+    if proposer != "off" and settings.get("draft_tree", "off") != "off":
+        speculation += f", draft tree {escape(str(settings['draft_tree']))}"
     if chosen and chosen.get("proposer") == "draft" and proposer == "off":
         speculation += " <i>(the draft proposer needs a draft model)</i>"
     draft = settings.get("draft_model")

@@ -10,6 +10,11 @@ Speculation's speedup per step (the reply's engine.metrics.speculation_report so
 speedup_measured, speedup_predicted, break_even_alpha (inf: it cannot pay at any alpha with
 the measured costs; empty: no report). The session's figure for the current set-up is
 `speculation` (app.speculation_tally).
+
+A draft tree's step (tree_nodes > 0, engine.metrics.StepEvent): tree_accepted_path is its
+accepted path length (`accepted`), tree_predicted what the draft's confidences predicted
+it accepts, and tree_node_budget / tree_depth the draft_tree setting in effect (NaN: no
+tree), so the nodes the engine verified show against the nodes it could have.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import numpy as np
 
 from app.speculation_tally import SpeculationTally
 from engine import config
+from engine.config import TreeShape, parse_tree
 from engine.metrics import PositionCounts
 
 MIB = 2**20
@@ -73,6 +79,8 @@ def describe_change(key: str, value, settings: dict | None = None) -> str:
         return f"k={value}"
     if key == "draft_model":
         return f"draft {value or 'none'}"
+    if key == "draft_tree":
+        return f"tree {value}"
     return f"{key}={value}"
 
 
@@ -81,7 +89,8 @@ class MetricsHistory:
                     "acceptance", "running_acceptance", "tok_s", "running_tok_s", "kv_used_mib",
                     "kv_capacity_mib", "kv_usage", "is_fp8", "prefix_hit_tokens", "prompt_tokens", "generated_tokens",
                     "ttft_s", "speedup_measured", "speedup_predicted", "break_even_alpha", "compile_s",
-                    "compile_tok_s")
+                    "compile_tok_s", "tree_nodes", "tree_accepted_path", "tree_predicted", "tree_node_budget",
+                    "tree_depth")
     REQUEST_COLUMNS = ("request", "session_step", "ttft_ms", "prefix_hit_tokens", "prompt_tokens",
                        "generated_tokens", "decode_tok_s", "acceptance_rate", "mean_accepted_len")
 
@@ -195,12 +204,12 @@ class MetricsHistory:
                "prefix_hit_tokens": _nan_if_none(event["prefix_hit_tokens"]),
                "prompt_tokens": _nan_if_none(event["prompt_tokens"]),
                "generated_tokens": _nan_if_none(event["generated_tokens"]), "ttft_s": _nan_if_none(event.get("ttft_s")),
-               **_speedup_columns(event.get("speculation"))}
+               **_speedup_columns(event.get("speculation")), **_tree_columns(event, self.tree_shape)}
         for name, value in row.items():
             self.steps[name].append(value)
         settings = self._last_settings or {}
         self.step_labels.append({"kv_dtype": event["kv_dtype"], "proposer": settings.get("proposer"),
-                                 "k": settings.get("num_speculative_tokens"),
+                                 "k": settings.get("num_speculative_tokens"), "draft_tree": settings.get("draft_tree"),
                                  "prefix_caching": settings.get("enable_prefix_caching"),
                                  "finish_reason": event.get("finish_reason") or ""})
 
@@ -223,6 +232,12 @@ class MetricsHistory:
         if any(self.positions.attempts):
             return STEPS
         return SERVER if any(self.server_positions.attempts) else None
+
+    @property
+    def tree_shape(self) -> TreeShape | None:
+        """The draft tree in effect (the engine's `draft_tree`), or None: a chain, or a
+        backend without trees."""
+        return parse_tree((self._last_settings or {}).get("draft_tree") or "off")
 
     @property
     def num_steps(self) -> int:
@@ -267,6 +282,14 @@ def _speedup_columns(report: dict | None) -> dict:
     return {"speedup_measured": _nan_if_none(report["measured_speedup"]),
             "speedup_predicted": _nan_if_none(report["predicted_speedup"]),
             "break_even_alpha": np.inf if even is None else even}      # None: no alpha <= 1 pays
+
+
+def _tree_columns(event: dict, shape: TreeShape | None) -> dict:
+    """A tree step's path and nodes (NaN on a chain step), and the tree the setting allows."""
+    nodes = event["tree_nodes"]
+    return {"tree_nodes": nodes, "tree_accepted_path": event["accepted"] if nodes else np.nan,
+            "tree_predicted": _nan_if_none(event["tree_predicted_accepted"]) if nodes else np.nan,
+            "tree_node_budget": shape.nodes if shape else np.nan, "tree_depth": shape.depth if shape else np.nan}
 
 
 def _kv_usage(event: dict) -> float:

@@ -1,5 +1,9 @@
 """Live plots of the session's metrics (pyqtgraph).
 
+Three rows: acceptance and KV memory; decode speed, acceptance per position (by depth
+with a draft tree) and TTFT; then what each draft tree did: its accepted path against its
+depth, and the nodes verified against the node budget.
+
 Curves are created once; a QTimer (at most 10 Hz, see PLOT_TIME_BUDGET) copies the
 MetricsHistory ring buffers into them, only when something new arrived. Vertical markers show where a setting changed, so
 each optimization's effect is visible as it happens.
@@ -30,6 +34,7 @@ DATA_HEADROOM = 1.1      # every legend sits in its plot's title row: a little r
 # Each row of plots keeps this height (the panel scrolls when its dock is shorter), so on a
 # 1366x768 screen no plot shrinks to a strip and no axis title is cut.
 PLOT_ROW_MIN_HEIGHT = 230
+PLOT_ROWS = 3
 TITLE_STYLE = {"size": "11pt"}      # pyqtgraph's title size
 LEGEND_TEXT_COLOUR = "#24292f"
 MARKER_LABEL_ROWS = (0.68, 0.54, 0.4)   # label heights, cycled so close markers do not overlap
@@ -37,6 +42,8 @@ MAX_MARKER_LINES = 64    # per plot; older markers scroll out anyway
 KV_BYTES_AXIS = "MiB (log scale)"
 KV_SHARE_AXIS = "in use (%)"
 KV_SHARE_MIN_TOP = 5     # %: the KV share axis shows at least 0-10%
+POSITION_AXES = {False: "draft position i", True: "tree depth"}     # with a draft tree or not
+TREE_PATH_TITLE, TREE_NODES_TITLE = "Draft tree: accepted path", "Draft tree: nodes verified"
 
 
 def _pen(name: str, width: float = 2, style=Qt.PenStyle.SolidLine):
@@ -82,7 +89,7 @@ class PlotsPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addLayout(bar)
-        self.graphics.setMinimumHeight(2 * PLOT_ROW_MIN_HEIGHT)
+        self.graphics.setMinimumHeight(PLOT_ROWS * PLOT_ROW_MIN_HEIGHT)
         self.scroll = QScrollArea()
         self.scroll.setWidgetResizable(True)
         self.scroll.setWidget(self.graphics)
@@ -113,20 +120,24 @@ class PlotsPanel(QWidget):
         return plot
 
     def _build_plots(self) -> None:
-        """Two rows of four columns: step series two columns wide, bar charts one."""
+        """Three rows of four columns: step series two columns wide, bar charts one."""
         self._build_acceptance()
         self._build_positions()
         self._build_kv()
         self._build_ttft()
         self._build_decode()
-        for plot in (self.acceptance_plot, self.decode_plot):
-            # One step axis for the three step plots, following the KV plot (which has every step).
+        self._build_tree()
+        for plot in (p for p in self._step_plots() if p is not self.kv_plot):
+            # One step axis for the step plots, following the KV plot (which has every step).
             plot.enableAutoRange(x=False)
             plot.setXLink(self.kv_plot)
         grid = self.graphics.ci.layout
         for column in range(4):
             grid.setColumnStretchFactor(column, 1)
             grid.setColumnPreferredWidth(column, 100)
+
+    def _step_plots(self) -> tuple[pg.PlotItem, ...]:
+        return self.acceptance_plot, self.kv_plot, self.decode_plot, self.tree_path_plot, self.tree_nodes_plot
 
     def _build_acceptance(self) -> None:
         p = self.acceptance_plot = self._new_plot(0, 0, "Acceptance rate", "accepted (%)", "session step")
@@ -142,7 +153,7 @@ class PlotsPanel(QWidget):
 
     def _build_positions(self) -> None:
         p = self.positions_plot = self._new_plot(1, 2, "Per-position acceptance", "accepted (%)",
-                                                 "draft position i", colspan=1)
+                                                 POSITION_AXES[False], colspan=1)
         p.setYRange(0, 105, padding=0)
         p.getAxis("left").setTicks([[(v, str(v)) for v in range(0, 101, 25)]])
         self.positions_bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush=C["positions"])
@@ -198,6 +209,23 @@ class PlotsPanel(QWidget):
                                             symbolPen=C["compile"], name="compiling (not counted)")
         self.decode_running = p.plot(pen=_pen("running_tok_s"), name="running (this reply)")
 
+    def _build_tree(self) -> None:
+        """A tree step's accepted/proposed says little (2 of 24 nodes is a success): these say
+        how long its accepted path was, and how many nodes of the budget the engine verified."""
+        p = self.tree_path_plot = self._new_plot(2, 0, TREE_PATH_TITLE, "path (tokens)", "session step")
+        p.setTitle(_title_with_legend(TREE_PATH_TITLE, (("●", C["tree_path"], "accepted"),
+                                                        ("○", C["tree_predicted"], "predicted by the draft"),
+                                                        ("┅", C["capacity"], "depth"))))
+        self.tree_depth_curve = p.plot(pen=_pen("capacity", 1.5, Qt.PenStyle.DashLine), connect="finite")
+        self.tree_predicted_points = p.plot(pen=None, symbol="o", symbolSize=8, symbolBrush=None,
+                                            symbolPen=_pen("tree_predicted", 1.5))
+        self.tree_path_points = p.plot(pen=None, symbol="o", symbolSize=6, symbolBrush=C["tree_path"], symbolPen=None)
+        q = self.tree_nodes_plot = self._new_plot(2, 2, TREE_NODES_TITLE, "nodes", "session step")
+        q.setTitle(_tree_nodes_title(None))
+        self.tree_budget_curve = q.plot(pen=_pen("capacity", 1.5, Qt.PenStyle.DashLine), connect="finite")
+        self.tree_nodes_points = q.plot(pen=None, symbol="s", symbolSize=5, symbolBrush=C["tree_nodes"],
+                                        symbolPen=None)
+
     # ---- refresh ---------------------------------------------------------------
     def refresh(self) -> None:
         if self.history.version == self._drawn_version:
@@ -212,9 +240,12 @@ class PlotsPanel(QWidget):
         h = self.history
         self._drawn_version = h.version
         x, requests = h.step_series("session_step"), h.step_series("request")
-        _set_finite(self.acceptance_points, x, h.step_series("acceptance") * 100)
-        _set_runs(self.acceptance_running, x, h.step_series("running_acceptance") * 100, requests)
+        chain = h.step_series("tree_nodes") == 0           # a tree step's acceptance is on the tree plots
+        _set_finite(self.acceptance_points, x, np.where(chain, h.step_series("acceptance") * 100, np.nan))
+        _set_runs(self.acceptance_running, x, np.where(chain, h.step_series("running_acceptance") * 100, np.nan),
+                  requests)
         self._refresh_positions()
+        self._refresh_tree(x)
         self._refresh_kv(x)
         self._refresh_ttft()
         tok_s = h.step_series("tok_s")
@@ -238,15 +269,38 @@ class PlotsPanel(QWidget):
             self.acceptance_plot.setTitle(title)
 
     def _refresh_positions(self) -> None:
-        title = "Per-position acceptance" + (" (the server's counters)" if self.history.per_position_source == SERVER
-                                             else "")
+        """Per draft position; with a draft tree in effect, per depth (the counts start again
+        when it changes)."""
+        tree = self.history.tree_shape is not None
+        title = ("Acceptance by tree depth" if tree else "Per-position acceptance") + (
+            " (the server's counters)" if self.history.per_position_source == SERVER else "")
         if title != self.positions_plot.titleLabel.text:
             self.positions_plot.setTitle(title)
+            self.positions_plot.setLabel("bottom", POSITION_AXES[tree])
         rates = self.history.per_position_acceptance()
         self.positions_bars.setOpts(x=np.arange(1, len(rates) + 1), height=rates * 100)
         if len(rates):
             self.positions_plot.setXRange(0.4, len(rates) + 0.6, padding=0)
             _integer_ticks(self.positions_plot, 1, len(rates))
+
+    def _refresh_tree(self, x: np.ndarray) -> None:
+        h = self.history
+        path, predicted, depth = (h.step_series(n) for n in ("tree_accepted_path", "tree_predicted", "tree_depth"))
+        nodes, budget = h.step_series("tree_nodes"), h.step_series("tree_node_budget")
+        nodes = np.where(nodes > 0, nodes, np.nan)          # a chain step verified no tree
+        _set_finite(self.tree_path_points, x, path)
+        _set_finite(self.tree_predicted_points, x, predicted)
+        self.tree_depth_curve.setData(x, depth, connect="finite")
+        _set_finite(self.tree_nodes_points, x, nodes)
+        self.tree_budget_curve.setData(x, budget, connect="finite")
+        html = _tree_nodes_title(h.tree_shape)
+        if html != self.tree_nodes_plot.titleLabel.text:
+            self.tree_nodes_plot.setTitle(html)
+        for plot, series in ((self.tree_path_plot, (path, predicted, depth)), (self.tree_nodes_plot, (nodes, budget))):
+            top = max([1.0] + [float(np.nanmax(s)) for s in series if np.isfinite(s).any()])
+            # From a little below 0, so a step that accepted nothing shows its whole dot.
+            plot.setYRange(-0.04 * top, top * DATA_HEADROOM, padding=0)
+            _integer_ticks(plot, 0, int(top), axis="left", most=5)
 
     def _refresh_kv(self, x: np.ndarray) -> None:
         h = self.history
@@ -315,7 +369,7 @@ class PlotsPanel(QWidget):
                                                             start=self._drawn_markers):
             # Labelled on the step plots, at staggered heights; the request plot is too narrow.
             height = MARKER_LABEL_ROWS[number % len(MARKER_LABEL_ROWS)]
-            for plot in (self.acceptance_plot, self.kv_plot, self.decode_plot):
+            for plot in self._step_plots():
                 self._add_marker(plot, step_x, label, height)
             self._add_marker(self.ttft_plot, request_x)
         self._drawn_markers = self.history.markers_added
@@ -344,10 +398,10 @@ class PlotsPanel(QWidget):
         return self.graphics.grab().save(path, "PNG")
 
 
-def _integer_ticks(plot: pg.PlotItem, first: int, last: int, most: int = 10) -> None:
-    """Whole-number ticks on a bar chart's x axis (no "1.5" between two bars)."""
+def _integer_ticks(plot: pg.PlotItem, first: int, last: int, most: int = 10, axis: str = "bottom") -> None:
+    """Whole-number ticks (no "1.5" between two bars, no half a token)."""
     step = max(1, -(-(last - first + 1) // most))
-    plot.getAxis("bottom").setTicks([[(v, str(v)) for v in range(first, last + 1, step)]])
+    plot.getAxis(axis).setTicks([[(v, str(v)) for v in range(first, last + 1, step)]])
 
 
 def _percent_ticks(top: float, most: int = 5) -> list:
@@ -363,6 +417,12 @@ def _title_with_legend(title: str, entries) -> str:
     keys = "&nbsp;&nbsp;".join(f"<span style='color:{colour}'>{symbol}</span>&nbsp;{escape(name)}"
                                for symbol, colour, name in entries)
     return f"{escape(title)}&nbsp;&nbsp;&nbsp;<span style='color:{LEGEND_TEXT_COLOUR}; font-size:8pt'>{keys}</span>"
+
+
+def _tree_nodes_title(shape) -> str:
+    """The nodes plot's title: with the tree the setting allows (engine.config.TreeShape)."""
+    return _title_with_legend(f"{TREE_NODES_TITLE} — {f'setting {shape}' if shape else 'tree off'}",
+                              (("■", C["tree_nodes"], "verified"), ("┅", C["capacity"], "node budget")))
 
 
 def _set_finite(item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray) -> None:

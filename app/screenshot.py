@@ -6,10 +6,11 @@
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --load [--out docs/screenshot-load.png]
 
 The default mode chats with the default model, turning optimizations on between replies (so
-the plots show markers and their effect), then grabs the window while the last reply
-streams. --remote starts llama.cpp's llama-server on the embedded GGUF, drafting for itself,
-with --metrics (engine.remote.llama_server; scripts/build_llama_server.sh builds it), connects to it
-as "Connect to server…" does, and grabs the window after two chat turns: acceptance and TTFT
+the plots show markers and their effect; the last reply drafts trees with the EAGLE head),
+then grabs the window while the last reply streams. --remote starts llama.cpp's
+llama-server on the embedded GGUF, drafting for itself, with --metrics
+(engine.remote.llama_server; scripts/build_llama_server.sh builds it), connects to it as
+"Connect to server…" does, and grabs the window after two chat turns: acceptance and TTFT
 from the server's figures, KV usage from its /slots. Settings go to a temporary config
 folder, never the user's.
 """
@@ -34,7 +35,7 @@ SCRIPT = (
     ({}, "What is the capital of France?"),
     ({"proposer": "ngram"}, "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."),
     ({"kv_cache_dtype": "fp8_e4m3"}, "Now say it once more, then name the animals in it."),
-    ({"proposer": "eagle"}, "Give me three tips for writing clear documentation."),
+    ({"proposer": "eagle", "draft_tree": "4:6:24"}, "Give me three tips for writing clear documentation."),
 )
 CHARACTERS_BEFORE_GRAB = 120      # of the last reply
 LAST_REPLY_MAX_TOKENS = 200

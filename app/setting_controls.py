@@ -39,6 +39,8 @@ class SettingControl(QObject):
         w = self.widget
         if isinstance(w, QComboBox):
             data = w.currentData()
+            if data is None and w.isEditable():        # typed in: the engine checks its form
+                return w.currentText().strip()
             return None if data == "" and self.setting.optional else data
         if isinstance(w, QCheckBox):
             return w.isChecked()
@@ -69,6 +71,12 @@ def _make_widget(setting: Setting) -> QWidget:
         return combo
     if setting.type is bool:
         return QCheckBox(setting.label)
+    if setting.type is str and not setting.optional:     # a value of a form of its own (a tree's shape): typed
+        combo = shrinkable_combo()
+        combo.setEditable(True)
+        combo.addItem(setting.default, setting.default)
+        combo.setToolTip(setting.help or "")
+        return combo
     if setting.type is str:          # an optional reference (a folder): its default, then what was chosen
         combo = shrinkable_combo()
         combo.addItem(setting.off_text or "none", "")

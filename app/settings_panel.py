@@ -19,6 +19,8 @@ GROUPS = config.groups()
 PANEL_KEYS = tuple(key for keys in GROUPS.values() for key in keys)
 # Draft model presets (any folder or .gguf can be browsed for, too).
 DRAFTS = (("None", ""), ("Self (target drafts for itself)", "self"))
+# Draft tree presets after its default ("off"); any TOPK:DEPTH:NODES can be typed.
+TREE_PRESETS = ("auto", str(config.AUTO_SHAPE))
 
 
 class SettingsPanel(QWidget):
@@ -51,6 +53,8 @@ class SettingsPanel(QWidget):
         self.connect_server_button = QPushButton("Connect to server…")
         self.connect_dialog = ConnectDialog(self)
         self.controls = {key: SettingControl(config.BY_KEY[key], self) for key in PANEL_KEYS if key != "draft_model"}
+        for preset in TREE_PRESETS:
+            self.controls["draft_tree"].widget.addItem(preset, preset)
         self.draft_combo = shrinkable_combo()
         for label, data in DRAFTS:
             self.draft_combo.addItem(label, data)

@@ -32,6 +32,9 @@ PLOT_COLOURS = {
     "running_tok_s": "#cf222e",
     "marker": "#9a6700",
     "compile": "#9a6700",       # a decode step that compiled (not counted in decode speed)
+    "tree_path": "#1a7f37",     # a draft tree's accepted path (green, as accepted tokens in the chat)
+    "tree_predicted": "#8250df",
+    "tree_nodes": "#2f81f7",
 }
 # The load panel's series.
 LOAD_COLOURS = {

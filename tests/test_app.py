@@ -658,18 +658,23 @@ class FakeRequest:
         self.kv_dtype = None        # from the settings last sent (a step sends them only on a change)
 
     def step(self, step: int, settings: dict | None = None, proposed: int = 0, accepted: int = 0,
-             step_time_s: float = 0.05, compile_s: float = 0.0) -> dict:
+             step_time_s: float = 0.05, compile_s: float = 0.0, tree: tuple[int, int, float] | None = None) -> dict:
+        """`tree`: (nodes verified, depth tried, predicted accepted) of a draft tree's step;
+        `accepted` is then its accepted path, tried depth by depth up to a failure."""
         from engine.metrics import ACCEPTED, BONUS, RESAMPLED, TARGET, StepEvent
-        kinds = [ACCEPTED] * accepted + [BONUS if accepted == proposed else RESAMPLED] if proposed else [TARGET]
+        nodes, depth, predicted = tree or (0, proposed, None)
+        proposed = nodes or proposed
+        kinds = [ACCEPTED] * accepted + [BONUS if accepted == depth else RESAMPLED] if proposed else [TARGET]
         self.kv_dtype = settings["kv_cache_dtype"] if settings else self.kv_dtype
         event = StepEvent(
             step=step, token_ids=[1] * len(kinds), token_kinds=kinds, pieces=[("x" * len(kinds), TARGET)],
             time_s=0.1 * (step + 1), step_time_s=step_time_s, target_time_s=0.04, draft_time_s=0.01 if proposed else 0.0,
             target_passes=1, proposed=proposed, accepted=accepted,
-            accepted_per_position=[True] * accepted + ([False] if accepted < proposed else []),
+            accepted_per_position=[True] * accepted + ([False] if accepted < depth else []),
             kv_bytes_used=2**20, kv_bytes_capacity=2**29, kv_bytes_per_token=2**10, kv_dtype=self.kv_dtype,
             prefix_hit_tokens=0, prompt_tokens=10, generated_tokens=self.stats.generated_tokens + len(kinds),
-            ttft_s=0.2 if step == 0 else None, settings=settings, compile_s=compile_s)
+            ttft_s=0.2 if step == 0 else None, settings=settings, compile_s=compile_s, tree_nodes=nodes,
+            tree_predicted_accepted=predicted)
         self.stats.record_step(event)
         event.running = self.stats.as_dict()
         return event.as_dict()
@@ -714,6 +719,61 @@ def test_history_marks_setting_changes_and_resets_per_position_on_new_speculatio
     history.record_step(FakeRequest().step(0, spec | {"num_speculative_tokens": 2, "kv_cache_dtype": "fp8_e4m3"}))
     assert history.markers[-1][1:] == (1.5, "k=2")       # between request 1 and request 2
     assert len(history.per_position_acceptance()) == 0      # a new set-up starts a new tally
+
+
+def test_a_draft_tree_plots_its_accepted_path_and_nodes_against_the_budget(qapp):
+    import numpy as np
+    from app.metrics_history import MetricsHistory
+    from app.plots_panel import PlotsPanel
+    history, nan = MetricsHistory(), float("nan")
+    chain = {"kv_cache_dtype": "float32", "enable_prefix_caching": True, "proposer": "eagle",
+             "num_speculative_tokens": 4, "draft_model": None, "draft_tree": "off"}
+    reply = FakeRequest()
+    history.record_step(reply.step(0, chain))
+    history.record_step(reply.step(1, proposed=4, accepted=2))
+    history.record_step(reply.step(2, chain | {"draft_tree": "4:6:24"}, accepted=3, tree=(24, 6, 1.5)))  # mid-reply
+    history.record_step(reply.step(3, accepted=0, tree=(17, 6, 0.4)))      # the policy verified 17 of 24
+    history.record_step(reply.step(4))                                      # nor a tree nor a chain
+    assert [(x, label) for x, _, label in history.markers] == [(1.5, "tree 4:6:24")]
+    np.testing.assert_equal(history.step_series("tree_accepted_path"), [nan, nan, 3, 0, nan])
+    np.testing.assert_equal(history.step_series("tree_nodes"), [0, 0, 24, 17, 0])
+    np.testing.assert_equal(history.step_series("tree_predicted"), [nan, nan, 1.5, 0.4, nan])
+    np.testing.assert_equal(history.step_series("tree_node_budget"), [nan, nan, 24, 24, 24])
+    np.testing.assert_equal(history.step_series("tree_depth"), [nan, nan, 6, 6, 6])
+    # The tree change started the per-position counts again: now acceptance by depth.
+    assert list(history.per_position_acceptance()) == [0.5, 1.0, 1.0, 0.0]
+    panel = PlotsPanel(history)
+    panel.refresh()
+    for item, (x, y) in ((panel.tree_path_points, ([2, 3], [3, 0])), (panel.tree_nodes_points, ([2, 3], [24, 17])),
+                         (panel.tree_predicted_points, ([2, 3], [1.5, 0.4])),
+                         (panel.tree_budget_curve, ([0, 1, 2, 3, 4], [nan, nan, 24, 24, 24])),
+                         (panel.tree_depth_curve, ([0, 1, 2, 3, 4], [nan, nan, 6, 6, 6]))):
+        np.testing.assert_equal(item.getData(), (x, y))
+    # Acceptance per step is the chain's: 2 accepted of 24 nodes would read as a failure.
+    np.testing.assert_equal(panel.acceptance_points.getData(), ([1], [50.0]))
+    assert "setting 4:6:24" in panel.tree_nodes_plot.titleLabel.text
+    assert panel.positions_plot.titleLabel.text == "Acceptance by tree depth"
+    assert panel.positions_plot.getAxis("bottom").labelText == "tree depth"
+    assert "tree 4:6:24" in [line.label.toPlainText() for plot, line in panel._marker_lines
+                             if plot is panel.tree_nodes_plot]
+    history.record_step(FakeRequest().step(0, chain))                       # back to a chain
+    panel.refresh()
+    assert history.markers[-1][2] == "tree off" and len(history.per_position_acceptance()) == 0
+    assert panel.positions_plot.titleLabel.text == "Per-position acceptance"
+    assert "tree off" in panel.tree_nodes_plot.titleLabel.text
+
+
+def test_the_draft_tree_control_offers_presets_and_takes_a_typed_shape(qapp):
+    from app.settings_panel import SettingsPanel
+    panel = SettingsPanel()
+    combo, emitted = panel.widget("draft_tree"), []
+    panel.engineSettingChanged.connect(lambda key, value: emitted.append((key, value)))
+    assert [combo.itemData(i) for i in range(combo.count())] == ["off", "auto", "4:6:24"]
+    combo.setCurrentIndex(combo.findData("auto"))
+    combo.lineEdit().setText("8:7:60")
+    combo.lineEdit().returnPressed.emit()
+    assert emitted == [("draft_tree", "auto"), ("draft_tree", "8:7:60")]
+    assert panel.values()["draft_tree"] == "8:7:60"
 
 
 def test_ring_buffer_keeps_the_newest_values_in_order():

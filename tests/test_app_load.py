@@ -219,7 +219,7 @@ def test_every_plot_is_legible_at_1366x768(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [r["panel"] for r in reports].count("live") == 5 and [r["panel"] for r in reports].count("load") == 7
+    assert [r["panel"] for r in reports].count("live") == 7 and [r["panel"] for r in reports].count("load") == 7
     for r in reports:
         where = f"{r['panel']}: {r['title']}"
         assert r["view_height"] >= 110 and r["view_width"] >= 150, where
