@@ -73,12 +73,14 @@ def describe_change(key: str, value, settings: dict | None = None) -> str:
     if key == "enable_prefix_caching":
         return "prefix cache " + ("on" if value else "off")
     if key == "proposer":
-        draft = (settings or {}).get("draft_model")
-        return f"spec draft ({draft})" if value == "draft" and draft else f"spec {value}"
+        by = (settings or {}).get({"draft": "draft_model", "eagle": "eagle_head"}.get(value, ""))
+        return f"spec {value} ({by})" if by else f"spec {value}"
     if key == "num_speculative_tokens":
         return f"k={value}"
     if key == "draft_model":
         return f"draft {value or 'none'}"
+    if key == "eagle_head":
+        return f"EAGLE head {value or 'shipped'}"
     if key == "draft_tree":
         return f"tree {value}"
     return f"{key}={value}"
@@ -173,8 +175,9 @@ class MetricsHistory:
         changed = [k for k in MARKED_SETTINGS if k in settings and settings.get(k) != previous.get(k)]
         if not changed:
             return
-        if "proposer" in changed and settings.get("proposer") == "draft" and "draft_model" in changed:
-            changed.remove("draft_model")       # "spec draft (self)" says both
+        for proposer, reference in (("draft", "draft_model"), ("eagle", "eagle_head")):
+            if "proposer" in changed and settings.get("proposer") == proposer and reference in changed:
+                changed.remove(reference)       # "spec draft (self)", "spec eagle (shipped)" say both
         label = ", ".join(describe_change(k, settings[k], settings) for k in changed)
         # On the request axis: on the running request's bar, or between two requests.
         request = self._request_count if mid_request else self._request_count + 0.5

@@ -43,7 +43,7 @@ KV_BYTES_AXIS = "MiB (log scale)"
 KV_SHARE_AXIS = "in use (%)"
 KV_SHARE_MIN_TOP = 5     # %: the KV share axis shows at least 0-10%
 POSITION_AXES = {False: "draft position i", True: "tree depth"}     # with a draft tree or not
-TREE_PATH_TITLE, TREE_NODES_TITLE = "Draft tree: accepted path", "Draft tree: nodes verified"
+TREE_PATH_TITLE, TREE_NODES_TITLE = "Draft tree: accepted path", "Draft tree nodes"
 
 
 def _pen(name: str, width: float = 2, style=Qt.PenStyle.SolidLine):
@@ -143,10 +143,13 @@ class PlotsPanel(QWidget):
         p = self.acceptance_plot = self._new_plot(0, 0, "Acceptance rate", "accepted (%)", "session step")
         p.setYRange(0, DATA_HEADROOM * 100, padding=0)
         p.getAxis("left").setTicks([[(v, str(v)) for v in range(0, 101, 25)]])
-        self.acceptance_heading = _title_with_legend("Acceptance rate", (("●", C["acceptance"], "per step"),
-                                                                        ("━", C["running"], "running (this reply)")))
+        # With a draft tree in effect accepted/proposed says little (2 of 24 nodes is a
+        # success): the plot keeps to chains, the tree row shows what trees did.
+        legend = (("●", C["acceptance"], "per step"), ("━", C["running"], "running (this reply)"))
+        self.acceptance_headings = {tree: _title_with_legend("Acceptance rate" + (" (chains)" if tree else ""), legend)
+                                    for tree in (False, True)}
         self.acceptance_title = p.titleLabel
-        p.setTitle(self.acceptance_heading)
+        p.setTitle(self.acceptance_headings[False])
         self.acceptance_points = p.plot(pen=None, symbol="o", symbolSize=5, symbolBrush=C["acceptance"],
                                         symbolPen=None, name="per step")
         self.acceptance_running = p.plot(pen=_pen("running"), name="running (this reply)")
@@ -214,7 +217,7 @@ class PlotsPanel(QWidget):
         how long its accepted path was, and how many nodes of the budget the engine verified."""
         p = self.tree_path_plot = self._new_plot(2, 0, TREE_PATH_TITLE, "path (tokens)", "session step")
         p.setTitle(_title_with_legend(TREE_PATH_TITLE, (("●", C["tree_path"], "accepted"),
-                                                        ("○", C["tree_predicted"], "predicted by the draft"),
+                                                        ("○", C["tree_predicted"], "predicted"),
                                                         ("┅", C["capacity"], "depth"))))
         self.tree_depth_curve = p.plot(pen=_pen("capacity", 1.5, Qt.PenStyle.DashLine), connect="finite")
         self.tree_predicted_points = p.plot(pen=None, symbol="o", symbolSize=8, symbolBrush=None,
@@ -240,7 +243,7 @@ class PlotsPanel(QWidget):
         h = self.history
         self._drawn_version = h.version
         x, requests = h.step_series("session_step"), h.step_series("request")
-        chain = h.step_series("tree_nodes") == 0           # a tree step's acceptance is on the tree plots
+        chain = np.isnan(h.step_series("tree_node_budget"))     # no tree in effect (see _build_acceptance)
         _set_finite(self.acceptance_points, x, np.where(chain, h.step_series("acceptance") * 100, np.nan))
         _set_runs(self.acceptance_running, x, np.where(chain, h.step_series("running_acceptance") * 100, np.nan),
                   requests)
@@ -259,7 +262,7 @@ class PlotsPanel(QWidget):
     def _refresh_verdict(self) -> None:
         """Under the acceptance plot's title: does speculation pay over this set-up's replies?"""
         verdict = speculation_verdict(self.history.speculation.report)
-        title = self.acceptance_heading
+        title = self.acceptance_headings[self.history.tree_shape is not None]
         if verdict is not None:
             headline, details, pays = verdict
             details = f"; <span style='font-size:8pt'>{escape(details)}</span>" if details else ""
@@ -272,7 +275,7 @@ class PlotsPanel(QWidget):
         """Per draft position; with a draft tree in effect, per depth (the counts start again
         when it changes)."""
         tree = self.history.tree_shape is not None
-        title = ("Acceptance by tree depth" if tree else "Per-position acceptance") + (
+        title = ("Acceptance by depth" if tree else "Per-position acceptance") + (
             " (the server's counters)" if self.history.per_position_source == SERVER else "")
         if title != self.positions_plot.titleLabel.text:
             self.positions_plot.setTitle(title)
@@ -421,8 +424,8 @@ def _title_with_legend(title: str, entries) -> str:
 
 def _tree_nodes_title(shape) -> str:
     """The nodes plot's title: with the tree the setting allows (engine.config.TreeShape)."""
-    return _title_with_legend(f"{TREE_NODES_TITLE} — {f'setting {shape}' if shape else 'tree off'}",
-                              (("■", C["tree_nodes"], "verified"), ("┅", C["capacity"], "node budget")))
+    return _title_with_legend(f"{TREE_NODES_TITLE} — {shape or 'off'}",
+                              (("■", C["tree_nodes"], "verified"), ("┅", C["capacity"], "budget")))
 
 
 def _set_finite(item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray) -> None:

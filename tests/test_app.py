@@ -719,6 +719,10 @@ def test_history_marks_setting_changes_and_resets_per_position_on_new_speculatio
     history.record_step(FakeRequest().step(0, spec | {"num_speculative_tokens": 2, "kv_cache_dtype": "fp8_e4m3"}))
     assert history.markers[-1][1:] == (1.5, "k=2")       # between request 1 and request 2
     assert len(history.per_position_acceptance()) == 0      # a new set-up starts a new tally
+    eagle = spec | {"num_speculative_tokens": 2, "kv_cache_dtype": "fp8_e4m3", "proposer": "eagle",
+                    "eagle_head": "shipped", "draft_tree": "4:6:24"}
+    history.record_step(FakeRequest().step(0, eagle))
+    assert history.markers[-1][2] == "spec eagle (shipped), tree 4:6:24"
 
 
 def test_a_draft_tree_plots_its_accepted_path_and_nodes_against_the_budget(qapp):
@@ -751,8 +755,9 @@ def test_a_draft_tree_plots_its_accepted_path_and_nodes_against_the_budget(qapp)
         np.testing.assert_equal(item.getData(), (x, y))
     # Acceptance per step is the chain's: 2 accepted of 24 nodes would read as a failure.
     np.testing.assert_equal(panel.acceptance_points.getData(), ([1], [50.0]))
-    assert "setting 4:6:24" in panel.tree_nodes_plot.titleLabel.text
-    assert panel.positions_plot.titleLabel.text == "Acceptance by tree depth"
+    assert "Draft tree nodes — 4:6:24" in panel.tree_nodes_plot.titleLabel.text
+    assert "Acceptance rate (chains)" in panel.acceptance_title.text
+    assert panel.positions_plot.titleLabel.text == "Acceptance by depth"
     assert panel.positions_plot.getAxis("bottom").labelText == "tree depth"
     assert "tree 4:6:24" in [line.label.toPlainText() for plot, line in panel._marker_lines
                              if plot is panel.tree_nodes_plot]
@@ -760,7 +765,7 @@ def test_a_draft_tree_plots_its_accepted_path_and_nodes_against_the_budget(qapp)
     panel.refresh()
     assert history.markers[-1][2] == "tree off" and len(history.per_position_acceptance()) == 0
     assert panel.positions_plot.titleLabel.text == "Per-position acceptance"
-    assert "tree off" in panel.tree_nodes_plot.titleLabel.text
+    assert "Draft tree nodes — off" in panel.tree_nodes_plot.titleLabel.text
 
 
 def test_the_draft_tree_control_offers_presets_and_takes_a_typed_shape(qapp):

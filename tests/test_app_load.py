@@ -179,7 +179,8 @@ def test_a_run_on_no_model_or_a_bad_workload_says_why(open_workbench, qtbot):
 
 
 # At 1366x768 (a laptop): every plot of both panels, its tab raised, is tall enough to read,
-# its axis titles fit beside their axes, and no legend lies inside a data area.
+# its axis titles fit beside their axes, and no legend lies inside a data area; the live
+# panel after a reply that drafted trees (its titles then name the tree and its depths).
 LEGIBILITY_SCRIPT = """
 import json, sys
 from PySide6.QtWidgets import QApplication
@@ -188,9 +189,22 @@ from app.main_window import MainWindow
 from app.metrics_history import MetricsHistory
 from app.theme import style_sheet
 app.setStyleSheet(style_sheet())
+from engine.metrics import RequestStats, StepEvent
 window = MainWindow(MetricsHistory())
 window.setGeometry(window.screen().availableGeometry())
 window.show()
+stats, tree = RequestStats(), {"proposer": "eagle", "draft_tree": "4:6:24", "kv_cache_dtype": "float32"}
+for step in range(3):
+    event = StepEvent(step=step, token_ids=[1], token_kinds=["target"], pieces=[("x", "target")], time_s=step + 1.0,
+                      step_time_s=0.1, target_time_s=0.1, draft_time_s=0.0, target_passes=1, proposed=24 * (step > 0),
+                      accepted=step > 0, accepted_per_position=[True, False] if step else [], kv_bytes_used=2**20,
+                      kv_bytes_capacity=2**29, kv_bytes_per_token=1024, kv_dtype="float32", prefix_hit_tokens=0,
+                      prompt_tokens=10, generated_tokens=step + 1, ttft_s=None if step else 0.1,
+                      settings=None if step else tree, tree_nodes=24 * (step > 0), tree_predicted_accepted=1.2)
+    stats.record_step(event)
+    event.running = stats.as_dict()
+    window.plots.history.record_step(event.as_dict())
+window.plots.refresh()
 for name, dock, plots in (("live", window.plots_dock, window.plots.graphics.ci.items),
                           ("load", window.load_dock, window.load_panel.graphics.ci.items)):
     dock.raise_()
