@@ -386,11 +386,13 @@ class LLMEngine:
     def _forward(self, work: list["_Work"]) -> list[tuple]:
         """One pass over every scheduled token: eager and batch-invariant. With `compile = on`,
         a step whose only work is one decode (or verify) runs the compiled graph instead:
-        faster alone, but its rounding differs from the batched pass (settings() says so)."""
+        faster alone, but its rounding differs from the batched pass (settings() says so). It
+        verifies chains only: while a draft tree is in effect every pass is eager, so a reply
+        never mixes the two roundings."""
         if not work:
             return []
         runner = self.runner
-        if runner.compiled is not None and len(work) == 1 and work[0].decode and work[0].item.tree is None:
+        if runner.compiled is not None and len(work) == 1 and work[0].decode and self.tree_in_effect() is None:
             item = work[0].item
             logits = runner.forward(item.seq, item.tokens, logits_for=item.logits_rows)
             return [(logits, runner.last_hidden)]

@@ -307,7 +307,8 @@ class RequestStats:
                 "alpha": self.positions.alpha(),
                 "draft_time_s": self.draft_time_s, "target_time_s": self.target_time_s,
                 "queue_time_s": self.queue_time_s, "e2e_s": self.e2e_s, "tpot_s": self.tpot_s,
-                "preemptions": self.preemptions, "compile_s": self.compile_s, "compile_tokens": self.compile_tokens}
+                "preemptions": self.preemptions, "compile_s": self.compile_s, "compile_tokens": self.compile_tokens,
+                "tree_steps": self.tree_steps, "tree_nodes": self.tree_nodes, "tree_predicted": self.tree_predicted}
 
 
 # RequestStats' additive counters (its positions add up apart, by PositionCounts.merge).

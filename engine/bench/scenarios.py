@@ -234,7 +234,7 @@ def bench_decode(args) -> dict:
     fraction, the verify costs and the CPU dtype probe's timings."""
     from engine import SamplingParams
     from engine.runtime import cpu_dtype
-    from engine.spec.step_costs import read_bandwidth, verify_costs, weight_bytes_per_token
+    from engine.spec.step_costs import read_bandwidth, tree_verify_costs, verify_costs, weight_bytes_per_token
     eng = _engine(args, enable_prefix_caching=False, kv_cache_bytes=HF_BESIDE_POOL_BYTES, compile=args.compile)
     baseline = _hf_model(eng, torch.float32)
     same_dtype = _hf_model(eng) if eng.runner.model_dtype != torch.float32 else None
@@ -286,7 +286,8 @@ def bench_decode(args) -> dict:
             "ratio_same_dtype": tok_s["ours"] / tok_s.get("hf_same_dtype", tok_s["hf"]),
             "roofline_fraction": weight_bytes * tok_s["ours"] / bandwidth,
             "weight_bytes_per_token": weight_bytes, "read_bandwidth_gb_s": bandwidth / 1e9,
-            "verify_cost": verify_costs(eng.runner), "compile": eng.settings()["compile"],
+            "verify_cost": verify_costs(eng.runner), "tree_verify_cost": tree_verify_costs(eng.runner),
+            "compile": eng.settings()["compile"],
             "other_dtype": {"dtype": other_name, "ours_tok_s": tok_s["ours_other_dtype"],
                             "compile": other.settings()["compile"]},
             "dtype_probe_s": cpu_dtype.measure() if eng.device.type == "cpu" else None,

@@ -50,19 +50,29 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return total
 
 
-def pass_seconds(runner, n: int, context: int = 64, repeats: int = 9) -> float:
-    """Median time of one n-token forward pass at `context` tokens, rolled back after each."""
+def pass_seconds(runner, n: int, context: int = 64, repeats: int = 9, tree=None) -> float:
+    """Median time of one n-token forward pass at `context` tokens, rolled back after each.
+    tree: an engine.spec.tree.DraftTree of n - 1 nodes, verified as a tree pass instead."""
     prompt = list(range(1000, 1000 + context))
     seq = runner.start(prompt, reserve_tokens=n)
+    tokens = list(range(2000, 2000 + n))
+    if tree is None:
+        def one_pass():
+            runner.forward(seq, tokens, logits_for=n)
+    else:
+        from engine.runtime.model_runner import PassItem
+        item = PassItem(seq, tokens, n, tree.rows(context))
+
+        def one_pass():
+            runner.forward_batch([item])
     try:
         runner.forward(seq, prompt)
-        tokens = list(range(2000, 2000 + n))
-        runner.forward(seq, tokens, logits_for=n)          # warm-up (and compile, if on)
+        one_pass()                                         # warm-up (and compile, if on)
         runner.rollback(seq, context)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            runner.forward(seq, tokens, logits_for=n)
+            one_pass()
             times.append(time.perf_counter() - t0)
             runner.rollback(seq, context)
     finally:
@@ -74,6 +84,17 @@ def verify_costs(runner, ks=(1, 2, 4, 8)) -> dict[str, float]:
     """{k: time of a (k+1)-token pass / time of a 1-token pass}."""
     one = pass_seconds(runner, 1)
     return {str(k): pass_seconds(runner, k + 1) / one for k in ks}
+
+
+def tree_verify_costs(runner, nodes=(8, 16, 24, 32), context: int = 256) -> dict[str, dict[str, float]]:
+    """{nodes: {"tree": time of a tree pass of that many nodes (the root's row too), "chain":
+    a chain pass as wide} / time of a 1-token pass}, eager, at `context` tokens."""
+    from engine.spec.tree import TreeShape, grow, select
+    logp = torch.log_softmax(torch.arange(64, 0, -1, dtype=torch.float32), -1)
+    full = grow(logp, lambda frontier, tree: logp.repeat(len(frontier), 1), TreeShape(4, 8, max(nodes)))
+    one = pass_seconds(runner, 1, context=context)
+    return {str(n): {"tree": pass_seconds(runner, n + 1, context=context, tree=select(full, n)) / one,
+                     "chain": pass_seconds(runner, n + 1, context=context) / one} for n in nodes}
 
 
 class PlainStepClock:
