@@ -4,10 +4,12 @@
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --remote [--out docs/screenshot-remote.png]
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --laptop [--out docs/screenshot-1366x768.png]
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --load [--out docs/screenshot-load.png]
+    QT_QPA_PLATFORM=offscreen python -m app.screenshot --plots [--out docs/screenshot-plots.png]
 
 The default mode chats with the default model, turning optimizations on between replies (so
 the plots show markers and their effect; the last reply drafts trees with the EAGLE head),
-then grabs the window while the last reply streams. --remote starts llama.cpp's
+then grabs the window while the last reply streams (--plots: the same session, then the
+live plots panel whole, every row, as Export PNG writes it). --remote starts llama.cpp's
 llama-server on the embedded GGUF, drafting for itself, with --metrics
 (engine.remote.llama_server; scripts/build_llama_server.sh builds it), connects to it as
 "Connect to server…" does, and grabs the window after two chat turns: acceptance and TTFT
@@ -77,7 +79,8 @@ def run(out: Path, remote: bool = False, mode: str = "chat") -> None:
             elif mode == "load":
                 serve_and_grab(workbench, out)
             else:
-                chat_and_grab(workbench, out, LAPTOP_SIZE if mode == "laptop" else WINDOW_SIZE)
+                chat_and_grab(workbench, out, LAPTOP_SIZE if mode == "laptop" else WINDOW_SIZE,
+                              whole_plots=mode == "plots")
         finally:
             workbench.controller.stop()
             workbench.shutdown()
@@ -108,7 +111,7 @@ def grab(window, out: Path) -> None:
     window.grab().save(str(out), "PNG")
 
 
-def chat_and_grab(workbench, out: Path, size=WINDOW_SIZE) -> None:
+def chat_and_grab(workbench, out: Path, size=WINDOW_SIZE, whole_plots: bool = False) -> None:
     window, controller = workbench.window, workbench.controller
     show(window, size)
     wait_until(lambda: controller.model_ready)
@@ -123,7 +126,11 @@ def chat_and_grab(workbench, out: Path, size=WINDOW_SIZE) -> None:
             wait_until(lambda: controller.request_id is None)
     # Mid-reply: the last answer is still streaming when the picture is taken.
     wait_until(lambda: len("".join(controller.reply_parts)) >= CHARACTERS_BEFORE_GRAB or controller.request_id is None)
-    grab(window, out)
+    if whole_plots:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        window.plots.save_png(str(out))
+    else:
+        grab(window, out)
 
 
 def serve_and_grab(workbench, out: Path) -> None:
@@ -178,10 +185,12 @@ def main() -> None:
     parser.add_argument("--remote", action="store_true", help="attached to a llama-server started for the picture")
     parser.add_argument("--laptop", action="store_true", help="the chat session in a 1366x768 window")
     parser.add_argument("--load", action="store_true", help="a load run and an A/B with the results table")
-    parser.add_argument("--out", type=Path, help="default: docs/screenshot.png, -remote, -1366x768 or -load.png")
+    parser.add_argument("--plots", action="store_true", help="the chat session, then the whole live plots panel")
+    parser.add_argument("--out", type=Path, help="default: docs/screenshot.png, -remote, -1366x768, -load or -plots.png")
     args = parser.parse_args()
-    mode = "load" if args.load else "laptop" if args.laptop else "chat"
-    default = {"chat": "screenshot.png", "laptop": "screenshot-1366x768.png", "load": "screenshot-load.png"}[mode]
+    mode = "load" if args.load else "laptop" if args.laptop else "plots" if args.plots else "chat"
+    default = {"chat": "screenshot.png", "laptop": "screenshot-1366x768.png", "load": "screenshot-load.png",
+               "plots": "screenshot-plots.png"}[mode]
     run(args.out or Path("docs") / ("screenshot-remote.png" if args.remote else default), args.remote, mode)
 
 
