@@ -7,9 +7,9 @@
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --plots [--out docs/screenshot-plots.png]
 
 The default mode chats with the default model, turning optimizations on between replies (so
-the plots show markers and their effect; the last reply drafts trees with the EAGLE head),
-then grabs the window while the last reply streams (--plots: the same session, then the
-live plots panel whole, every row, as Export PNG writes it). --remote starts llama.cpp's
+the plots show markers and their effect), then grabs the window while the last reply
+streams. --plots adds a turn whose reply the EAGLE head drafts as trees, then saves the
+live plots panel whole (every row, as Export PNG writes it). --remote starts llama.cpp's
 llama-server on the embedded GGUF, drafting for itself, with --metrics
 (engine.remote.llama_server; scripts/build_llama_server.sh builds it), connects to it as
 "Connect to server…" does, and grabs the window after two chat turns: acceptance and TTFT
@@ -37,8 +37,10 @@ SCRIPT = (
     ({}, "What is the capital of France?"),
     ({"proposer": "ngram"}, "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."),
     ({"kv_cache_dtype": "fp8_e4m3"}, "Now say it once more, then name the animals in it."),
-    ({"proposer": "eagle", "draft_tree": "4:6:24"}, "Give me three tips for writing clear documentation."),
+    ({"proposer": "eagle"}, "Give me three tips for writing clear documentation."),
 )
+# --plots: one more turn, the EAGLE head drafting trees (what the plots' tree row shows)
+TREE_TURN = ({"draft_tree": "4:6:24"}, "Now give me three tips for naming functions.")
 CHARACTERS_BEFORE_GRAB = 120      # of the last reply
 LAST_REPLY_MAX_TOKENS = 200
 # --remote: two turns on one system prompt, so the second shows the server's prefix-cache hits
@@ -117,12 +119,13 @@ def chat_and_grab(workbench, out: Path, size=WINDOW_SIZE, whole_plots: bool = Fa
     wait_until(lambda: controller.model_ready)
     warm_up(workbench)
     window.settings.widget("max_tokens").setValue(48)
-    for number, (changes, message) in enumerate(SCRIPT, start=1):
+    script = SCRIPT + (TREE_TURN,) if whole_plots else SCRIPT
+    for number, (changes, message) in enumerate(script, start=1):
         apply(window.settings, changes)
-        if number == len(SCRIPT):
+        if number == len(script):
             window.settings.widget("max_tokens").setValue(LAST_REPLY_MAX_TOKENS)
         controller.send(message)
-        if number < len(SCRIPT):
+        if number < len(script):
             wait_until(lambda: controller.request_id is None)
     # Mid-reply: the last answer is still streaming when the picture is taken.
     wait_until(lambda: len("".join(controller.reply_parts)) >= CHARACTERS_BEFORE_GRAB or controller.request_id is None)
@@ -185,7 +188,8 @@ def main() -> None:
     parser.add_argument("--remote", action="store_true", help="attached to a llama-server started for the picture")
     parser.add_argument("--laptop", action="store_true", help="the chat session in a 1366x768 window")
     parser.add_argument("--load", action="store_true", help="a load run and an A/B with the results table")
-    parser.add_argument("--plots", action="store_true", help="the chat session, then the whole live plots panel")
+    parser.add_argument("--plots", action="store_true", help="the chat session and a turn drafting trees, then the "
+                        "whole live plots panel")
     parser.add_argument("--out", type=Path, help="default: docs/screenshot.png, -remote, -1366x768, -load or -plots.png")
     args = parser.parse_args()
     mode = "load" if args.load else "laptop" if args.laptop else "plots" if args.plots else "chat"
