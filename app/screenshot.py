@@ -86,6 +86,9 @@ def run(out: Path, remote: bool = False, mode: str = "chat") -> None:
         finally:
             workbench.controller.stop()
             workbench.shutdown()
+            # Closed before Python exits: a window left open after a plots grab can crash
+            # Qt's teardown at exit (the app's own exit closes its window first).
+            workbench.window.close()
     print(f"saved {out}")
 
 
