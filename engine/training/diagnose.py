@@ -1,5 +1,4 @@
-"""Why the EAGLE head accepts what it does: `python -m engine.training.diagnose [--head FOLDER]`
-(also `python -m engine.training.distill --diagnose ...`).
+"""Why the EAGLE head accepts what it does: `python -m engine.training.diagnose [--head FOLDER]`.
 
 For a head and its target, on the target's greedy answers to the first N training
 conversations of the recipe and to the held-out prompts (engine.training.distill_data; made

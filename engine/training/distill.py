@@ -340,9 +340,6 @@ def _coverage(train_set, held, head_ids) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--diagnose" in argv:                 # the head's measures: engine.training.diagnose
-        from engine.training.diagnose import main as diagnose
-        return diagnose([a for a in argv if a != "--diagnose"])
     d = Recipe()
     ap = argparse.ArgumentParser(prog="python -m engine.training.distill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -351,8 +348,6 @@ def main(argv=None) -> int:
         ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data-cache", type=Path, default=None, help="where the generated data is kept (default: the user cache)")
-    ap.add_argument("--diagnose", action="store_true",
-                    help="measure a head instead of training one: python -m engine.training.diagnose --help")
     a = ap.parse_args(argv)
     recipe = Recipe(**{name: getattr(a, name) for name in asdict(d)})
     report = run(recipe, a.out, a.threads, a.data_cache, log=lambda m: print(m, file=sys.stderr, flush=True))
