@@ -241,6 +241,7 @@ class RequestStats:
     tree_steps: int = 0               # decode steps that verified a draft tree
     tree_nodes: int = 0               # nodes those trees verified
     tree_predicted: float = 0.0       # accepted nodes the draft's confidences predicted for them
+    tree_time_s: float = 0.0          # drafting and verify-pass seconds of those steps
     compile_tokens: int = 0           # tokens those steps emitted
 
     def record_step(self, event: StepEvent) -> None:
@@ -262,6 +263,7 @@ class RequestStats:
             self.tree_steps += 1
             self.tree_nodes += event.tree_nodes
             self.tree_predicted += event.tree_predicted_accepted or 0.0
+            self.tree_time_s += (event.draft_time_s or 0.0) + (event.target_time_s or 0.0)
         self.draft_time_s = plus(self.draft_time_s, event.draft_time_s)
         self.target_time_s = plus(self.target_time_s, event.target_time_s)
         self.positions.add(event.accepted_per_position)
@@ -308,13 +310,14 @@ class RequestStats:
                 "draft_time_s": self.draft_time_s, "target_time_s": self.target_time_s,
                 "queue_time_s": self.queue_time_s, "e2e_s": self.e2e_s, "tpot_s": self.tpot_s,
                 "preemptions": self.preemptions, "compile_s": self.compile_s, "compile_tokens": self.compile_tokens,
-                "tree_steps": self.tree_steps, "tree_nodes": self.tree_nodes, "tree_predicted": self.tree_predicted}
+                "tree_steps": self.tree_steps, "tree_nodes": self.tree_nodes, "tree_predicted": self.tree_predicted,
+                "tree_time_s": self.tree_time_s}
 
 
 # RequestStats' additive counters (its positions add up apart, by PositionCounts.merge).
 COUNTERS = ("prompt_tokens", "prefix_hit_tokens", "generated_tokens", "ttft_s", "decode_tokens",
             "decode_time_s", "target_passes", "proposed", "accepted", "draft_time_s", "target_time_s",
-            "compile_s", "compile_tokens", "tree_steps", "tree_nodes", "tree_predicted")
+            "compile_s", "compile_tokens", "tree_steps", "tree_nodes", "tree_predicted", "tree_time_s")
 
 
 def combined(stats: list[RequestStats]) -> RequestStats:

@@ -352,7 +352,7 @@ def _tree_figures(spec, plain_step_s: float, eng) -> dict:
     tree = eng.settings()["draft_tree"]
     if not spec.tree_steps:
         return {"tree": tree}
-    step_cost = (spec.draft_time_s + spec.target_time_s) / spec.target_passes / plain_step_s
+    step_cost = spec.tree_time_s / spec.tree_steps / plain_step_s
     predicted_tau = 1 + spec.tree_predicted / spec.tree_steps
     return {"tree": tree, "tree_steps": spec.tree_steps, "plain_steps": spec.target_passes - spec.tree_steps,
             "tree_nodes_mean": spec.tree_nodes / spec.tree_steps,

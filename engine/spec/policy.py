@@ -37,8 +37,8 @@ from engine.metrics import PositionCounts, expected_accepted_len
 KEEP = 32               # recent measurements per width
 PRIOR_ALPHA = 0.6       # until a proposer has been tried: optimistic, or it would never be tried
 MIN_ATTEMPTS = 16       # attempted draft positions before the measured alpha is trusted
-MIN_TREES = 8           # tree steps before their calibration and speed are trusted
-PROBE_EVERY = 16        # while trees lose: one tree step in this many, to keep measuring
+MIN_TREES = 4           # tree steps before their calibration and speed are trusted
+PROBE_EVERY = 64        # while trees lose: one tree step in this many, to keep measuring
 
 
 class SpeculationPolicy:
