@@ -78,6 +78,9 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=4, help="speculative: draft tokens per step")
     ap.add_argument("--proposer", choices=["draft", "eagle", "ngram"], default="eagle")
     ap.add_argument("--tree", default="off", help="speculative: the draft_tree setting (off, auto, TOPK:DEPTH:NODES)")
+    ap.add_argument("--speculation-policy", default="auto", choices=list(BY_KEY["speculation_policy"].choices),
+                    help="speculative: the speculation_policy setting (fixed: every step drafts k tokens, or the "
+                    "whole tree)")
     ap.add_argument("--draft", default=None,
                     help="speculative: the draft model (--proposer draft; default self:8, the target's first 8 layers) or the "
                     "EAGLE head folder (--proposer eagle; default the shipped head); memory: counted in the plan")

@@ -304,7 +304,7 @@ def bench_speculative(args) -> dict:
     """Plain decoding, then speculation, on the same prompts in one run (each warmed up first).
     The chat prompts are held out from the EAGLE head's training (engine.training.distill_data)."""
     from engine import SamplingParams
-    eng = _engine(args, enable_prefix_caching=False, compile=args.compile)
+    eng = _engine(args, enable_prefix_caching=False, compile=args.compile, speculation_policy=args.speculation_policy)
     prompt_set = args.prompts_set or ("repeat" if args.proposer == "ngram" else "chat")
     prompts = REPEAT_PROMPTS * 2 if prompt_set == "repeat" else CHAT_PROMPTS[:8]
     params = SamplingParams(max_tokens=args.tokens)
