@@ -89,3 +89,28 @@ def silent_port():
     listener.listen(8)
     yield listener.getsockname()[1]
     listener.close()
+
+
+def assert_second_token_follows_the_target(eng, prompt_ids: list[int], requests: int = 300) -> None:
+    """Temperature 1, top-k 4: run `requests` seeded 3-token replies (the prefill samples the
+    first token, one speculative step the second). Given the commonest first token, the second
+    token's frequencies must match the target's own top-4 probabilities (chi-square)."""
+    from engine import SamplingParams
+    from engine.layers.sampler import probabilities
+    params = [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, stop_on_eos=False, seed=s) for s in range(requests)]
+    pairs = [tuple(eng.generate_text(prompt_ids, p)[1][:2]) for p in params]
+    first = max(set(a for a, _ in pairs), key=lambda a: sum(x == a for x, _ in pairs))
+    seconds = [b for a, b in pairs if a == first]
+    runner, ids = eng.runner, prompt_ids + [first]          # the target's own distribution after it
+    seq = runner.start(ids)
+    logits = runner.forward(seq, ids[seq.num_computed:])
+    runner.end(seq)
+    p = probabilities(logits[-1], SamplingParams(temperature=1.0, top_k=4))
+    support = torch.nonzero(p).flatten().tolist()
+    observed = [seconds.count(t) for t in support]
+    assert sum(observed) == len(seconds) >= 60                   # nothing outside the target's support
+    expected = [float(p[t]) * len(seconds) for t in support]
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    dof = len(support) - 1                    # chi-square survival function: Q(dof/2, x/2)
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
+    assert p_value > 0.001, (observed, expected)

@@ -7,7 +7,7 @@ import torch
 
 from engine import SamplingParams
 from engine.errors import ModelNotFoundError, UnsupportedModelError
-from tests.conftest import chat
+from tests.conftest import assert_second_token_follows_the_target, chat
 
 GREEDY = SamplingParams(max_tokens=40, stop_on_eos=False)
 
@@ -121,27 +121,7 @@ def test_sampled_eagle_speculation_keeps_the_target_distribution(make_engine, de
     frequencies must match the target's own probabilities (chi-square, top-k 4 support)."""
     eng = make_engine(enable_prefix_caching=True)
     eng.reconfigure(proposer="eagle", num_speculative_tokens=2)
-    prompt = eng.encode(chat("Name a colour."))
-    # max_tokens 3: the prefill samples the first token, then one speculative step (k = 1)
-    params = [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, stop_on_eos=False, seed=s) for s in range(300)]
-    pairs = [tuple(eng.generate_text(prompt, p)[1][:2]) for p in params]
-    first = max(set(a for a, _ in pairs), key=lambda a: sum(x == a for x, _ in pairs))
-    seconds = [b for a, b in pairs if a == first]
-    # the target's own distribution of the second token (top-4, renormalised)
-    from engine.layers.sampler import probabilities
-    runner, ids = eng.runner, prompt + [first]
-    seq = runner.start(ids)
-    logits = runner.forward(seq, ids[seq.num_computed:])
-    runner.end(seq)
-    p = probabilities(logits[-1], SamplingParams(temperature=1.0, top_k=4))
-    support = torch.nonzero(p).flatten().tolist()
-    observed = [seconds.count(t) for t in support]
-    assert sum(observed) == len(seconds) >= 60                   # nothing outside the target's support
-    expected = [float(p[t]) * len(seconds) for t in support]
-    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
-    dof = len(support) - 1                    # chi-square survival function: Q(dof/2, x/2)
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
-    assert p_value > 0.001, (observed, expected)
+    assert_second_token_follows_the_target(eng, eng.encode(chat("Name a colour.")))
 
 
 def test_a_head_for_another_model_is_refused_with_the_reason(tiny_head, make_engine, make_tiny_engine):
