@@ -3,5 +3,7 @@
 spec_decode.py     the proposer interface, n-gram and draft-model proposers, greedy
                    verification and the rejection sampler (accept with min(1, p/q))
 eagle_proposer.py  the EAGLE head (engine.models.eagle_head) as a proposer
+tree.py            draft trees: EAGLE-2 growth, selection, greedy and sibling-rejection verification
+policy.py          how many drafts (or tree nodes) a step verifies, from measured costs
 step_costs.py      measured step costs: the baseline of "does speculation pay here?"
 """
