@@ -226,8 +226,7 @@ class LLMEngine:
 
     def tree_in_effect(self) -> TreeShape | None:
         """The draft tree each decode step grows, or None: a chain (the n-gram proposer has
-        no tree; the Triton kernels have no tree mask, so their tree rows attend through the
-        torch path: still exact, slower)."""
+        no tree)."""
         if self.proposer_in_effect() not in ("eagle", "draft"):
             return None
         return parse_tree(self.config.draft_tree)
@@ -359,9 +358,9 @@ class LLMEngine:
             event = w.request.finish_pass(start, w.item.tokens, logits, hidden, w.proposal, pass_s, compile_s)
             if event is not None:
                 stepped.append(event)
-                if w.proposal is not None and w.proposal.tree is not None and w.drafts:
-                    self.policy.record_tree(event.tree_predicted_accepted, event.accepted, len(event.token_ids),
-                                            pass_s + w.proposal.time_s)
+                if w.proposal is not None and w.proposal.tree is not None:   # a tree trimmed to 0 nodes too:
+                    self.policy.record_tree(event.tree_predicted_accepted or 0.0, event.accepted,   # its drafting
+                                            len(event.token_ids), pass_s + w.proposal.time_s)     # was spent
                 elif w.drafts:
                     self.policy.record_verdict(self.proposer_in_effect(), event.accepted_per_position)
             if w.request.finished:
