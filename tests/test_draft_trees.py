@@ -234,14 +234,20 @@ def test_no_block_leak_after_200_tree_steps_with_cancels(make_tiny_engine):
     assert _no_blocks_in_use(eng)
 
 
-def test_greedy_with_the_shipped_head_tree_is_token_identical(make_engine):
+def test_greedy_with_the_shipped_head_tree_is_token_identical_alone_and_batched(make_engine):
     eng = make_engine(kv_cache_dtype="fp8_e4m3", enable_prefix_caching=True)
-    prompt = chat("Explain what a hash table is in two sentences.")
-    expected = eng.generate_text(prompt, GREEDY)[1]
+    prompts = [eng.encode(chat(q)) for q in ("Explain what a hash table is in two sentences.", "Name a colour.")]
+    expected = [eng.generate_text(p, GREEDY)[1] for p in prompts]
     eng.reconfigure(proposer="eagle", draft_tree="4:5:16")
-    _, out, stats = eng.generate_text(prompt, GREEDY)
-    assert out == expected
-    assert 0 < stats.accepted < stats.proposed
+    _, out, stats = eng.generate_text(prompts[0], GREEDY)
+    assert out == expected[0]
+    assert 0 < stats.accepted < stats.proposed and stats.tree_steps > 0
+    ids = [eng.submit(p, GREEDY) for p in prompts]               # two trees in the same steps
+    got = {i: [] for i in ids}
+    while eng.has_work:
+        for ev in eng.step():
+            got[ev.request_id] += ev.token_ids
+    assert [got[i] for i in ids] == expected
     assert _no_blocks_in_use(eng)
 
 
