@@ -360,7 +360,8 @@ class LLMEngine:
                 stepped.append(event)
                 if w.proposal is not None and w.proposal.tree is not None:   # a tree trimmed to 0 nodes too:
                     self.policy.record_tree(event.tree_predicted_accepted or 0.0, event.accepted,   # its drafting
-                                            len(event.token_ids), pass_s + w.proposal.time_s)     # was spent
+                                            len(event.token_ids), pass_s + w.proposal.time_s,     # was spent
+                                            max(w.proposal.tree.depths, default=0))
                 elif w.drafts:
                     self.policy.record_verdict(self.proposer_in_effect(), event.accepted_per_position)
             if w.request.finished:
@@ -404,6 +405,8 @@ class LLMEngine:
         request = scheduled.request
         decode = request.decoding
         tree = self.tree_in_effect()
+        if tree is not None and self.config.speculation_policy == "auto":
+            tree = TreeShape(tree.top_k, self.policy.tree_depth(tree.depth), tree.nodes)
         proposal = request.propose(scheduled.max_drafts, tree) if decode and scheduled.max_drafts else None
         if proposal is not None and proposal.tree is not None:
             if self.config.speculation_policy == "auto":

@@ -173,16 +173,32 @@ def test_sibling_rejection_keeps_the_target_distribution():
 def test_tree_nodes_follow_the_measured_costs():
     policy = SpeculationPolicy()
     scores = [-0.1, -0.3, -0.6, -1.0, -1.5]
-    assert policy.choose_tree_nodes(scores, 5) == 5          # nothing measured yet: all of them, once
-    for rows, seconds in ((1, 0.010), (6, 0.011)):
-        for _ in range(3):
-            policy.record_pass(rows, seconds)
+
+    def measured(*widths):
+        policy.pass_s.clear()
+        for rows, seconds in widths:
+            for _ in range(3):
+                policy.record_pass(rows, seconds)
+    assert policy.choose_tree_nodes(scores, 5) == 3          # a 4-row pass is measured before any is predicted
+    measured((1, 0.010), (4, 0.010))
+    assert policy.choose_tree_nodes(scores, 5) == 5          # then the whole tree's width
+    measured((1, 0.010), (4, 0.0105), (6, 0.011))
     assert policy.choose_tree_nodes(scores, 5) == 5          # nearly free rows: verify them all
-    policy.pass_s.clear()
-    for rows, seconds in ((1, 0.010), (6, 0.060)):
-        for _ in range(3):
-            policy.record_pass(rows, seconds)
+    measured((1, 0.010), (4, 0.040), (6, 0.060))
     assert policy.choose_tree_nodes(scores, 5) == 0          # each row costs a step: a plain step pays most
+    measured((1, 0.010), (4, 0.010), (6, 0.030))
+    assert policy.choose_tree_nodes(scores, 5) == 3          # rows in blocks of 4 (CPU int4): the first block
+
+
+def test_trees_grow_one_depth_past_what_was_verified():
+    policy = SpeculationPolicy()
+    assert policy.tree_depth(6) == 6
+    for _ in range(4):
+        policy.record_tree(1.0, 1, 2, 0.02, depth=2)
+    assert policy.tree_depth(6) == 3 and policy.tree_depth(2) == 2
+    for _ in range(40):
+        policy.record_tree(0.0, 0, 1, 0.02, depth=0)          # trimmed to no node every time
+    assert policy.tree_depth(6) == 1
 
 
 # ---- the engine ------------------------------------------------------------------------------

@@ -21,7 +21,10 @@ accepted over predicted, over the recent trees), and the n that maximises
 
     (1 + calibration * sum of the n best confidences) / pass_s(1 + n rows + other rows)
 
-is verified, n = 0 (a plain step) included. Whether to grow a tree at all is measured too:
+is verified, n = 0 (a plain step) included; each of PROBE_NODES (and the full tree) is tried
+twice at its width before widths are predicted. The tree is grown only one depth deeper than
+the recent trimmed trees reached (drafting a depth costs a head pass). Whether to grow a
+tree at all is measured too:
 the recent tree steps' tokens per second (drafting included) against a plain step's; when
 trees lose, plain steps run, with one tree every PROBE_EVERY steps to keep measuring.
 """
@@ -39,6 +42,9 @@ PRIOR_ALPHA = 0.6       # until a proposer has been tried: optimistic, or it wou
 MIN_ATTEMPTS = 16       # attempted draft positions before the measured alpha is trusted
 MIN_TREES = 4           # tree steps before their calibration and speed are trusted
 PROBE_EVERY = 64        # while trees lose: one tree step in this many, to keep measuring
+# Tree sizes whose pass is measured before any is predicted: a pass's cost need not be linear
+# in its rows (torch's CPU int4 kernel works in blocks of 4 rows: 4 rows cost about 1).
+PROBE_NODES = (3, 7, 15)
 
 
 class SpeculationPolicy:
@@ -47,6 +53,7 @@ class SpeculationPolicy:
         self.draft_s: deque = deque(maxlen=KEEP)    # seconds per drafted token
         self.positions: dict[str, PositionCounts] = {}
         self.trees: deque = deque(maxlen=KEEP)     # (predicted accepted, accepted, tokens, seconds) per tree step
+        self.tree_depths: deque = deque(maxlen=KEEP)   # the depth each verified (trimmed) tree reached
         self.skipped_trees = 0                     # plain steps in a row since trees last lost
 
     # ---- measurements --------------------------------------------------------------
@@ -100,9 +107,18 @@ class SpeculationPolicy:
         return max(range(k_max + 1), key=throughput)
 
     # ---- trees -----------------------------------------------------------------------
-    def record_tree(self, predicted: float, accepted: int, tokens: int, seconds: float) -> None:
-        """One tree step: its predicted and accepted nodes, tokens emitted, pass + draft seconds."""
+    def record_tree(self, predicted: float, accepted: int, tokens: int, seconds: float, depth: int = 0) -> None:
+        """One tree step: its predicted and accepted nodes, tokens emitted, pass + draft seconds,
+        and the depth of the tree it verified (0: trimmed to no node)."""
         self.trees.append((predicted, accepted, tokens, seconds))
+        self.tree_depths.append(depth)
+
+    def tree_depth(self, depth: int) -> int:
+        """How deep to grow the next tree: the setting's depth until MIN_TREES were verified,
+        then one deeper than the recent trimmed trees reached (at least 1)."""
+        if len(self.tree_depths) < MIN_TREES:
+            return depth
+        return max(1, min(depth, max(self.tree_depths) + 1))
 
     def tree_calibration(self) -> float:
         """Accepted nodes over the draft's predicted ones, recent trees (1.0 until measured)."""
@@ -132,9 +148,9 @@ class SpeculationPolicy:
         """How many of a grown tree's best nodes to verify (see the module doc); all of them
         until a pass that wide was measured."""
         confidences = sorted((math.exp(s) for s in scores), reverse=True)[:max_nodes]
-        widest = 1 + len(confidences) + other_rows
-        if not self.pass_s or max(self.pass_s) < widest:
-            return len(confidences)
+        for n in [p for p in PROBE_NODES if p < len(confidences)] + [len(confidences)]:
+            if len(self.pass_s.get(1 + n + other_rows, ())) < 2:
+                return n                       # measure this width before predicting any
         calibration = self.tree_calibration()
         best, best_rate, expected = 0, 0.0, 1.0
         for n in range(len(confidences) + 1):
