@@ -253,12 +253,14 @@ for arch in (80, 90):
               "v_cache_ptr": "*" + cache, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "slot_ptr": "*i64"},
               dict(IS_FP8=fp8, FP8_MAX=448.0, BLOCK_H=8, BLOCK_D=128), arch, 4)
         for block_m, split in ((16, True), (64, False)):          # decode split-K, prefill
+          for tree in (False, True):                               # a draft tree's mask, or none
             out = "*fp32" if split else "*" + q
             build(_paged_attn_kernel, {"q_ptr": "*" + q, "k_cache_ptr": "*" + cache, "v_cache_ptr": "*" + cache,
                   "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "block_tables_ptr": "*i64",
-                  "positions_ptr": "*i64", "out_ptr": out, "lse_ptr": out},
-                  dict(IS_FP8=fp8, STORE_LSE=split, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", HEAD_DIM=128,
-                       BLOCK_SIZE=16, SLOT_DTYPE=tl.int32, BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=128),
+                  "positions_ptr": "*i64", "out_ptr": out, "lse_ptr": out, "tree_bits_ptr": "*i64",
+                  "tree_start_ptr": "*i32"},
+                  dict(IS_FP8=fp8, STORE_LSE=split, IS_TREE=tree, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
+                       HEAD_DIM=128, BLOCK_SIZE=16, SLOT_DTYPE=tl.int32, BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=128),
                   arch, 4 if block_m <= 16 else 8)
         build(_merge_partitions_kernel, {"part_out_ptr": "*fp32", "lse_ptr": "*fp32", "positions_ptr": "*i64",
               "out_ptr": "*" + q}, dict(BLOCK_P=64, BLOCK_D=128), arch, 4)
