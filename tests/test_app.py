@@ -725,7 +725,7 @@ def test_history_marks_setting_changes_and_resets_per_position_on_new_speculatio
     assert history.markers[-1][2] == "spec eagle (shipped), tree 4:6:24"
 
 
-def test_a_draft_tree_plots_its_accepted_path_and_nodes_against_the_budget(qapp):
+def test_a_draft_tree_plots_its_accepted_path_and_nodes_against_the_budget(qtbot):
     import numpy as np
     from app.metrics_history import MetricsHistory
     from app.plots_panel import PlotsPanel
@@ -747,6 +747,7 @@ def test_a_draft_tree_plots_its_accepted_path_and_nodes_against_the_budget(qapp)
     # The tree change started the per-position counts again: now acceptance by depth.
     assert list(history.per_position_acceptance()) == [0.5, 1.0, 1.0, 0.0]
     panel = PlotsPanel(history)
+    qtbot.addWidget(panel)         # closed and deleted with the test (a panel left to exit crashed Qt)
     panel.refresh()
     for item, (x, y) in ((panel.tree_path_points, ([2, 3], [3, 0])), (panel.tree_nodes_points, ([2, 3], [24, 17])),
                          (panel.tree_predicted_points, ([2, 3], [1.5, 0.4])),
@@ -768,9 +769,10 @@ def test_a_draft_tree_plots_its_accepted_path_and_nodes_against_the_budget(qapp)
     assert "Draft tree nodes — off" in panel.tree_nodes_plot.titleLabel.text
 
 
-def test_the_draft_tree_control_offers_presets_and_takes_a_typed_shape(qapp):
+def test_the_draft_tree_control_offers_presets_and_takes_a_typed_shape(qtbot):
     from app.settings_panel import SettingsPanel
     panel = SettingsPanel()
+    qtbot.addWidget(panel)
     combo, emitted = panel.widget("draft_tree"), []
     panel.engineSettingChanged.connect(lambda key, value: emitted.append((key, value)))
     assert [combo.itemData(i) for i in range(combo.count())] == ["off", "auto", "4:6:24"]
