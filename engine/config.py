@@ -8,6 +8,7 @@ builds its controls from it. A new setting is one new row here, nowhere else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, make_dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 from engine.errors import ConfigError
@@ -91,6 +92,7 @@ AUTO_SHAPE = TreeShape(top_k=4, depth=6, nodes=24)
 MAX_TREE_NODES = 64
 
 
+@lru_cache(maxsize=64)        # asked every engine step; a shape is immutable
 def parse_tree(value: str) -> TreeShape | None:
     """The `draft_tree` setting: "off" (None), "auto", or "TOPK:DEPTH:NODES" (e.g. "4:6:24")."""
     text = str(value).strip().lower()

@@ -431,7 +431,6 @@ class LLMEngine:
         c, proposer = self.config, self.proposer_in_effect()
         if proposer == "off":
             return 0
-        decoding = sum(1 for r in self.scheduler.running if r.decoding)
         tree = self.tree_in_effect()
         if tree is not None:
             others = sum(r.num_uncomputed for r in self.scheduler.running) - 1
@@ -440,6 +439,7 @@ class LLMEngine:
             return 0
         if c.speculation_policy == "fixed":
             return c.num_speculative_tokens
+        decoding = sum(1 for r in self.scheduler.running if r.decoding)
         return self.policy.choose_k(proposer, max(decoding, 1), c.num_speculative_tokens)
 
     def _step_stats(self, plan, work: list["_Work"], events: list[StepEvent], pass_s: float, step_s: float) -> EngineStep:

@@ -178,18 +178,14 @@ def _gather(cache: LayerCache, group: _Group, dtype: torch.dtype):
     """The group's keys and values, dequantized, padded to whole key tiles: 2 x [B, T, H_kv, D]."""
     b = group.rows.shape[0]
 
+    def pick(pool):                 # by whole blocks, or key by key (a tree's rows)
+        rows = pool.index_select(0, group.table) if group.slots is None else \
+            pool.flatten(0, 1).index_select(0, group.slots)
+        return rows.view(b, group.keys, *pool.shape[2:])
+
     def read(values, scales):
-        if group.slots is None:
-            x = values.index_select(0, group.table).view(b, group.keys, *values.shape[2:])
-        else:
-            x = values.flatten(0, 1).index_select(0, group.slots).view(b, group.keys, *values.shape[2:])
-        if scales is None:
-            return x.to(dtype)
-        if group.slots is None:
-            s = scales.index_select(0, group.table).view(b, group.keys, *scales.shape[2:])
-        else:
-            s = scales.flatten(0, 1).index_select(0, group.slots).view(b, group.keys, *scales.shape[2:])
-        return dequantize_fp8(x, s, dtype)
+        x = pick(values)
+        return x.to(dtype) if scales is None else dequantize_fp8(x, pick(scales), dtype)
     return read(cache.k, cache.k_scale), read(cache.v, cache.v_scale).masked_fill(group.unwritten, 0)
 
 
@@ -286,19 +282,29 @@ def _tree_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, s: SeqS
     cache index (the causal part) and by a bit per tree key on its path, the keys past the
     context (TREE_KEYS of them at most; a wider tree attends through the torch path)."""
     from engine.kernels import dispatch
+    if meta.tree_masks is None:
+        meta.tree_masks = {}
+    if s.start not in meta.tree_masks:          # built by the first layer, shared by all
+        meta.tree_masks[s.start] = _tree_launch(meta, s, q.device)
+    one, mask = meta.tree_masks[s.start]
+    if mask is None:
+        store_kv(cache, k, v, one.slot_mapping)
+        return paged_attention_ref(q, cache, one, scale)
+    return dispatch.attention(q, k, v, cache, one, scale, tree=mask)
+
+
+def _tree_launch(meta: AttentionMetadata, s: SeqSlice, device) -> tuple:
+    """(metadata, (bits, start)) for the kernels, or (torch-path metadata, None) for a tree
+    wider than one mask word."""
     tree, rows = s.tree, slice(s.start, s.start + s.count)
     if max(tree.indices) - tree.context >= TREE_KEYS:
-        store_kv(cache, k, v, meta.slot_mapping[rows])
-        one = AttentionMetadata(meta.positions[rows], meta.slot_mapping[rows], s.block_table, s.context_len, False,
-                                None, seqs=[SeqSlice(0, s.count, s.block_table, s.context_len, tree)])
-        return paged_attention_ref(q, cache, one, scale)
-    device = q.device
+        return AttentionMetadata(meta.positions[rows], meta.slot_mapping[rows], s.block_table, s.context_len, False,
+                                 None, seqs=[SeqSlice(0, s.count, s.block_table, s.context_len, tree)]), None
     bits = torch.tensor([_signed64(sum(1 << (i - tree.context) for i in path)) for path in tree.paths],
                         dtype=torch.int64, device=device)
     index = torch.tensor(tree.indices, dtype=torch.int64, device=device)
-    one = AttentionMetadata(index, meta.slot_mapping[rows], s.block_table, s.context_len, True, None)
     start = torch.tensor([tree.context], dtype=torch.int32, device=device)
-    return dispatch.attention(q, k, v, cache, one, scale, tree=(bits, start))
+    return AttentionMetadata(index, meta.slot_mapping[rows], s.block_table, s.context_len, True, None), (bits, start)
 
 
 TREE_KEYS = 64          # tree keys one int64 mask word covers (the kernels' tree mask)

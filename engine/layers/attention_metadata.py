@@ -51,6 +51,7 @@ class AttentionMetadata:
     pending_kv: list | None = None
     seqs: list[SeqSlice] | None = None       # a batched pass; None: one sequence (the fields above)
     plan: list | None = None                  # the torch path's per-pass layout, built by its first layer
+    tree_masks: dict | None = None            # the kernels' tree launches by first row, built by the first layer
 
     def sequences(self) -> list[SeqSlice]:
         if self.seqs is not None:

@@ -27,7 +27,7 @@ from engine.layers.attention_metadata import AttentionMetadata, SeqSlice, TreeRo
 from engine.layers.sampler import probabilities
 from engine.models.eagle_head import EagleHead
 from engine.spec.spec_decode import Proposal, Proposer
-from engine.spec.tree import TreeShape, grow, select
+from engine.spec.tree import TreeShape, frontier_rows, grow, select
 
 GROW = 256          # feature and cache room is added in steps of this many positions
 
@@ -96,8 +96,7 @@ class EagleProposer(Proposer):
         def expand(frontier, tree):
             first = context + len(index)
             self._ensure(first + len(frontier) + 1)
-            index.update({node: first + j for j, node in enumerate(frontier)})
-            rows = TreeRows(context, [index[f] for f in frontier], [[index[a] for a in tree.path(f)] for f in frontier])
+            rows = frontier_rows(tree, frontier, context, first, index)
             meta = self._tree_meta(rows)
             ids = torch.tensor([tree.tokens[f] for f in frontier], dtype=torch.int64, device=self.device)
             feats = torch.cat([out_feature[tree.parents[f]] for f in frontier])

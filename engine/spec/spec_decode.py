@@ -18,11 +18,10 @@ import torch
 
 from engine.config import SamplingParams
 from engine.errors import DraftIncompatibleError
-from engine.layers.attention_metadata import TreeRows
 from engine.layers.sampler import probabilities
 from engine.metrics import ACCEPTED, BONUS, RESAMPLED
 from engine.runtime.model_runner import PassItem
-from engine.spec.tree import DraftTree, TreeShape, grow, select
+from engine.spec.tree import DraftTree, TreeShape, frontier_rows, grow, select
 
 
 # ---- the rejection sampler (pure) ---------------------------------------------
@@ -175,9 +174,7 @@ class DraftModelProposer(Proposer):
         index: dict[int, int] = {}                                      # node -> its cache index
 
         def expand(frontier, tree):
-            first = seq.num_computed
-            index.update({node: first + j for j, node in enumerate(frontier)})
-            rows = TreeRows(context, [index[f] for f in frontier], [[index[a] for a in tree.path(f)] for f in frontier])
+            rows = frontier_rows(tree, frontier, context, seq.num_computed, index)
             (out, _), = runner.forward_batch([PassItem(seq, [tree.tokens[f] for f in frontier], len(frontier), rows)])
             return torch.log_softmax(out, -1)
 

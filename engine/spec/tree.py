@@ -80,6 +80,13 @@ class DraftTree:
         return TreeRows(context=start, indices=[start + r for r in range(len(self) + 1)], paths=paths)
 
 
+def frontier_rows(tree: DraftTree, frontier: list[int], context: int, first: int, index: dict[int, int]) -> TreeRows:
+    """The rows of one growth pass of a draft over `frontier`, stored at its cache indices
+    first.. after a context of `context` keys; index (node -> cache index) gains them."""
+    index.update({node: first + j for j, node in enumerate(frontier)})
+    return TreeRows(context, [index[f] for f in frontier], [[index[a] for a in tree.path(f)] for f in frontier])
+
+
 def select(tree: DraftTree, nodes: int) -> DraftTree:
     """The `nodes` best nodes by cumulative score (ancestor-closed, see the module doc),
     renumbered in their original order."""
