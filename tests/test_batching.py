@@ -230,7 +230,7 @@ def test_default_model_batched_replies_equal_solo_replies():
     from engine.engine import pick_dtype
     from engine.loading.loader import load_model
     cpu = torch.device("cpu")
-    loaded = load_model("default", dtype=pick_dtype("auto", cpu))
+    loaded = load_model("default", dtype=pick_dtype("auto", cpu)[0])
     eng = LLMEngine(loaded, EngineConfig(kv_cache_bytes=64 * 2**20), cpu)
     questions = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea.",
                  "Why is the sky blue?"]

@@ -95,14 +95,50 @@ def test_cpu_dtype_probe_measures_once_and_survives_a_corrupt_cache(tmp_path, mo
     cache.write_text("{not json")
     calls = []
     monkeypatch.setattr("engine.runtime.cpu_dtype.measure", lambda: calls.append(1) or {"float32": 2.0, "bfloat16": 1.0})
-    assert fastest(cache) is torch.bfloat16
+    assert fastest(cache).dtype is torch.bfloat16
     assert json.loads(cache.read_text()) == {cpu_key(): {"float32": 2.0, "bfloat16": 1.0}}
-    assert fastest(cache) is torch.bfloat16 and calls == [1]          # the second answer comes from the file
+    assert fastest(cache).dtype is torch.bfloat16 and calls == [1]          # the second answer comes from the file
     cache.write_text(json.dumps({cpu_key(): {"float32": 1.0, "bfloat16": 3.0}}))
-    assert fastest(cache) is torch.float32
+    assert fastest(cache).dtype is torch.float32
 
 
 def test_cpu_dtype_probe_times_both_dtypes():
     from engine.runtime.cpu_dtype import measure
     seconds = measure()
     assert set(seconds) == {"float32", "bfloat16"} and all(s > 0 for s in seconds.values())
+
+
+def test_a_dtype_whose_kernels_are_missing_is_skipped_with_its_reason(tmp_path, monkeypatch):
+    """The probe never crashes: a candidate whose forward pass cannot run here is not timed,
+    and "In effect" says why fp32 was chosen."""
+    from engine.runtime import cpu_dtype
+    missing = {torch.bfloat16: "bfloat16 kernels are missing on this CPU: no bf16 here"}
+    monkeypatch.setattr(cpu_dtype, "compute_refusal", lambda dtype: missing.get(dtype))
+    timed = []
+    monkeypatch.setattr(cpu_dtype, "probe_seconds", lambda dtype: timed.append(dtype) or 1.0)
+    choice = fastest(tmp_path / "cpu_dtype.json")
+    assert choice.dtype is torch.float32 and timed == [torch.float32]
+    assert "bfloat16 skipped: bfloat16 kernels are missing on this CPU: no bf16 here" in choice.why
+
+
+def test_where_onednn_refuses_a_dtype_the_linear_takes_torchs_matmul_with_the_same_rows(monkeypatch):
+    """The AVX2-only case: oneDNN refuses bf16 (it refuses to pack and to run). The weight
+    stays plain, torch's matmul serves it, a 1-row call still pads to MIN_ROWS, and the row
+    check runs on that kernel."""
+    refused = "oneDNN refused bfloat16 here: bf16 path needs the cpu support avx512bw (forced by a test)"
+    monkeypatch.setattr(packed_linear, "refusal", lambda dtype: refused if dtype == torch.bfloat16 else None)
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(96, 64, generator=gen).bfloat16(), torch.randn(17, 64, generator=gen).bfloat16()
+    assert not packed_linear.packable(weight) and packed_linear.packable(weight.float())
+    assert packed_linear.path(torch.bfloat16) == f"torch matmul ({refused})"
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", None)     # any oneDNN call would fail now
+    together = packed_linear.linear(x, weight, None)
+    assert torch.equal(together, F.linear(x, weight))
+    assert torch.equal(torch.cat([packed_linear.linear(x[i:i + 1], weight, None) for i in range(17)]), together)
+    assert packed_linear.check_rows([weight])
+
+
+def test_onednn_is_tried_before_it_serves_a_dtype():
+    """On this CPU fp32 ran and matched; a dtype oneDNN is not used for is named."""
+    assert packed_linear.refusal(torch.float32) is None
+    assert "float32, bfloat16 only" in packed_linear.refusal(torch.float16)

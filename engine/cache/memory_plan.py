@@ -157,10 +157,8 @@ def _kv_bytes_per_token(model: torch.nn.Module, config: EngineConfig) -> int:
 
 def _kernels_likely(config: EngineConfig, device: torch.device) -> bool:
     """Whether attention will run in the Triton kernels (no score matrices), as ModelRunner decides."""
-    if device.type != "cuda" or config.attention_backend == "torch":
-        return False
-    from engine.kernels.dispatch import kernels_available      # imports without triton
-    return kernels_available(device)
+    from engine.kernels.dispatch import kernels_in_effect      # imports without triton
+    return kernels_in_effect(config.attention_backend, device)[0]
 
 
 def _no_room(plan: MemoryPlan, budget: int) -> str:

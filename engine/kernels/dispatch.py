@@ -33,6 +33,20 @@ def kernels_available(device: torch.device | str) -> bool:
     return interpreting() or torch.device(device).type == "cuda"
 
 
+def kernels_in_effect(backend: str, device: torch.device | str) -> tuple[bool, str]:
+    """(does attention run in the Triton kernels?, why) for the `attention_backend` setting on
+    `device`: the one place this is decided (the runner and the memory plan ask here)."""
+    if backend == "torch":
+        return False, "off (attention backend: torch)"
+    if _IMPORT_ERROR is not None:
+        return False, f"off: triton does not import here ({_IMPORT_ERROR})"
+    if torch.device(device).type == "cuda":
+        return True, "on (CUDA)"
+    if backend == "triton" and interpreting():
+        return True, "on (the Triton interpreter, TRITON_INTERPRET=1)"
+    return False, "off: the Triton kernels run on CUDA (on the CPU only in the interpreter, for tests)"
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
               meta: AttentionMetadata, scale: float, tree: tuple | None = None) -> torch.Tensor:
     """q [N, H_q, D], k/v [N, H_kv, D] of one sequence -> [N, H_q, D]. Same contract as

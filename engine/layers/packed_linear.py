@@ -19,20 +19,61 @@ bits on this CPU (2..512 rows, every shape of the default model, fp32 and bf16);
 checks that on the machine it runs on (`check_rows`), and where it does not hold, every call
 is cut into fixed ROW_TILE-row tiles instead (a function of the row alone by construction).
 That is what makes the engine batch-invariant (engine.scheduler).
+
+Not every CPU runs every dtype here: on an AVX2-only CPU (no AVX-512, no AVX-NE-CONVERT)
+oneDNN refuses bf16 altogether ("bf16 path needs the cpu support avx_ne_convert or
+avx512bw, avx512vl and avx512dq"). So oneDNN serves a dtype only once it has been tried on
+this CPU (`refusal`: pack a tiny weight, call it, compare with F.linear); a refused dtype
+takes torch's own matmul (F.linear) through the same row padding and the same row check.
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
+import torch.nn.functional as F
+
+from engine.errors import first_line
 
 AVAILABLE = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
              and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+def refusal(dtype: torch.dtype) -> str | None:
+    """Why oneDNN's linear cannot serve `dtype` on this CPU (None: it can). Tried once per
+    process on a tiny weight; tests replace this function to force the fallback."""
+    return _tried(dtype)
+
+
+@functools.cache
+def _tried(dtype: torch.dtype) -> str | None:
+    if not AVAILABLE:
+        return f"this torch ({torch.__version__}) has no oneDNN linear"
+    if dtype not in DTYPES:
+        return f"oneDNN's packed linear is used for {', '.join(str(d).removeprefix('torch.') for d in DTYPES)} only"
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(48, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    try:
+        got = _onednn(x.to(dtype), pack(weight.to(dtype)), None).float()
+    except RuntimeError as error:
+        return f"oneDNN refused {str(dtype).removeprefix('torch.')} here: {first_line(error)}"
+    want = F.linear(x.to(dtype).float(), weight.to(dtype).float())
+    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+        return f"oneDNN's {str(dtype).removeprefix('torch.')} linear gave wrong results here"
+    return None
+
+
+def path(dtype: torch.dtype) -> str:
+    """Which kernel serves a float linear in `dtype` on this CPU, and why ("In effect")."""
+    why_not = refusal(dtype)
+    return "oneDNN, packed at load" if why_not is None else f"torch matmul ({why_not})"
+
+
 def packable(weight: torch.Tensor) -> bool:
-    return AVAILABLE and weight.device.type == "cpu" and weight.dtype in DTYPES and weight.dim() == 2
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in DTYPES
+            and refusal(weight.dtype) is None)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -66,8 +107,15 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     return out[:rows] if pad else out
 
 
-def _call(x, packed, bias):
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _call(x, weight, bias):
+    """oneDNN where it serves this dtype (a packed weight always is), else torch's matmul."""
+    if weight.is_mkldnn or refusal(weight.dtype) is None:
+        return _onednn(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _onednn(x, weight, bias):
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def check_rows(weights: list[torch.Tensor]) -> bool:

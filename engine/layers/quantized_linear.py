@@ -15,13 +15,18 @@ Measured on this 2-core CPU (the default model's 30 layers of linears, one row, 
 packed bf16 7.1-11 ms, int8 5.5 ms, int4 4.8 ms; from 4 rows up int4 is slower than bf16
 (8 rows: 14 ms against 10), int8 slower still. Each row's result does not depend on the
 row count (checked at quantize time, `check_rows`), so a quantized model stays
-batch-invariant.
+batch-invariant. A kernel serves a model only after it has run here on a tiny weight and
+matched the float reference (`refusal`, once per kind and dtype a process); a refused kind
+is served as float, and the weights report says why.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+from engine.errors import first_line
 
 INT4, INT8 = "int4", "int8"
 INT4_GROUP = 32                 # llama.cpp's Q4 block; gpt-fast's default is 32 too
@@ -52,15 +57,49 @@ class QuantizedWeight:
         return f"int4 (group {self.group_size})" if self.kind == INT4 else "int8 (per channel)"
 
 
-def unsupported(kind: str, shape: tuple[int, int], device: torch.device, group_size: int = INT4_GROUP) -> str | None:
-    """Why a weight of this shape cannot take this kind here (None: it can)."""
+def unsupported(kind: str, shape: tuple[int, int], device: torch.device, dtype: torch.dtype,
+                group_size: int = INT4_GROUP) -> str | None:
+    """Why a weight of this shape cannot take this kind here, with activations in `dtype`
+    (None: it can)."""
     if not AVAILABLE:
         return f"this torch ({torch.__version__}) has no weight-only {kind} kernels"
     if device.type != "cpu":
         return f"{kind} weights run on the CPU only in this release ({device.type} keeps them dequantized)"
     if kind == INT4 and shape[1] % group_size:
         return f"in_features {shape[1]} is not a multiple of the int4 group {group_size}"
+    return refusal(kind, dtype)
+
+
+def refusal(kind: str, dtype: torch.dtype) -> str | None:
+    """Why the `kind` kernel cannot run with `dtype` activations on this CPU (None: it ran on
+    a tiny weight and matched the float reference). Tests replace this to force the fallback."""
+    return _tried(kind, dtype)
+
+
+@functools.cache
+def _tried(kind: str, dtype: torch.dtype) -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(16, 64, generator=gen), torch.randn(3, 64, generator=gen).to(dtype)
+    try:
+        qw = quantize(w, kind, dtype)
+        got = linear(x, qw, None).float()
+        want = x.float() @ _reference_weight(w, kind).t()
+    except RuntimeError as error:
+        return f"torch's {kind} kernel failed here: {first_line(error)}"
+    if not torch.allclose(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item()):
+        return f"torch's {kind} kernel gave wrong results here"
     return None
+
+
+def _reference_weight(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """The float weight quantize() rounds `w` to, computed without the kernels."""
+    if kind == INT8:
+        scale = (w.abs().amax(1) / 127).clamp(min=1e-8)
+        return (w / scale[:, None]).round().clamp(-128, 127) * scale[:, None]
+    g = w.reshape(w.shape[0], -1, INT4_GROUP)
+    low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-6)
+    return (((g - low) / scale).round().clamp(0, 15) * scale + low).reshape(w.shape)
 
 
 def slow_in(dtype: torch.dtype) -> str | None:

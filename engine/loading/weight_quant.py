@@ -93,7 +93,7 @@ def plan_linears(model, weight_dtype: str, device: torch.device, stored, dtype: 
         source_type = types[0] if len(set(types)) == 1 else "+".join(sorted(set(types)))
         kind, how = _choice(weight_dtype, types)
         group = stored.int4_group(m.weight.shape[1]) if how == "stored" else quantized_linear.INT4_GROUP
-        why_not = kind and quantized_linear.unsupported(kind, tuple(m.weight.shape), device, group)
+        why_not = kind and quantized_linear.unsupported(kind, tuple(m.weight.shape), device, dtype, group)
         if kind and weight_dtype == AUTO and not why_not:     # auto never picks a slow kernel
             why_not = quantized_linear.slow_in(dtype)
         plans.append(LinearPlan(name, m, parts, source_type, kind, how, why_not or None))

@@ -46,8 +46,8 @@ class Linear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         if self.quant is not None:
             y = quantized_linear.linear(x2, self.quant, self.bias)
-        elif self.packed is None:
-            y = packed_linear.linear(x2, self.weight, self.bias)        # oneDNN re-lays the weight out
+        elif self.packed is None:       # oneDNN re-lays the weight out (or torch's matmul, see there)
+            y = packed_linear.linear(x2, self.weight, self.bias)
         elif torch.compiler.is_compiling():
             y = packed_linear.packed_linear(x2, self.pack_index, self.packed.shape[0], self.bias)
         else:
@@ -57,7 +57,7 @@ class Linear(nn.Module):
     def _onednn(self, x: torch.Tensor) -> bool:
         """Inference on the CPU with matching dtypes (training, autocast, torch.compile and
         CUDA take F.linear: the oneDNN op has no backward and no mixed dtypes)."""
-        return (packed_linear.AVAILABLE and x.device.type == "cpu" and x.dtype == self.weight.dtype
+        return (x.device.type == "cpu" and x.dtype == self.weight.dtype
                 and not torch.compiler.is_compiling()
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
 
@@ -237,7 +237,13 @@ class LlamaFamilyModel(nn.Module):
         """Put every linear weight in oneDNN's layout for CPU inference (engine.layers.packed_linear);
         once, and only for fp32 / bf16 weights on the CPU. The model is then for inference only."""
         linears = [m for m in self.modules() if isinstance(m, Linear) and m.quant is None]
-        if self.packed_weights or not all(packed_linear.packable(m.weight) for m in linears):
+        if self.packed_weights:
+            return
+        if not all(packed_linear.packable(m.weight) for m in linears):
+            # Torch's matmul serves them (packed_linear.refusal): its rows are checked the same way.
+            plain = [m.weight for m in linears if m.weight.device.type == "cpu" and not m.weight.is_meta]
+            if plain:
+                packed_linear.check_rows(plain)
             return
         embeddings = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
         self.packed_weights = [m.pack(i, keep_plain=id(m.weight) in embeddings) for i, m in enumerate(linears)]

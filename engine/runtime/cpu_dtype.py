@@ -7,41 +7,75 @@ it. On a CPU with AMX / AVX512-BF16, bf16 reads about twice as fast (half the by
 bf16 has no native path, its conversions make it slower and fp32 wins. The result is kept per
 CPU model, instruction set, torch version and thread count in the user cache folder (the
 probe takes under a second).
+
+A dtype is timed on the path the engine would take for it (oneDNN where it serves that dtype
+here, else torch's matmul: engine.layers.packed_linear.refusal), after a tiny forward-pass's
+worth of its ops has run (`compute_refusal`). A dtype whose kernels are missing is skipped
+with its reason, never a crash: on an AVX2-only CPU oneDNN refuses bf16, and bf16 is then
+timed on torch's matmul, which converts every element and loses to fp32.
 """
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
+from engine import cpu_features
+from engine.errors import first_line
 from engine.layers import packed_linear
 
 PROBE_SHAPE = (8192, 2048)          # [out, in]
 CANDIDATES = (torch.float32, torch.bfloat16)
 
 
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    why: str                    # what "In effect" says of it
+
+
 def cpu_key() -> str:
-    name = platform.machine()
+    """What the probe's answer depends on: the CPU, its ISA as torch and oneDNN see it (a
+    ONEDNN_MAX_CPU_ISA or ATEN_CPU_CAPABILITY cap changes it), torch and the threads."""
+    onednn = ",".join(_name(d) for d in CANDIDATES if packed_linear.refusal(d) is None) or "none"
+    return (f"{cpu_features.model_name()} | {cpu_features.isa_name()} | {torch.backends.cpu.get_cpu_capability()} | "
+            f"oneDNN {onednn} | torch {torch.__version__} | {torch.get_num_threads()} threads")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def compute_refusal(dtype: torch.dtype) -> str | None:
+    """Why a forward pass cannot run in `dtype` on this CPU (None: a tiny one ran): its linear
+    as the engine calls it, a norm, rotary, softmax attention and SiLU."""
+    gen = torch.Generator().manual_seed(0)
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{name} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
-            f"{torch.get_num_threads()} threads")
+        x = torch.randn(3, 64, generator=gen).to(dtype)
+        h = packed_linear.linear(x, torch.randn(64, 64, generator=gen).to(dtype), None)
+        h = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(dtype)
+        h = h * torch.cos(h) + torch.sin(h)
+        attn = torch.softmax((h @ h.t()).float(), dim=-1).to(dtype) @ h
+        out = F.silu(attn) * attn
+    except RuntimeError as error:
+        return f"{_name(dtype)} kernels are missing on this CPU: {first_line(error)}"
+    if not torch.isfinite(out.float()).all():
+        return f"{_name(dtype)} gave non-finite results on this CPU"
+    return None
 
 
 def probe_seconds(dtype: torch.dtype, repeats: int = 15) -> float:
-    """Median time of one 1-row linear over PROBE_SHAPE in `dtype`, packed as the engine packs."""
+    """Median time of one 1-row linear over PROBE_SHAPE in `dtype`, packed as the engine packs
+    (or plain, where oneDNN refuses the dtype)."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(PROBE_SHAPE, generator=gen).to(dtype)
-    packed, x = packed_linear.pack(weight), torch.randn(1, PROBE_SHAPE[1], generator=gen).to(dtype)
+    packed = packed_linear.pack(weight) if packed_linear.packable(weight) else weight
+    x = torch.randn(1, PROBE_SHAPE[1], generator=gen).to(dtype)
     del weight
     times = []
     for i in range(repeats + 3):
@@ -52,14 +86,14 @@ def probe_seconds(dtype: torch.dtype, repeats: int = 15) -> float:
     return statistics.median(times)
 
 
-def measure() -> dict[str, float]:
-    return {str(d).removeprefix("torch."): probe_seconds(d) for d in CANDIDATES}
+def measure() -> dict[str, float | str]:
+    """Seconds per candidate dtype, or why it was skipped (a string)."""
+    return {_name(d): compute_refusal(d) or probe_seconds(d) for d in CANDIDATES}
 
 
-def fastest(cache_file: Path) -> torch.dtype:
-    """The faster weight dtype on this CPU (fp32 where oneDNN's packed linear is missing)."""
-    if not packed_linear.AVAILABLE:
-        return torch.float32
+def fastest(cache_file: Path) -> DtypeChoice:
+    """The faster weight dtype on this CPU, of those whose kernels run here (fp32 if none
+    other does), and why."""
     key = cpu_key()
     try:
         known = json.loads(cache_file.read_text())
@@ -73,5 +107,15 @@ def fastest(cache_file: Path) -> torch.dtype:
         tmp = cache_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(known, indent=1))
         tmp.replace(cache_file)
-    seconds = known[key]
-    return getattr(torch, min(seconds, key=seconds.get))
+    return _choice(known[key])
+
+
+def _choice(measured: dict) -> DtypeChoice:
+    seconds = {name: s for name, s in measured.items() if isinstance(s, (int, float)) and hasattr(torch, name)}
+    skipped = "; ".join(f"{name} skipped: {why}" for name, why in measured.items() if isinstance(why, str))
+    if not seconds:
+        return DtypeChoice(torch.float32, f"auto: float32, no candidate ran the probe ({skipped})")
+    best = min(seconds, key=seconds.get)
+    timed = ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in sorted(seconds.items(), key=lambda kv: kv[1]))
+    return DtypeChoice(getattr(torch, best), f"auto: the faster here (probe linear {timed})"
+                       + (f"; {skipped}" if skipped else ""))

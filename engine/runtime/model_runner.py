@@ -12,6 +12,7 @@ from engine.cache.hashing import root_key
 from engine.cache.kv_cache import FP8_DTYPE, KVCache, is_rotated, resolve_kv_dtype
 from engine.cache.memory_plan import plan_memory
 from engine.config import EngineConfig
+from engine.errors import first_line
 from engine.layers.attention import AttentionMetadata, causal_mask
 from engine.layers.attention_metadata import SeqSlice, TreeRows, pass_positions, tree_pass_positions
 from engine.loading.loader import LoadedModel
@@ -72,7 +73,8 @@ class ModelRunner:
         root = root_key(self.loaded.identity, self.kv.name, scale_mode, config.block_size,
                         rope_identity(self.loaded.hf_config))
         self.blocks = BlockManager(self.kv.num_blocks, config.block_size, root, config.enable_prefix_caching)
-        self.use_kernels = self._want_kernels(config)
+        from engine.kernels.dispatch import kernels_in_effect      # imports without triton
+        self.use_kernels, self.kernels_state = kernels_in_effect(config.attention_backend, self.device)
         self.set_compile(config.compile)
 
     def set_compile(self, mode: str) -> None:
@@ -108,22 +110,13 @@ class ModelRunner:
     def _compile_failed(self, error: Exception) -> None:
         """The compiled step is a pure function of the pool (its K/V are written after the
         graph), so a failed call left nothing behind: the pass is simply run eagerly."""
-        first_line = (str(error).strip().splitlines() or [""])[0][:200]
-        self.compile_error = f"off: the compiled step failed ({type(error).__name__}: {first_line}); running eagerly"
+        self.compile_error = (f"off: the compiled step failed ({type(error).__name__}: {first_line(error)}); "
+                              "running eagerly")
         self.compile_state, self.compiled = self.compile_error, None
         self.on_settings_changed()
 
     def release_cache(self) -> None:
         self.kv = None
-
-    def _want_kernels(self, config: EngineConfig) -> bool:
-        if config.attention_backend == "torch" or self.device.type != "cuda":
-            return config.attention_backend == "triton" and _interpreter_on()
-        try:
-            from engine.kernels.dispatch import kernels_available
-        except ImportError:
-            return False
-        return kernels_available(self.device)
 
     def set_prefix_caching(self, enabled: bool) -> None:
         self.blocks.enable_prefix_caching = enabled
@@ -241,8 +234,3 @@ class ModelRunner:
 def _computed_from_cache(blocks: SeqBlocks) -> RunnerSeq:
     """Its cached prefix has KV already."""
     return RunnerSeq(blocks.block_table, blocks.keys, blocks.num_cached_tokens, blocks.num_cached_tokens)
-
-
-def _interpreter_on() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET") == "1"

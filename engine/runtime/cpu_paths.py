@@ -1,0 +1,55 @@
+"""Which path serves each part of a step on this machine, and why: the "paths" entry of
+LLMEngine.settings() ("In effect"), CI's first lines and `bench decode`.
+
+Every CPU-specific path is tried before it is relied on, each where it is decided: oneDNN's
+linear per dtype (engine.layers.packed_linear.refusal), the int4/int8 weight kernels
+(engine.layers.quantized_linear.refusal), the compute dtype (engine.runtime.cpu_dtype), the
+compiled step's C++ compiler (engine.runtime.compiled_step.compiler_refusal) and Triton
+(engine.kernels.dispatch.kernels_in_effect). This module only gathers their answers.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine import cpu_features
+from engine.layers import packed_linear, quantized_linear
+from engine.runtime import compiled_step
+
+
+def describe(device: torch.device, dtype: torch.dtype, dtype_why: str, compile_state: str,
+             kernels_state: str) -> dict[str, str]:
+    """One line per part: what runs, and why where it is a fallback."""
+    paths = {"isa": cpu_features.isa_name() if device.type == "cpu" else device.type,
+             "dtype": f"{_name(dtype)} ({dtype_why})"}
+    if device.type == "cpu":
+        paths["linear"] = packed_linear.path(dtype)
+        activations = quantized_linear.FAST_DTYPES[0]
+        for kind in (quantized_linear.INT4, quantized_linear.INT8):
+            why_not = quantized_linear.refusal(kind, activations)
+            paths[kind] = f"torch's {kind} kernel" if why_not is None else f"float ({why_not})"
+    paths["compile"] = compile_state
+    paths["attention"] = "Triton kernels" if kernels_state.startswith("on") else f"torch ({kernels_state})"
+    return paths
+
+
+def probe_report() -> dict[str, str | None]:
+    """What each probe says on this CPU, independent of a model (CI prints it first)."""
+    from engine.runtime.cpu_dtype import compute_refusal
+    report = {"isa": cpu_features.isa_name(), "flags": " ".join(cpu_features.simd_flags()),
+              "torch_capability": torch.backends.cpu.get_cpu_capability(),
+              "compiler": compiled_step.compiler_refusal("cpu") or "found"}
+    for dtype in packed_linear.DTYPES:
+        report[f"compute_{_name(dtype)}"] = compute_refusal(dtype) or "runs"
+        report[f"linear_{_name(dtype)}"] = packed_linear.path(dtype)
+        for kind in (quantized_linear.INT4, quantized_linear.INT8):
+            report[f"{kind}_{_name(dtype)}"] = quantized_linear.refusal(kind, dtype) or "runs"
+    return report
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+if __name__ == "__main__":
+    for key, value in probe_report().items():
+        print(f"cpu: {key}: {value}")
