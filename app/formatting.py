@@ -33,6 +33,10 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
         per_token = settings.get("weight_bytes_per_token")
         read = f", {per_token / 2**20:.0f} MiB read per token" if per_token else ""
         lines.append(f"<b>Weights</b>: {escape(str(settings['weight_dtype']))}{read}")
+    paths = settings.get("paths") or {}
+    if "linear" in paths:       # the CPU: which kernels passed their trial here (engine.runtime.cpu_paths)
+        lines.append(f"<b>CPU kernels</b> ({escape(paths['isa'])}): linears {escape(paths['linear'])}; "
+                     f"int4 {escape(paths['int4'])}; dtype {escape(paths['dtype'])}")
     if settings.get("memory_plan"):
         lines.append(describe_memory_plan(settings["memory_plan"]))
     if settings.get("chat_template") is False:

@@ -56,6 +56,7 @@ staging=$(mktemp -d "$(dirname "$DEST")/.staging.XXXXXX")
 chmod 755 "$staging"
 mkdir -p "$staging/bin"
 cp "$work/build/bin/llama-server" "$work/build/bin/llama-bench" "$staging/bin/"
+echo "${CPU_FLAGS[*]}" > "$staging/build-flags.txt"     # named when a binary dies at start (llama_server.exit_reason)
 rm -rf "$DEST"
 mv "$staging" "$DEST"
 echo "$DEST/bin/llama-server"

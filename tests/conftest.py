@@ -1,3 +1,4 @@
+import contextlib
 import os
 import socket
 
@@ -6,6 +7,29 @@ import torch
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 torch.manual_seed(0)
+
+
+# Each CPU fallback, forced the way a CPU that refuses the fast path would (the next machine
+# may have another ISA). "onednn-refused": oneDNN's linear refuses every dtype (bf16 on an
+# AVX2-only CPU), so torch's matmul serves the linears; "row-tiles": the row check failed, so
+# every linear runs in fixed ROW_TILE-row tiles; "quant-refused": the int4/int8 kernels
+# refuse, so quantized weights are served as float.
+FALLBACKS = ("onednn-refused", "row-tiles", "quant-refused")
+
+
+@contextlib.contextmanager
+def forced_fallback(name: str | None):
+    from engine.layers import packed_linear, quantized_linear
+    with pytest.MonkeyPatch.context() as mp:
+        if name == "onednn-refused":
+            mp.setattr(packed_linear, "refusal", lambda dtype: "oneDNN refused this dtype (forced by a test)")
+        elif name == "row-tiles":
+            mp.setattr(packed_linear, "_fixed_tiles", True)
+        elif name == "quant-refused":
+            mp.setattr(quantized_linear, "refusal", lambda kind, dtype: f"{kind} kernel refused (forced by a test)")
+        elif name is not None:
+            raise ValueError(f"no fallback {name!r}; known: {FALLBACKS}")
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 QT = ("PySide6", "pyqtgraph", "PyQt5", "PyQt6", "shiboken6")
 # The engine's plain-data modules: settings, metrics, profiles, errors. The app may read them.
 # engine.workload: the workload's fields (its driver runs only the engine it is handed: the worker's).
-PLAIN_DATA = {"engine", "engine.config", "engine.metrics", "engine.profiles", "engine.errors", "engine.workload"}
+PLAIN_DATA = {"engine", "engine.config", "engine.metrics", "engine.profiles", "engine.errors", "engine.workload",
+              "engine.thread_policy"}
 RUNS_THE_ENGINE = {"app.engine_worker", "app.fidelity", "app.screenshot"}
 
 
@@ -82,7 +83,7 @@ def test_engine_never_imports_qt():
 
 # The request path: what a newcomer reads first. Everything else lives in a subpackage.
 TOP_LEVEL = {"engine", "engine.engine", "engine.request", "engine.scheduler", "engine.stream", "engine.config", "engine.metrics", "engine.errors",
-             "engine.profiles", "engine.backend", "engine.workload"}
+             "engine.profiles", "engine.backend", "engine.workload", "engine.cpu_features", "engine.thread_policy"}
 SUBPACKAGES = {"cache", "kernels", "layers", "models", "loading", "runtime", "spec", "remote", "bench", "training"}
 REQUEST_PATH = ("engine.engine", "engine.request", "engine.scheduler", "engine.stream")
 OFFLINE_TOOLS = ("engine.bench", "engine.training")

@@ -11,7 +11,7 @@ import torch
 from engine import EngineConfig, SamplingParams
 from engine.engine import LLMEngine
 from engine.errors import CacheTooSmallError, PromptTooLongError
-from tests.conftest import chat
+from tests.conftest import chat, forced_fallback
 
 SHARED = list(range(3000, 3064))            # a 64-token prefix two prompts share (a prefix-cache hit)
 
@@ -40,12 +40,20 @@ def params_for(i: int, sampled: bool) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS[i], stop_on_eos=False)
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# Each dtype on its fast path, and on each linear fallback a CPU may force (conftest.FALLBACKS):
+# batch invariance must hold on whichever kernel was chosen.
+PATHS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
+         "bf16-onednn-refused": (torch.bfloat16, "onednn-refused"), "fp32-row-tiles": (torch.float32, "row-tiles")}
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
 def tiny(request, tmp_path_factory):
     from engine.loading.loader import load_model
     from engine.loading.synthetic import write_checkpoint
+    dtype, fallback = PATHS[request.param]
     folder = write_checkpoint(tmp_path_factory.mktemp("tiny-batch"), "tiny", seed=0)
-    return load_model(str(folder), dtype=request.param)
+    with forced_fallback(fallback):
+        yield load_model(str(folder), dtype=dtype)
 
 
 def engine(loaded, **config) -> LLMEngine:

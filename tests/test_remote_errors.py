@@ -73,3 +73,24 @@ def test_unknown_server_kind_lists_the_known_ones():
     with pytest.raises(ConfigError, match="vllm, sglang, llama.cpp, openai"):
         RemoteBackend("http://127.0.0.1:1", kind="tgi")
 
+
+
+def test_a_llama_server_built_for_another_cpu_is_named_with_its_build_flags(tmp_path, monkeypatch):
+    """A binary built on an AVX-512 CPU dies with SIGILL on an AVX2-only one: the error says
+    so, with the flags it was built with and what to do, not a bare exit code."""
+    import signal
+
+    from engine.errors import WorkbenchError
+    from engine.remote.llama_server import LlamaServer
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "llama-server"
+    fake.write_text("#!/bin/sh\nkill -ILL $$\n")
+    fake.chmod(0o755)
+    (tmp_path / "build-flags.txt").write_text("-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AMX_INT8=OFF\n")
+    monkeypatch.setenv("WORKBENCH_LLAMA_SERVER", str(fake))
+    with pytest.raises(WorkbenchError) as info:
+        LlamaServer(tmp_path / "model.gguf").start(timeout_s=20)
+    said = str(info.value)
+    assert signal.SIGILL.name in said and "illegal instruction" in said
+    assert "built with GGML_AVX2=ON GGML_AVX512=ON, and this CPU is" in said
+    assert f"Remove {tmp_path}" in said and "scripts/build_llama_server.sh" in said

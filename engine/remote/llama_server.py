@@ -14,6 +14,7 @@ killed) on exit.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -22,8 +23,9 @@ from pathlib import Path
 
 import httpx
 
+from engine import cpu_features, thread_policy
 from engine.errors import WorkbenchError
-from engine.remote.llama_server_binary import binary
+from engine.remote.llama_server_binary import BUILD_SCRIPT, binary, built_with
 
 HOST = "127.0.0.1"
 SPEC_TYPE = "draft-simple"
@@ -33,6 +35,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def exit_reason(returncode: int, path: str) -> str:
+    """Why llama-server stopped while starting, naming the signal and, for a crash on an
+    instruction, what the binary was built for against what this CPU has."""
+    if returncode >= 0:
+        return f"llama-server exited with code {returncode} while starting"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    said = f"llama-server ({path}) was killed by {name} while starting"
+    if -returncode == signal.SIGILL:
+        said += (f" (illegal instruction): it was built with {built_with(Path(path))}, and this CPU is "
+                 f"{cpu_features.isa_name()} ({' '.join(cpu_features.simd_flags())}). Remove "
+                 f"{Path(path).parent.parent} and run `bash {BUILD_SCRIPT}` on this machine to build it for this CPU")
+    return said
 
 
 class LlamaServer:
@@ -55,11 +74,12 @@ class LlamaServer:
 
     def start(self, timeout_s: float = 120.0) -> "LlamaServer":
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                            env=thread_policy.peer_environment())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise WorkbenchError(f"llama-server exited with code {self.process.returncode} while starting; "
+                raise WorkbenchError(f"{exit_reason(self.process.returncode, self.args[0])}; "
                                      f"its log ends with:\n{self.log_tail()}")
             if self._healthy():
                 return self

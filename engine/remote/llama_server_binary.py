@@ -54,9 +54,16 @@ def cmake_flags(cpu_flags: frozenset[str] | None = None) -> list[str]:
     return out
 
 
-def built_for() -> str:
-    """What a binary of install_dir() was built for, for error messages."""
-    return f"{cpu_features.isa_name()} ({' '.join(f for f in cmake_flags() if f.endswith('=ON'))})"
+FLAGS_FILE = "build-flags.txt"       # beside bin/: the CMake CPU flags the build used
+
+
+def built_with(binary_path: Path) -> str:
+    """The CPU flags a built binary was built with (the build script writes them beside it)."""
+    try:
+        flags = (binary_path.parent.parent / FLAGS_FILE).read_text().split()
+    except OSError:
+        return "unknown flags (no build-flags.txt beside it: not built by this project's script)"
+    return " ".join(f.removeprefix("-D") for f in flags if f.endswith("=ON")) or "no SIMD flags"
 
 
 def binary(name: str = "llama-server") -> Path:

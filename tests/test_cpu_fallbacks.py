@@ -1,0 +1,129 @@
+"""Every CPU: each CPU-specific path is tried before the engine relies on it, and each
+fallback is forced here (the next machine may have the other ISA) and checked against the
+reference: transformers' logits, and the fast path's greedy tokens. Where this CPU has
+AVX-512, an AVX2-only CPU is also imitated for real (oneDNN and ATen capped at AVX2), and
+the default engine must load and answer there."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, SamplingParams, cpu_features
+from engine.engine import LLMEngine
+from engine.layers import packed_linear, quantized_linear
+from engine.loading.loader import load_model
+from engine.loading.synthetic import write_checkpoint
+from engine.runtime import compiled_step
+from tests.conftest import FALLBACKS, chat, forced_fallback, our_logits, transformers_logits
+
+REPO = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+GREEDY = SamplingParams(max_tokens=24, stop_on_eos=False)
+PROMPT = list(range(200, 240))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("fallbacks"), "tiny", seed=5)
+
+
+def greedy(loaded, **config) -> list[int]:
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=32, compile="off", **config), CPU)
+    return eng.generate_text(PROMPT, GREEDY)[1]
+
+
+@pytest.fixture(scope="module")
+def fast_path_tokens(folder):
+    return {dtype: greedy(load_model(str(folder), dtype=dtype)) for dtype in (torch.float32, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("fallback", ["onednn-refused", "row-tiles"])
+def test_each_linear_fallback_matches_transformers_and_the_fast_paths_tokens(folder, fast_path_tokens, fallback):
+    with forced_fallback(fallback):
+        loaded = load_model(str(folder))
+        ours = our_logits(loaded)
+        tokens = greedy(loaded)
+        bf16_tokens = greedy(load_model(str(folder), dtype=torch.bfloat16))
+    torch.testing.assert_close(ours, transformers_logits(folder), atol=1e-4, rtol=1e-4)
+    assert tokens == fast_path_tokens[torch.float32]
+    assert len(bf16_tokens) == GREEDY.max_tokens           # bf16 rounds by its kernel: it must run, and batch (test_batching)
+
+
+def test_where_onednn_refuses_nothing_is_packed_and_in_effect_says_why(folder):
+    with forced_fallback("onednn-refused"):
+        loaded = load_model(str(folder), dtype=torch.bfloat16)
+        eng = LLMEngine(loaded, EngineConfig(num_blocks=32, compile="off"), CPU)
+        assert loaded.model.packed_weights == []
+        assert eng.settings()["paths"]["linear"] == "torch matmul (oneDNN refused this dtype (forced by a test))"
+
+
+def test_refused_int4_kernels_serve_the_weights_as_float_and_say_why(folder):
+    asked = load_model(str(folder), dtype=torch.bfloat16, weight_dtype="int4")
+    assert asked.weights.quantized > 0
+    with forced_fallback("quant-refused"):
+        refused = load_model(str(folder), dtype=torch.bfloat16, weight_dtype="int4")
+        eng = LLMEngine(refused, EngineConfig(num_blocks=32, compile="off"), CPU)
+        assert refused.weights.quantized == 0
+        assert "int4 kernel refused (forced by a test)" in refused.weights.summary()
+        assert eng.settings()["paths"]["int4"] == "float (int4 kernel refused (forced by a test))"
+        tokens = eng.generate_text(PROMPT, GREEDY)[1]
+    assert tokens == greedy(load_model(str(folder), dtype=torch.bfloat16))      # served as the float model is
+
+
+def test_without_a_compiler_the_step_stays_eager_and_says_so(folder, monkeypatch, fast_path_tokens):
+    monkeypatch.setattr(compiled_step, "compiler_refusal", lambda device_type: "no C++ compiler (forced by a test)")
+    loaded = load_model(str(folder))
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=32, compile="on"), CPU)
+    assert eng.settings()["compile"] == "off: no C++ compiler (forced by a test)" and eng.runner.compiled is None
+    assert eng.generate_text(PROMPT, GREEDY)[1] == fast_path_tokens[torch.float32]
+
+
+def test_the_kernels_are_tried_on_this_cpu():
+    """What this CPU runs natively: fp32 on oneDNN and the int4/int8 kernels in bf16 pass
+    their trials here (every supported CPU has them); a refusal names the CPU's problem."""
+    assert packed_linear.refusal(torch.float32) is None
+    for kind in (quantized_linear.INT4, quantized_linear.INT8):
+        assert quantized_linear.refusal(kind, torch.bfloat16) is None
+    assert set(FALLBACKS) == {"onednn-refused", "row-tiles", "quant-refused"}
+
+
+def test_the_isa_name_keys_what_is_built_for_a_cpu():
+    from engine.remote.llama_server_binary import cmake_flags
+    avx2 = frozenset("sse4_2 avx f16c fma bmi2 avx2".split())
+    avx512 = avx2 | {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512_vnni", "avx512_bf16"}
+    assert cpu_features.isa_name(avx2) == "avx2" and cpu_features.isa_name(avx512) == "avx512-vnni-bf16"
+    assert "-DGGML_AVX512=OFF" in cmake_flags(avx2) and "-DGGML_AVX2=ON" in cmake_flags(avx2)
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AMX_INT8=OFF"} <= set(cmake_flags(avx512 | {"amx_int8"}))
+    assert cpu_features.parse_flags("processor : 0\nflags\t\t: fpu avx2 fma\n") == {"fpu", "avx2", "fma"}
+
+
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+IMITATED = """
+import json, sys
+from engine import LLMEngine, SamplingParams
+eng = LLMEngine.load("default")
+ids = eng.encode([{"role": "user", "content": "What is the capital of France?"}])
+text = eng.generate_text(ids, SamplingParams(max_tokens=12))[0]
+print(json.dumps({"paths": eng.settings()["paths"], "text": text}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("avx512f" not in cpu_features.flags(), reason="this CPU is AVX2-only already: every other test runs there")
+def test_the_default_engine_loads_and_answers_on_an_imitated_avx2_only_cpu():
+    """oneDNN capped at AVX2 refuses bf16 exactly as an AVX2-only EPYC does ("bf16 path needs
+    the cpu support avx_ne_convert or avx512bw..."): the dtype probe and the load must not
+    crash, and the answer is the default model's."""
+    env = {**os.environ, **AVX2_ONLY}       # the dtype probe keys its answer by what oneDNN serves
+    done = subprocess.run([sys.executable, "-c", IMITATED], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "Paris" in result["text"]
+    if result["paths"]["dtype"].startswith("bfloat16"):
+        assert result["paths"]["linear"].startswith("torch matmul (oneDNN refused bfloat16 here")
+    assert result["paths"]["int4"] == "torch's int4 kernel"
