@@ -53,13 +53,15 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """(the compute dtype for the `dtype` setting, why)."""
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16, "auto: bf16 on CUDA"
+    """(the compute dtype for the `dtype` setting, why). On the CPU the probe also picks each
+    dtype's linear kernel, measured once per CPU (engine.runtime.cpu_dtype)."""
+    if device.type == "cpu":
         from engine.runtime.cpu_dtype import fastest
         choice = fastest(loader.cache_dir() / "cpu_dtype.json")
-        return choice.dtype, choice.why
+        if name == "auto":
+            return choice.dtype, choice.why
+    elif name == "auto":
+        return torch.bfloat16, "auto: bf16 on CUDA"
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name], "asked for"
 
 

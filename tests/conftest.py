@@ -10,24 +10,38 @@ torch.manual_seed(0)
 
 
 # Each CPU fallback, forced the way a CPU that refuses the fast path would (the next machine
-# may have another ISA). "onednn-refused": oneDNN's linear refuses every dtype (bf16 on an
-# AVX2-only CPU), so torch's matmul serves the linears; "row-tiles": the row check failed, so
-# every linear runs in fixed ROW_TILE-row tiles; "quant-refused": the int4/int8 kernels
-# refuse, so quantized weights are served as float.
-FALLBACKS = ("onednn-refused", "row-tiles", "quant-refused")
+# may have another ISA). The float linears' kernels (engine.layers.packed_linear.BACKENDS):
+#   "ours-refused": our CPU linear did not build (no compiler): oneDNN serves;
+#   "onednn-refused": oneDNN refuses the dtype (bf16 on an AVX2-only CPU): ours serves;
+#   "both-refused": neither runs: torch's matmul serves;
+#   "row-tiles": oneDNN serves and its row check failed: fixed ROW_TILE-row tiles;
+#   "avx2": ours on its AVX2 path (forced on an AVX-512 CPU);
+# and "quant-refused": the int4/int8 kernels refuse, so quantized weights are served as float.
+FALLBACKS = ("ours-refused", "onednn-refused", "both-refused", "row-tiles", "avx2", "quant-refused")
 
 
 @contextlib.contextmanager
 def forced_fallback(name: str | None):
+    from engine import cpu_features
+    from engine.kernels import cpu_linear
     from engine.layers import packed_linear, quantized_linear
+    ours_refused = lambda: "our CPU linear refused (forced by a test)"                       # noqa: E731
+    onednn_refused = lambda dtype: "oneDNN refused this dtype (forced by a test)"            # noqa: E731
     with pytest.MonkeyPatch.context() as mp:
-        if name == "onednn-refused":
-            mp.setattr(packed_linear, "refusal", lambda dtype: "oneDNN refused this dtype (forced by a test)")
-        elif name == "row-tiles":
+        mp.setattr(packed_linear, "_preferred", {})         # no probe's choice: the first backend that runs
+        if name in ("ours-refused", "both-refused", "row-tiles"):
+            mp.setattr(cpu_linear, "refusal", ours_refused)
+        if name in ("onednn-refused", "both-refused"):
+            mp.setattr(packed_linear, "refusal", onednn_refused)
+        if name == "row-tiles":
             mp.setattr(packed_linear, "_fixed_tiles", True)
+        elif name == "avx2":
+            if cpu_linear.refusal() or not all(f in cpu_features.flags() for f in cpu_linear.NEEDS["avx2"]):
+                pytest.skip(f"our CPU linear does not run here: {cpu_linear.refusal()}")
+            mp.setitem(cpu_linear._chosen, "isa", "avx2")
         elif name == "quant-refused":
             mp.setattr(quantized_linear, "refusal", lambda kind, dtype: f"{kind} kernel refused (forced by a test)")
-        elif name is not None:
+        elif name is not None and name not in FALLBACKS:
             raise ValueError(f"no fallback {name!r}; known: {FALLBACKS}")
         yield
 

@@ -40,20 +40,40 @@ def params_for(i: int, sampled: bool) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS[i], stop_on_eos=False)
 
 
-# Each dtype on its fast path, and on each linear fallback a CPU may force (conftest.FALLBACKS):
-# batch invariance must hold on whichever kernel was chosen.
-PATHS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
-         "bf16-onednn-refused": (torch.bfloat16, "onednn-refused"), "fp32-row-tiles": (torch.float32, "row-tiles")}
-
-
-@pytest.fixture(scope="module", params=list(PATHS))
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def tiny(request, tmp_path_factory):
     from engine.loading.loader import load_model
     from engine.loading.synthetic import write_checkpoint
-    dtype, fallback = PATHS[request.param]
     folder = write_checkpoint(tmp_path_factory.mktemp("tiny-batch"), "tiny", seed=0)
+    return load_model(str(folder), dtype=request.param)
+
+
+# Each linear kernel a CPU may take (conftest.FALLBACKS), forced: batch invariance must hold on
+# whichever was chosen. (The plain fp32 and bf16 paths are the `tiny` fixture's.)
+FALLBACK_PATHS = {"fp32-ours-refused": (torch.float32, "ours-refused"), "fp32-row-tiles": (torch.float32, "row-tiles"),
+                  "bf16-onednn-refused": (torch.bfloat16, "onednn-refused"),
+                  "bf16-both-refused": (torch.bfloat16, "both-refused"), "fp32-avx2": (torch.float32, "avx2"),
+                  "bf16-avx2": (torch.bfloat16, "avx2")}
+
+
+@pytest.fixture(scope="module", params=list(FALLBACK_PATHS))
+def tiny_fallback(request, tmp_path_factory):
+    from engine.loading.loader import load_model
+    from engine.loading.synthetic import write_checkpoint
+    dtype, fallback = FALLBACK_PATHS[request.param]
+    folder = write_checkpoint(tmp_path_factory.mktemp("tiny-fallback"), "tiny", seed=0)
     with forced_fallback(fallback):
         yield load_model(str(folder), dtype=dtype)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_on_every_fallback_kernel_concurrent_requests_give_their_solo_tokens(tiny_fallback, sampled):
+    all_prompts = prompts(tiny_fallback)
+    all_params = [params_for(i, sampled) for i in range(8)]
+    alone = [solo(tiny_fallback, p, s) for p, s in zip(all_prompts, all_params)]
+    together, stats = run_together(engine(tiny_fallback, **PRESSURE), all_prompts, all_params)
+    assert [together[i] for i in range(8)] == alone
+    assert sum(s.preemptions for s in stats.values()) >= 1
 
 
 def engine(loaded, **config) -> LLMEngine:

@@ -14,11 +14,12 @@ import torch
 
 from engine import EngineConfig, SamplingParams, cpu_features
 from engine.engine import LLMEngine
+from engine.kernels import cpu_linear
 from engine.layers import packed_linear, quantized_linear
 from engine.loading.loader import load_model
 from engine.loading.synthetic import write_checkpoint
 from engine.runtime import compiled_step
-from tests.conftest import FALLBACKS, chat, forced_fallback, our_logits, transformers_logits
+from tests.conftest import forced_fallback, our_logits, transformers_logits
 
 REPO = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
@@ -41,7 +42,7 @@ def fast_path_tokens(folder):
     return {dtype: greedy(load_model(str(folder), dtype=dtype)) for dtype in (torch.float32, torch.bfloat16)}
 
 
-@pytest.mark.parametrize("fallback", ["onednn-refused", "row-tiles"])
+@pytest.mark.parametrize("fallback", ["ours-refused", "onednn-refused", "both-refused", "row-tiles", "avx2"])
 def test_each_linear_fallback_matches_transformers_and_the_fast_paths_tokens(folder, fast_path_tokens, fallback):
     with forced_fallback(fallback):
         loaded = load_model(str(folder))
@@ -53,12 +54,22 @@ def test_each_linear_fallback_matches_transformers_and_the_fast_paths_tokens(fol
     assert len(bf16_tokens) == GREEDY.max_tokens           # bf16 rounds by its kernel: it must run, and batch (test_batching)
 
 
-def test_where_onednn_refuses_nothing_is_packed_and_in_effect_says_why(folder):
+def test_where_onednn_refuses_ours_serves_and_in_effect_says_why(folder):
+    """bf16 on an AVX2-only CPU: oneDNN refuses it, our CPU linear packs and serves it."""
     with forced_fallback("onednn-refused"):
         loaded = load_model(str(folder), dtype=torch.bfloat16)
         eng = LLMEngine(loaded, EngineConfig(num_blocks=32, compile="off"), CPU)
+        assert {p.dim() for p in loaded.model.packed_weights} == {3}           # [out / 32, in, 32] blocks
+        assert eng.settings()["paths"]["linear"].startswith("ours (")
+
+
+def test_where_no_packed_kernel_runs_nothing_is_packed_and_in_effect_says_why(folder):
+    with forced_fallback("both-refused"):
+        loaded = load_model(str(folder), dtype=torch.bfloat16)
+        eng = LLMEngine(loaded, EngineConfig(num_blocks=32, compile="off"), CPU)
         assert loaded.model.packed_weights == []
-        assert eng.settings()["paths"]["linear"] == "torch matmul (oneDNN refused this dtype (forced by a test))"
+        assert eng.settings()["paths"]["linear"] == ("torch matmul (ours: our CPU linear refused (forced by a test); "
+                                                     "onednn: oneDNN refused this dtype (forced by a test))")
 
 
 def test_refused_int4_kernels_serve_the_weights_as_float_and_say_why(folder):
@@ -88,7 +99,7 @@ def test_the_kernels_are_tried_on_this_cpu():
     assert packed_linear.refusal(torch.float32) is None
     for kind in (quantized_linear.INT4, quantized_linear.INT8):
         assert quantized_linear.refusal(kind, torch.bfloat16) is None
-    assert set(FALLBACKS) == {"onednn-refused", "row-tiles", "quant-refused"}
+    assert cpu_linear.refusal() is None or "did not build" in cpu_linear.refusal()
 
 
 def test_the_isa_name_keys_what_is_built_for_a_cpu():
@@ -125,5 +136,6 @@ def test_the_default_engine_loads_and_answers_on_an_imitated_avx2_only_cpu():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert "Paris" in result["text"]
     if result["paths"]["dtype"].startswith("bfloat16"):
-        assert result["paths"]["linear"].startswith("torch matmul (oneDNN refused bfloat16 here")
+        assert "onednn: oneDNN refused bfloat16 here" in result["paths"]["linear"] or \
+            result["paths"]["linear"].startswith("ours (")
     assert result["paths"]["int4"] == "torch's int4 kernel"

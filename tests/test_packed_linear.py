@@ -94,18 +94,24 @@ def test_cpu_dtype_probe_measures_once_and_survives_a_corrupt_cache(tmp_path, mo
     cache = tmp_path / "cpu_dtype.json"
     cache.write_text("{not json")
     calls = []
-    monkeypatch.setattr("engine.runtime.cpu_dtype.measure", lambda: calls.append(1) or {"float32": 2.0, "bfloat16": 1.0})
+    monkeypatch.setattr(packed_linear, "_preferred", {})
+    measured = {"float32": {"ours": 2.0, "onednn": 2.5}, "bfloat16": {"ours": 1.5, "onednn": 1.0}}
+    monkeypatch.setattr("engine.runtime.cpu_dtype.measure", lambda: calls.append(1) or measured)
     assert fastest(cache).dtype is torch.bfloat16
-    assert json.loads(cache.read_text()) == {cpu_key(): {"float32": 2.0, "bfloat16": 1.0}}
+    assert json.loads(cache.read_text()) == {cpu_key(): measured}
     assert fastest(cache).dtype is torch.bfloat16 and calls == [1]          # the second answer comes from the file
-    cache.write_text(json.dumps({cpu_key(): {"float32": 1.0, "bfloat16": 3.0}}))
+    # each dtype's fastest linear kernel is the one it prefers
+    assert packed_linear._preferred == {torch.float32: "ours", torch.bfloat16: "onednn"}
+    cache.write_text(json.dumps({cpu_key(): {"float32": {"onednn": 1.0}, "bfloat16": {"onednn": 3.0}}}))
     assert fastest(cache).dtype is torch.float32
 
 
 def test_cpu_dtype_probe_times_both_dtypes():
     from engine.runtime.cpu_dtype import measure
     seconds = measure()
-    assert set(seconds) == {"float32", "bfloat16"} and all(s > 0 for s in seconds.values())
+    assert set(seconds) == {"float32", "bfloat16"}
+    assert all(s > 0 for timed in seconds.values() for s in timed.values())
+    assert all(set(timed) <= set(packed_linear.BACKENDS) for timed in seconds.values())
 
 
 def test_a_dtype_whose_kernels_are_missing_is_skipped_with_its_reason(tmp_path, monkeypatch):
@@ -115,22 +121,27 @@ def test_a_dtype_whose_kernels_are_missing_is_skipped_with_its_reason(tmp_path, 
     missing = {torch.bfloat16: "bfloat16 kernels are missing on this CPU: no bf16 here"}
     monkeypatch.setattr(cpu_dtype, "compute_refusal", lambda dtype: missing.get(dtype))
     timed = []
-    monkeypatch.setattr(cpu_dtype, "probe_seconds", lambda dtype: timed.append(dtype) or 1.0)
+    monkeypatch.setattr(cpu_dtype, "probe_seconds", lambda dtype, backend: timed.append(dtype) or 1.0)
+    monkeypatch.setattr(packed_linear, "_preferred", {})
     choice = fastest(tmp_path / "cpu_dtype.json")
-    assert choice.dtype is torch.float32 and timed == [torch.float32]
+    assert choice.dtype is torch.float32 and set(timed) == {torch.float32}
     assert "bfloat16 skipped: bfloat16 kernels are missing on this CPU: no bf16 here" in choice.why
 
 
-def test_where_onednn_refuses_a_dtype_the_linear_takes_torchs_matmul_with_the_same_rows(monkeypatch):
-    """The AVX2-only case: oneDNN refuses bf16 (it refuses to pack and to run). The weight
-    stays plain, torch's matmul serves it, a 1-row call still pads to MIN_ROWS, and the row
-    check runs on that kernel."""
+def test_where_no_packed_kernel_runs_a_dtype_the_linear_takes_torchs_matmul_with_the_same_rows(monkeypatch):
+    """The AVX2-only case without a compiler: oneDNN refuses bf16 (to pack and to run) and our
+    CPU linear did not build. The weight stays plain, torch's matmul serves it, a 1-row call
+    still pads to MIN_ROWS, and the row check runs on that kernel."""
+    from engine.kernels import cpu_linear
     refused = "oneDNN refused bfloat16 here: bf16 path needs the cpu support avx512bw (forced by a test)"
     monkeypatch.setattr(packed_linear, "refusal", lambda dtype: refused if dtype == torch.bfloat16 else None)
+    monkeypatch.setattr(cpu_linear, "refusal", lambda: "no compiler (forced by a test)")
+    monkeypatch.setattr(packed_linear, "_preferred", {})
     gen = torch.Generator().manual_seed(0)
     weight, x = torch.randn(96, 64, generator=gen).bfloat16(), torch.randn(17, 64, generator=gen).bfloat16()
     assert not packed_linear.packable(weight) and packed_linear.packable(weight.float())
-    assert packed_linear.path(torch.bfloat16) == f"torch matmul ({refused})"
+    assert packed_linear.path(torch.bfloat16) == (f"torch matmul (ours: no compiler (forced by a test); "
+                                                  f"onednn: {refused})")
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", None)     # any oneDNN call would fail now
     together = packed_linear.linear(x, weight, None)
     assert torch.equal(together, F.linear(x, weight))

@@ -28,6 +28,7 @@ takes torch's own matmul (F.linear) through the same row padding and the same ro
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
@@ -56,7 +57,7 @@ def _tried(dtype: torch.dtype) -> str | None:
     gen = torch.Generator().manual_seed(0)
     weight, x = torch.randn(48, 64, generator=gen), torch.randn(3, 64, generator=gen)
     try:
-        got = _onednn(x.to(dtype), pack(weight.to(dtype)), None).float()
+        got = _onednn(x.to(dtype), _onednn_pack(weight.to(dtype)), None).float()
     except RuntimeError as error:
         return f"oneDNN refused {str(dtype).removeprefix('torch.')} here: {first_line(error)}"
     want = F.linear(x.to(dtype).float(), weight.to(dtype).float())
@@ -65,25 +66,92 @@ def _tried(dtype: torch.dtype) -> str | None:
     return None
 
 
+# The kernels a float linear can take on the CPU, fastest first where each runs:
+#   ours   - engine.kernels.cpu_linear: row-invariant by construction (no padding), needs a compiler
+#   onednn - oneDNN's inner product on its packed layout (1-row calls padded to MIN_ROWS)
+#   torch  - torch's matmul on the plain weight (the same padding)
+BACKENDS = ("ours", "onednn", "torch")
+_preferred: dict[torch.dtype, str] = {}      # what the CPU probe measured fastest (engine.runtime.cpu_dtype)
+
+
+def refusals(dtype: torch.dtype) -> dict[str, str]:
+    """Why each backend cannot serve `dtype` here (absent: it can)."""
+    from engine.kernels import cpu_linear
+    found = {"ours": cpu_linear.refusal() if dtype in cpu_linear.DTYPES else f"our CPU linear has no {dtype}",
+             "onednn": refusal(dtype)}
+    return {name: why for name, why in found.items() if why}
+
+
+def prefer(dtype: torch.dtype, name: str) -> None:
+    """Serve `dtype` with backend `name` (the probe's choice) where it runs."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown linear backend {name!r}; known: {BACKENDS}")
+    _preferred[dtype] = name
+
+
+@contextlib.contextmanager
+def preferring(dtype: torch.dtype, name: str):
+    """Prefer `name` for `dtype` inside the block (the probe times each backend)."""
+    before = _preferred.get(dtype)
+    prefer(dtype, name)
+    try:
+        yield
+    finally:
+        _preferred.pop(dtype, None) if before is None else prefer(dtype, before)
+
+
+def backend(dtype: torch.dtype) -> str:
+    """The backend serving `dtype`: the preferred one if it runs here, else the first that does."""
+    refused = refusals(dtype)
+    wanted = _preferred.get(dtype)
+    if wanted is not None and wanted not in refused:
+        return wanted
+    return next(name for name in BACKENDS if name not in refused)
+
+
 def path(dtype: torch.dtype) -> str:
     """Which kernel serves a float linear in `dtype` on this CPU, and why ("In effect")."""
-    why_not = refusal(dtype)
-    return "oneDNN, packed at load" if why_not is None else f"torch matmul ({why_not})"
+    chosen, refused = backend(dtype), refusals(dtype)
+    from engine.kernels import cpu_linear
+    said = {"ours": f"ours ({cpu_linear.isa()}), packed at load", "onednn": "oneDNN, packed at load",
+            "torch": "torch matmul"}[chosen]
+    skipped = [f"{name}: {why}" for name, why in refused.items() if BACKENDS.index(name) < BACKENDS.index(chosen)]
+    if _preferred.get(dtype) not in (None, chosen) and _preferred[dtype] not in refused:
+        skipped.append(f"{_preferred[dtype]} measured slower")
+    return said + (f" ({'; '.join(skipped)})" if skipped else "")
 
 
 def packable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in DTYPES
-            and refusal(weight.dtype) is None)
+    if not (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in DTYPES):
+        return False
+    chosen = backend(weight.dtype)
+    from engine.kernels import cpu_linear
+    return chosen == "onednn" or (chosen == "ours" and cpu_linear.packable(weight))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight `[out, in]` in oneDNN's layout (an opaque mkldnn tensor of the same shape)."""
+    """The weight `[out, in]` in its backend's layout: ours [out / 32, in, 32], or oneDNN's
+    (an opaque mkldnn tensor of the same shape)."""
+    if backend(weight.dtype) == "ours":
+        from engine.kernels import cpu_linear
+        return cpu_linear.pack(weight)
+    return _onednn_pack(weight)
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """The plain `[out, in]` weight back, bit for bit."""
+    if packed.dim() == 3:
+        from engine.kernels import cpu_linear
+        return cpu_linear.unpack(packed)
     return packed.to_dense()
+
+
+def out_features(packed: torch.Tensor) -> int:
+    return packed.shape[0] * packed.shape[2] if packed.dim() == 3 else packed.shape[0]
 
 
 MIN_ROWS = 2        # a 1-row call takes another kernel
@@ -96,7 +164,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     """x [M, in] -> [M, out] on the packed (or plain) weight; a row's result does not depend
     on M (see the module docstring)."""
     rows = x.shape[0]
-    if rows >= MIN_ROWS and not _fixed_tiles:
+    if packed.dim() == 3 or (rows >= MIN_ROWS and not _fixed_tiles):     # ours needs no padding
         return _call(x, packed, bias)
     tile = ROW_TILE if _fixed_tiles else MIN_ROWS
     pad = -rows % tile
@@ -108,7 +176,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def _call(x, weight, bias):
-    """oneDNN where it serves this dtype (a packed weight always is), else torch's matmul."""
+    """Ours on its packed layout, oneDNN on its own (or on a plain weight where it serves the
+    dtype), else torch's matmul."""
+    if weight.dim() == 3:
+        from engine.kernels import cpu_linear
+        return cpu_linear.linear(x, weight, bias)
     if weight.is_mkldnn or refusal(weight.dtype) is None:
         return _onednn(x, weight, bias)
     return F.linear(x, weight, bias)

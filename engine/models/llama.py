@@ -49,7 +49,7 @@ class Linear(nn.Module):
         elif self.packed is None:       # oneDNN re-lays the weight out (or torch's matmul, see there)
             y = packed_linear.linear(x2, self.weight, self.bias)
         elif torch.compiler.is_compiling():
-            y = packed_linear.packed_linear(x2, self.pack_index, self.packed.shape[0], self.bias)
+            y = packed_linear.packed_linear(x2, self.pack_index, self.weight.shape[0], self.bias)
         else:
             y = packed_linear.linear(x2, self.packed, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])

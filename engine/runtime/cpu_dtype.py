@@ -43,8 +43,10 @@ def cpu_key() -> str:
     """What the probe's answer depends on: the CPU, its ISA as torch and oneDNN see it (a
     ONEDNN_MAX_CPU_ISA or ATEN_CPU_CAPABILITY cap changes it), torch and the threads."""
     onednn = ",".join(_name(d) for d in CANDIDATES if packed_linear.refusal(d) is None) or "none"
-    return (f"{cpu_features.model_name()} | {cpu_features.isa_name()} | {torch.backends.cpu.get_cpu_capability()} | "
-            f"oneDNN {onednn} | torch {torch.__version__} | {torch.get_num_threads()} threads")
+    from engine.kernels import cpu_linear
+    ours = "none" if cpu_linear.refusal() else cpu_linear.isa()
+    return (f"v2 | {cpu_features.model_name()} | {cpu_features.isa_name()} | {torch.backends.cpu.get_cpu_capability()} | "
+            f"oneDNN {onednn} | ours {ours} | torch {torch.__version__} | {torch.get_num_threads()} threads")
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -69,31 +71,43 @@ def compute_refusal(dtype: torch.dtype) -> str | None:
     return None
 
 
-def probe_seconds(dtype: torch.dtype, repeats: int = 15) -> float:
-    """Median time of one 1-row linear over PROBE_SHAPE in `dtype`, packed as the engine packs
-    (or plain, where oneDNN refuses the dtype)."""
+def probe_seconds(dtype: torch.dtype, backend: str, repeats: int = 9) -> float:
+    """Median time of a 1-row plus a 5-row linear (a decode step, a k = 4 verify pass) over
+    PROBE_SHAPE in `dtype` on linear `backend`, packed as the engine packs."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(PROBE_SHAPE, generator=gen).to(dtype)
-    packed = packed_linear.pack(weight) if packed_linear.packable(weight) else weight
-    x = torch.randn(1, PROBE_SHAPE[1], generator=gen).to(dtype)
+    with packed_linear.preferring(dtype, backend):
+        packed = packed_linear.pack(weight) if packed_linear.packable(weight) else weight
     del weight
+    xs = [torch.randn(rows, PROBE_SHAPE[1], generator=gen).to(dtype) for rows in (1, 5)]
     times = []
-    for i in range(repeats + 3):
+    for i in range(repeats + 2):
         t0 = time.perf_counter()
-        packed_linear.linear(x, packed, None)
-        if i >= 3:
+        for x in xs:
+            packed_linear.linear(x, packed, None)
+        if i >= 2:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def measure() -> dict[str, float | str]:
-    """Seconds per candidate dtype, or why it was skipped (a string)."""
-    return {_name(d): compute_refusal(d) or probe_seconds(d) for d in CANDIDATES}
+def measure() -> dict[str, dict[str, float] | str]:
+    """Per candidate dtype: seconds per linear backend that runs it here, or why the dtype
+    was skipped (a string). Torch's matmul is timed only where no other backend runs."""
+    out = {}
+    for dtype in CANDIDATES:
+        skipped = compute_refusal(dtype)
+        if skipped:
+            out[_name(dtype)] = skipped
+            continue
+        runs = [b for b in packed_linear.BACKENDS if b not in packed_linear.refusals(dtype)]
+        out[_name(dtype)] = {b: probe_seconds(dtype, b) for b in (runs[:-1] if len(runs) > 1 else runs)}
+    return out
 
 
 def fastest(cache_file: Path) -> DtypeChoice:
     """The faster weight dtype on this CPU, of those whose kernels run here (fp32 if none
-    other does), and why."""
+    other does), and why. Each dtype's fastest linear backend becomes its preferred one
+    (engine.layers.packed_linear.prefer)."""
     key = cpu_key()
     try:
         known = json.loads(cache_file.read_text())
@@ -111,11 +125,16 @@ def fastest(cache_file: Path) -> DtypeChoice:
 
 
 def _choice(measured: dict) -> DtypeChoice:
-    seconds = {name: s for name, s in measured.items() if isinstance(s, (int, float)) and hasattr(torch, name)}
+    best = {}                       # dtype name -> (seconds, backend)
+    for name, timed in measured.items():
+        if isinstance(timed, dict) and timed and hasattr(torch, name):
+            backend = min(timed, key=timed.get)
+            best[name] = (timed[backend], backend)
+            packed_linear.prefer(getattr(torch, name), backend)
     skipped = "; ".join(f"{name} skipped: {why}" for name, why in measured.items() if isinstance(why, str))
-    if not seconds:
+    if not best:
         return DtypeChoice(torch.float32, f"auto: float32, no candidate ran the probe ({skipped})")
-    best = min(seconds, key=seconds.get)
-    timed = ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in sorted(seconds.items(), key=lambda kv: kv[1]))
-    return DtypeChoice(getattr(torch, best), f"auto: the faster here (probe linear {timed})"
+    chosen = min(best, key=lambda name: best[name][0])
+    timed = ", ".join(f"{name} on {b} {t * 1e3:.2f} ms" for name, (t, b) in sorted(best.items(), key=lambda kv: kv[1]))
+    return DtypeChoice(getattr(torch, chosen), f"auto: the faster here (probe linear {timed})"
                        + (f"; {skipped}" if skipped else ""))

@@ -1,0 +1,123 @@
+"""Our CPU linear (cpu_linear.cpp, the torch op `workbench_cpu::linear`): fp32 and bf16
+weights packed at load into 32-column blocks, each output one FMA chain over k in order, so
+a row's bits do not depend on the row count or on the instruction set (AVX-512, AVX2 + FMA,
+scalar). The weights stream once per call for every row, with no 2-row padding and no
+second kernel for one row.
+
+Built at first use with torch.utils.cpp_extension (gcc and ninja) into the user cache
+folder, keyed by the source's hash, so later processes load it in milliseconds. Tried
+before it is used (`refusal`): it must build, and on a random weight each instruction set
+this CPU offers must give the scalar path's bits and agree with torch's matmul. The widest
+set that passes runs; `force_isa` picks another (tests force the AVX2 path on an AVX-512
+CPU). Where it does not build (no compiler), the engine falls back to oneDNN and says why.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_features
+from engine.errors import first_line
+
+SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+BLOCK = 32                          # output columns per packed block (NB in the source)
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+NEEDS = {"scalar": (), "avx2": ("avx2", "fma"), "avx512": ("avx512f",)}
+DTYPES = (torch.float32, torch.bfloat16)
+_chosen: dict[str, str] = {}        # "isa": the instruction set in use, once tried
+
+
+def build_dir() -> Path:
+    from platformdirs import user_cache_dir
+    cache = os.environ.get("WORKBENCH_CACHE_DIR") or user_cache_dir("inference-workbench")
+    return Path(cache) / "cpu_kernels" / f"torch-{torch.__version__}"
+
+
+@functools.cache
+def _load() -> None:
+    """Compile (once per source and torch version) and load the op library."""
+    from torch.utils.cpp_extension import load
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    folder = build_dir() / digest
+    folder.mkdir(parents=True, exist_ok=True)
+    load(name=f"workbench_cpu_{digest}", sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
+         build_directory=str(folder), is_python_module=False, verbose=False)
+
+
+@functools.cache
+def refusal() -> str | None:
+    """Why our CPU linear cannot serve here (None: it built and passed its trials)."""
+    try:
+        _load()
+    except Exception as error:      # noqa: BLE001 - a compiler missing or failing is the answer
+        return f"our CPU linear did not build here ({type(error).__name__}: {first_line(error)})"
+    flags = cpu_features.flags()
+    offered = [isa for isa in ISAS if all(f in flags for f in NEEDS[isa])]
+    passed = [isa for isa in offered if _trial(isa) is None]
+    if "scalar" not in passed:
+        return f"our CPU linear failed its trial here: {_trial('scalar')}"
+    _chosen.setdefault("isa", passed[-1])
+    return None
+
+
+def _trial(isa: str) -> str | None:
+    """None when `isa` gives the scalar path's bits for 1, 3 and 17 rows, in fp32 and bf16,
+    and agrees with torch's matmul."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype in DTYPES:
+        weight = torch.randn(2 * BLOCK, 80, generator=gen).to(dtype)
+        x = torch.randn(17, 80, generator=gen).to(dtype)
+        packed = pack(weight)
+        try:
+            got = torch.ops.workbench_cpu.linear(x, packed, None, ISAS[isa])
+            scalar = torch.ops.workbench_cpu.linear(x, packed, None, ISAS["scalar"])
+            rows = [torch.ops.workbench_cpu.linear(x[:n], packed, None, ISAS[isa]) for n in (1, 3)]
+        except RuntimeError as error:
+            return f"{isa} failed ({first_line(error)})"
+        if not torch.equal(got, scalar) or not all(torch.equal(r, got[:len(r)]) for r in rows):
+            return f"{isa} rounds unlike the scalar path"
+        if not torch.allclose(got.float(), F.linear(x.float(), weight.float()), rtol=2e-2, atol=2e-2):
+            return f"{isa} gave wrong results"
+    return None
+
+
+def isa() -> str:
+    """The instruction set our CPU linear runs with (after `refusal()` passed)."""
+    return _chosen.get("isa", "scalar")
+
+
+def force_isa(name: str | None) -> None:
+    """Run with `name` ('avx512', 'avx2', 'scalar'), or None: the widest that passed."""
+    _chosen.pop("isa", None)
+    if name is not None:
+        if name not in ISAS:
+            raise ValueError(f"unknown instruction set {name!r}; known: {', '.join(ISAS)}")
+        _chosen["isa"] = name
+    refusal.cache_clear()
+    refusal()
+
+
+def packable(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.dtype in DTYPES and weight.shape[0] % BLOCK == 0
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N / 32, K, 32]: each block of 32 output columns, k-major."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The plain [N, K] weight back, bit for bit."""
+    blocks, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * BLOCK, k)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype."""
+    return torch.ops.workbench_cpu.linear(x, packed, bias, ISAS[isa()])
