@@ -8,11 +8,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine import thread_policy
-
-thread_policy.apply()           # before torch loads (engine.thread_policy says why)
-
-from PySide6.QtGui import QIcon  # noqa: E402  (after the thread policy)
+from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
 from app.controller import Controller

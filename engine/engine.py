@@ -40,6 +40,7 @@ from engine.spec.policy import SpeculationPolicy
 from engine.spec.spec_decode import DraftModelProposer, NgramProposer, Proposer, check_draft_compatible
 from engine.spec.step_costs import PlainStepClock, weight_bytes_per_token
 from engine.stream import RequestStream
+from engine.thread_policy import ThreadGovernor
 
 SELF_DRAFT = "self"   # draft with the target itself (acceptance 1.0 in greedy mode; a test fixture)
 # Changing these reallocates the KV pool (and drops the prefix cache).
@@ -93,6 +94,7 @@ class LLMEngine:
         self.eos_ids = _eos_ids(target)
         self.eagle: tuple[str | None, EagleHead] | None = None     # (reference, head) once loaded
         self.plain_steps = PlainStepClock()
+        self.thread_governor = ThreadGovernor(torch.get_num_threads())    # fewer threads while cores are busy
         if config.draft_model:
             self.set_draft_model(config.draft_model)
         if config.proposer == "eagle":
@@ -219,7 +221,8 @@ class LLMEngine:
                 "draft_tree": str(self.tree_in_effect() or "off"),
                 "eagle_head": None if self.eagle is None else (self.eagle[0] or "shipped"),
                 "kv_pool_blocks": self.runner.kv.num_blocks, "kernels": self.runner.use_kernels,
-                "threads": torch.get_num_threads(), "device": str(self.device),
+                "threads": torch.get_num_threads(), "thread_policy": self.thread_governor.describe(),
+                "device": str(self.device),
                 "dtype": str(self.runner.model_dtype).removeprefix("torch."),
                 "weight_dtype": self.target_model.weights.summary() if self.target_model.weights else None,
                 "weight_bytes_per_token": self.weight_bytes_per_token,
@@ -355,6 +358,8 @@ class LLMEngine:
         events = self._drop_cancelled()
         if not self.scheduler.has_work:
             return events
+        if self.device.type == "cpu" and self.thread_governor.tick():
+            self.settings_version += 1          # "In effect" shows the new thread count
         max_seqs, budget = self.scheduler_limits()
         plan = self.scheduler.schedule(self.runner, max_seqs, budget, self._k_for_step())
         rows = sum(s.num_tokens for s in plan.scheduled)           # before drafts

@@ -1,46 +1,91 @@
-"""How the CPU's OpenMP threads wait: set before torch loads, by the app and `engine.bench`.
+"""How the engine's CPU threads share the machine with other programs.
 
-torch's CPU kernels run on OpenMP threads that meet at a barrier after every op. By default
-GNU OpenMP spins at the barrier (GOMP_SPINCOUNT, about 300,000 turns) before it sleeps.
-That is fastest on an idle machine and disastrous on a busy one: when another program holds
-one of two cores, a thread spinning for a peer that is not running burns its own time
-slice, and every op waits a scheduler tick. Under such load (issue #20) decode steps went
-from 25 ms to 1,460 ms; with OMP_WAIT_POLICY=PASSIVE they stayed at 27-30 tok/s.
+torch's CPU kernels run on OpenMP threads that meet at a barrier after every parallel op,
+and GNU OpenMP spins there (about 300,000 turns) before it sleeps. On an idle machine that
+is the fastest way to decode. On a busy one it is the slowest: when another program holds
+one of two cores, the thread that shares its core runs half the time, in slices of
+milliseconds, and every op waits for it (issue #20: steps from 25 ms to 1,460 ms).
 
-The policy here is what `bench peer --busy-cores` measured best on both quiet and busy
-runs (README, "Every CPU"). A value the user set in the environment wins. It must be in
-the environment before the OpenMP runtime starts, so the entry points call `apply()` before
-they import torch; later it only reports (`describe`).
+Measured on the 2-core AVX-512 machine, SmolLM2-135M fp32, decode tok/s quiet / beside one
+spinning process (README, "Every CPU"): libgomp's default 32.6 / 10.2; OMP_WAIT_POLICY=PASSIVE
+22.8 / 21.3 (every barrier sleeps and wakes: a third slower when quiet); GOMP_SPINCOUNT 3,000
+27.5 / 12.3; one thread 23.1 / 21.8. No wait policy is good at both. So the policy is:
+keep OpenMP's default wait, and run as many threads as there are cores that other programs
+leave free (`ThreadGovernor`, asked once per engine step, sampling at most every
+SAMPLE_S): a busy core costs its thread, not every op. A thread count the user set
+(OMP_NUM_THREADS, torch.set_num_threads before the engine starts) is the most it uses.
+
+The thread count never changes a reply: every kernel on the path splits work by output
+columns or rows, never by the reduction (tests/test_cpu_fallbacks.py checks tokens and
+logits at one thread and at two).
 """
 from __future__ import annotations
 
 import os
-import sys
+import time
+from pathlib import Path
 
-POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
-_OURS = "WORKBENCH_THREAD_POLICY_SET"     # which names apply() set (so a child can drop them)
-
-
-def apply() -> None:
-    """Put the policy in the environment, unless the user chose a value or torch is loaded
-    already (OpenMP read the environment then; changing it now would only mislead)."""
-    if "torch" in sys.modules:
-        return
-    ours = [name for name in POLICY if name not in os.environ]
-    for name in ours:
-        os.environ[name] = POLICY[name]
-    if ours:
-        os.environ[_OURS] = ",".join(ours)
+SAMPLE_S = 0.25         # how often the governor looks at the machine
+AGREE = 2               # samples in a row that must agree before the count changes
 
 
-def peer_environment() -> dict[str, str]:
-    """This process's environment less what apply() added: a peer server (llama-server, which
-    runs on OpenMP too) runs with its own defaults, as its users run it; a value the user set
-    reaches it unchanged."""
-    ours = set(filter(None, os.environ.get(_OURS, "").split(",")))
-    return {name: value for name, value in os.environ.items() if name not in ours and name != _OURS}
+def runnable_elsewhere() -> int:
+    """Threads of other processes that are running or waiting for a core right now: the
+    machine's runnable count (/proc/loadavg) less this process's own runnable threads."""
+    try:
+        total = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    ours = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        ours += state == "R"
+    return max(0, total - ours)
 
 
-def describe() -> str:
-    """The policy in effect, as "OMP_WAIT_POLICY=PASSIVE" (or "unset")."""
-    return ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in POLICY)
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class ThreadGovernor:
+    """torch's thread count follows the cores other programs leave free, between `most`
+    (the count when the engine started) and 1."""
+
+    def __init__(self, most: int, sample=runnable_elsewhere, clock=time.monotonic, cores: int | None = None):
+        self.most, self.sample, self.clock = max(1, most), sample, clock
+        self.cores = cores or usable_cores()
+        self.threads = self.most
+        self.busy_cores = 0
+        self._last = float("-inf")
+        self._pending: tuple[int, int] | None = None    # (threads wanted, samples that agreed)
+
+    def tick(self) -> bool:
+        """Look at the machine if SAMPLE_S passed; True when the thread count changed."""
+        now = self.clock()
+        if now - self._last < SAMPLE_S:
+            return False
+        self._last = now
+        busy = min(self.sample(), self.cores - 1)
+        wanted = max(1, min(self.most, self.cores - busy))
+        if wanted == self.threads:
+            self._pending = None
+            return False
+        agreed = self._pending[1] + 1 if self._pending and self._pending[0] == wanted else 1
+        self._pending = (wanted, agreed)
+        if agreed < AGREE:
+            return False
+        import torch
+        torch.set_num_threads(wanted)
+        self.threads, self.busy_cores, self._pending = wanted, busy, None
+        return True
+
+    def describe(self) -> str:
+        if self.threads == self.most:
+            return f"{self.threads} (OpenMP's default wait; fewer while other programs keep cores busy)"
+        return f"{self.threads} of {self.most}: other programs keep {self.busy_cores} of {self.cores} cores busy"

@@ -13,8 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QT = ("PySide6", "pyqtgraph", "PyQt5", "PyQt6", "shiboken6")
 # The engine's plain-data modules: settings, metrics, profiles, errors. The app may read them.
 # engine.workload: the workload's fields (its driver runs only the engine it is handed: the worker's).
-PLAIN_DATA = {"engine", "engine.config", "engine.metrics", "engine.profiles", "engine.errors", "engine.workload",
-              "engine.thread_policy"}
+PLAIN_DATA = {"engine", "engine.config", "engine.metrics", "engine.profiles", "engine.errors", "engine.workload"}
 RUNS_THE_ENGINE = {"app.engine_worker", "app.fidelity", "app.screenshot"}
 
 

