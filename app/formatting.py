@@ -27,7 +27,8 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
         f"<b>Speculation</b>: {speculation}",
         f"<b>Draft model</b>: {escape(_short(draft)) if draft else 'none'}",
         f"<b>Runs on</b>: {escape(str(settings.get('device')))}, {escape(str(settings.get('dtype')))} activations, "
-        f"{settings.get('threads')} torch thread{'s' if settings.get('threads') != 1 else ''}",
+        f"{settings.get('threads')} torch thread{'s' if settings.get('threads') != 1 else ''}"
+        + _busy_cores(settings),
     ]
     if settings.get("weight_dtype"):
         per_token = settings.get("weight_bytes_per_token")
@@ -42,6 +43,12 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
     if settings.get("chat_template") is False:
         lines.append("<b>Chat template</b>: none in the model folder; messages are sent as plain text")
     return "<br>".join(lines)
+
+
+def _busy_cores(settings: dict) -> str:
+    """" (1 of 2: other programs keep 1 of 2 cores busy)" while the engine gave up cores."""
+    policy = str(settings.get("thread_policy") or "")
+    return f" ({escape(policy)})" if policy.startswith(f"{settings.get('threads')} of ") else ""
 
 
 def describe_server(settings: dict) -> str:

@@ -32,3 +32,11 @@ def test_in_effect_names_the_cpu_kernels_that_passed_their_trial():
                                         "dtype": "bfloat16 (auto: the faster here)"}})
     assert f"<b>CPU kernels</b> (avx2): linears {refused}; int4 torch&#x27;s int4 kernel; dtype bfloat16" in html
     assert "CPU kernels" not in describe_settings({"device": "cuda", "paths": {"isa": "cuda", "dtype": "bf16"}})
+
+
+def test_in_effect_says_when_other_programs_took_cores():
+    busy = describe_settings({"device": "cpu", "dtype": "float32", "threads": 1,
+                              "thread_policy": "1 of 2: other programs keep 1 of 2 cores busy"})
+    assert "1 torch thread (1 of 2: other programs keep 1 of 2 cores busy)" in busy
+    quiet = describe_settings({"device": "cpu", "dtype": "float32", "threads": 2, "thread_policy": "2 (OpenMP's default wait)"})
+    assert quiet.endswith("2 torch threads")

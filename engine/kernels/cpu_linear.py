@@ -8,8 +8,8 @@ Built at first use with torch.utils.cpp_extension (gcc and ninja) into the user 
 folder, keyed by the source's hash, so later processes load it in milliseconds. Tried
 before it is used (`refusal`): it must build, and on a random weight each instruction set
 this CPU offers must give the scalar path's bits and agree with torch's matmul. The widest
-set that passes runs; `force_isa` picks another (tests force the AVX2 path on an AVX-512
-CPU). Where it does not build (no compiler), the engine falls back to oneDNN and says why.
+set that passes runs; `force_isa` (or WORKBENCH_CPU_ISA=avx2|scalar in the environment)
+picks another (tests force the AVX2 path on an AVX-512 CPU). Where it does not build (no compiler), the engine falls back to oneDNN and says why.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ BLOCK = 32                          # output columns per packed block (NB in the
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 NEEDS = {"scalar": (), "avx2": ("avx2", "fma"), "avx512": ("avx512f",)}
 DTYPES = (torch.float32, torch.bfloat16)
+ISA_ENV = "WORKBENCH_CPU_ISA"
 _chosen: dict[str, str] = {}        # "isa": the instruction set in use, once tried
 
 
@@ -61,7 +62,10 @@ def refusal() -> str | None:
     passed = [isa for isa in offered if _trial(isa) is None]
     if "scalar" not in passed:
         return f"our CPU linear failed its trial here: {_trial('scalar')}"
-    _chosen.setdefault("isa", passed[-1])
+    wanted = os.environ.get(ISA_ENV)
+    if wanted and wanted not in passed:
+        return f"{ISA_ENV}={wanted} asks for an instruction set that did not pass here (passed: {', '.join(passed)})"
+    _chosen.setdefault("isa", wanted or passed[-1])
     return None
 
 
