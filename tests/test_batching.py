@@ -66,16 +66,6 @@ def tiny_fallback(request, tmp_path_factory):
         yield load_model(str(folder), dtype=dtype)
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
-def test_on_every_fallback_kernel_concurrent_requests_give_their_solo_tokens(tiny_fallback, sampled):
-    all_prompts = prompts(tiny_fallback)
-    all_params = [params_for(i, sampled) for i in range(8)]
-    alone = [solo(tiny_fallback, p, s) for p, s in zip(all_prompts, all_params)]
-    together, stats = run_together(engine(tiny_fallback, **PRESSURE), all_prompts, all_params)
-    assert [together[i] for i in range(8)] == alone
-    assert sum(s.preemptions for s in stats.values()) >= 1
-
-
 def engine(loaded, **config) -> LLMEngine:
     config.setdefault("kv_cache_bytes", 8 * 2**20)
     config.setdefault("compile", "off")
@@ -130,6 +120,11 @@ def test_eight_concurrent_requests_give_their_solo_tokens(tiny, sampled):
     assert sum(s.preemptions for s in stats.values()) >= 1                 # one was preempted
     assert stats[1].prefix_hit_tokens == 64                                # its shared prefix came from the cache
     assert len(all_prompts[0]) > PRESSURE["max_num_batched_tokens"]        # its prefill was chunked
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_on_every_fallback_kernel_concurrent_requests_give_their_solo_tokens(tiny_fallback, sampled):
+    test_eight_concurrent_requests_give_their_solo_tokens(tiny_fallback, sampled)
 
 
 @pytest.mark.parametrize("proposer,extra", [("ngram", {}), ("draft", {"draft_model": "self:1"})])

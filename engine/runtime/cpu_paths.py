@@ -33,11 +33,15 @@ def describe(device: torch.device, dtype: torch.dtype, dtype_why: str, compile_s
 
 
 def probe_report() -> dict[str, str | None]:
-    """What each probe says on this CPU, independent of a model (CI prints it first)."""
-    from engine.runtime.cpu_dtype import compute_refusal
+    """What each probe says on this CPU, independent of a model (CI prints it first): the
+    dtype probe runs (or is read from the cache) first, so the kernels shown are the ones an
+    engine loaded now would take."""
+    from engine.loading.loader import cache_dir
+    from engine.runtime.cpu_dtype import compute_refusal, fastest
     report = {"isa": cpu_features.isa_name(), "flags": " ".join(cpu_features.simd_flags()),
               "torch_capability": torch.backends.cpu.get_cpu_capability(),
-              "compiler": compiled_step.compiler_refusal("cpu") or "found"}
+              "compiler": compiled_step.compiler_refusal("cpu") or "found",
+              "dtype_auto": fastest(cache_dir() / "cpu_dtype.json").why}
     for dtype in packed_linear.DTYPES:
         report[f"compute_{_name(dtype)}"] = compute_refusal(dtype) or "runs"
         report[f"linear_{_name(dtype)}"] = packed_linear.path(dtype)
