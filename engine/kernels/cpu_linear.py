@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from engine import cpu_features
 from engine.errors import first_line
 
-SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+SOURCES = [Path(__file__).with_name("cpu_linear.cpp")]
 BLOCK = 32                          # output columns per packed block (NB in the source)
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 NEEDS = {"scalar": (), "avx2": ("avx2", "fma"), "avx512": ("avx512f",)}
@@ -39,14 +39,25 @@ def build_dir() -> Path:
     return Path(cache) / "cpu_kernels" / f"torch-{torch.__version__}"
 
 
+# -fopenmp: at::parallel_for is inline OpenMP; without it every call ran on one thread. The
+# libgomp it links is the one torch loaded already (the same soname), so there is one pool.
+FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+
+
+@functools.cache
+def build_tag() -> str:
+    """The hash of the sources and flags: the build's folder, and part of the CPU probe's key."""
+    return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:12]
+
+
 @functools.cache
 def _load() -> None:
     """Compile (once per source and torch version) and load the op library."""
     from torch.utils.cpp_extension import load
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    folder = build_dir() / digest
+    folder = build_dir() / build_tag()
     folder.mkdir(parents=True, exist_ok=True)
-    load(name=f"workbench_cpu_{digest}", sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
+    load(name=f"workbench_cpu_{build_tag()}", sources=[str(source) for source in SOURCES],
+         extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
          build_directory=str(folder), is_python_module=False, verbose=False)
 
 
@@ -125,3 +136,4 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype."""
     return torch.ops.workbench_cpu.linear(x, packed, bias, ISAS[isa()])
+

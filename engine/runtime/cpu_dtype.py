@@ -44,7 +44,7 @@ def cpu_key() -> str:
     ONEDNN_MAX_CPU_ISA or ATEN_CPU_CAPABILITY cap changes it), torch and the threads."""
     onednn = ",".join(_name(d) for d in CANDIDATES if packed_linear.refusal(d) is None) or "none"
     from engine.kernels import cpu_linear
-    ours = "none" if cpu_linear.refusal() else cpu_linear.isa()
+    ours = "none" if cpu_linear.refusal() else f"{cpu_linear.isa()} {cpu_linear.build_tag()}"
     return (f"v2 | {cpu_features.model_name()} | {cpu_features.isa_name()} | {torch.backends.cpu.get_cpu_capability()} | "
             f"oneDNN {onednn} | ours {ours} | torch {torch.__version__} | {torch.get_num_threads()} threads")
 
