@@ -1,9 +1,12 @@
-"""Triton kernels for the paged KV cache (CUDA; the Triton interpreter on CPU in tests).
+"""Kernels: Triton for the paged KV cache (CUDA; the Triton interpreter on CPU in tests), and
+our native CPU linear as a torch op.
 
 store.py            K and V for N tokens into their slots, FP8 quantize-on-store
 paged_attention.py  attention over paged KV for the last Q tokens of each sequence
                     (decode, speculative verification, prefill with prefix-cache hits)
 dispatch.py         `attention(...)`, the entry point `engine.layers.attention` calls
+cpu_linear.py       `workbench_cpu::linear` (cpu_linear.cpp), built at first use: fp32/bf16
+                    weights, a row's bits independent of the row count and the ISA
 
 Kernel modules import triton; import them through `dispatch`, which degrades to
 `kernels_available() == False` where triton is missing.

@@ -22,9 +22,11 @@ That is what makes the engine batch-invariant (engine.scheduler).
 
 Not every CPU runs every dtype here: on an AVX2-only CPU (no AVX-512, no AVX-NE-CONVERT)
 oneDNN refuses bf16 altogether ("bf16 path needs the cpu support avx_ne_convert or
-avx512bw, avx512vl and avx512dq"). So oneDNN serves a dtype only once it has been tried on
-this CPU (`refusal`: pack a tiny weight, call it, compare with F.linear); a refused dtype
-takes torch's own matmul (F.linear) through the same row padding and the same row check.
+avx512bw, avx512vl and avx512dq"). So a linear takes one of BACKENDS, each tried on this CPU
+before it serves (`refusals`): our CPU linear (engine.kernels.cpu_linear, row-invariant by
+construction: no padding), oneDNN (`refusal`: pack a tiny weight, call it, compare with
+F.linear), or torch's own matmul through the same row padding and row check. Of those
+that run, the CPU probe's fastest (`prefer`, engine.runtime.cpu_dtype) serves each dtype.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import first_line
+from engine.kernels import cpu_linear
 
 AVAILABLE = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
              and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
@@ -76,7 +79,6 @@ _preferred: dict[torch.dtype, str] = {}      # what the CPU probe measured faste
 
 def refusals(dtype: torch.dtype) -> dict[str, str]:
     """Why each backend cannot serve `dtype` here (absent: it can)."""
-    from engine.kernels import cpu_linear
     found = {"ours": cpu_linear.refusal() if dtype in cpu_linear.DTYPES else f"our CPU linear has no {dtype}",
              "onednn": refusal(dtype)}
     return {name: why for name, why in found.items() if why}
@@ -112,7 +114,6 @@ def backend(dtype: torch.dtype) -> str:
 def path(dtype: torch.dtype) -> str:
     """Which kernel serves a float linear in `dtype` on this CPU, and why ("In effect")."""
     chosen, refused = backend(dtype), refusals(dtype)
-    from engine.kernels import cpu_linear
     said = {"ours": f"ours ({cpu_linear.isa()}), packed at load", "onednn": "oneDNN, packed at load",
             "torch": "torch matmul"}[chosen]
     skipped = [f"{name}: {why}" for name, why in refused.items() if BACKENDS.index(name) < BACKENDS.index(chosen)]
@@ -125,7 +126,6 @@ def packable(weight: torch.Tensor) -> bool:
     if not (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in DTYPES):
         return False
     chosen = backend(weight.dtype)
-    from engine.kernels import cpu_linear
     return chosen == "onednn" or (chosen == "ours" and cpu_linear.packable(weight))
 
 
@@ -133,7 +133,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """The weight `[out, in]` in its backend's layout: ours [out / 32, in, 32], or oneDNN's
     (an opaque mkldnn tensor of the same shape)."""
     if backend(weight.dtype) == "ours":
-        from engine.kernels import cpu_linear
         return cpu_linear.pack(weight)
     return _onednn_pack(weight)
 
@@ -145,13 +144,8 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """The plain `[out, in]` weight back, bit for bit."""
     if packed.dim() == 3:
-        from engine.kernels import cpu_linear
         return cpu_linear.unpack(packed)
     return packed.to_dense()
-
-
-def out_features(packed: torch.Tensor) -> int:
-    return packed.shape[0] * packed.shape[2] if packed.dim() == 3 else packed.shape[0]
 
 
 MIN_ROWS = 2        # a 1-row call takes another kernel
@@ -179,7 +173,6 @@ def _call(x, weight, bias):
     """Ours on its packed layout, oneDNN on its own (or on a plain weight where it serves the
     dtype), else torch's matmul."""
     if weight.dim() == 3:
-        from engine.kernels import cpu_linear
         return cpu_linear.linear(x, weight, bias)
     if weight.is_mkldnn or refusal(weight.dtype) is None:
         return _onednn(x, weight, bias)

@@ -41,7 +41,7 @@ class Linear(nn.Module):
         self.quant: quantized_linear.QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is None and self.packed is None and not self._onednn(x):
+        if self.quant is None and self.packed is None and not self._cpu_inference(x):
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, x.shape[-1])
         if self.quant is not None:
@@ -54,7 +54,7 @@ class Linear(nn.Module):
             y = packed_linear.linear(x2, self.packed, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
-    def _onednn(self, x: torch.Tensor) -> bool:
+    def _cpu_inference(self, x: torch.Tensor) -> bool:
         """Inference on the CPU with matching dtypes (training, autocast, torch.compile and
         CUDA take F.linear: the oneDNN op has no backward and no mixed dtypes)."""
         return (x.device.type == "cpu" and x.dtype == self.weight.dtype
