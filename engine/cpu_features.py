@@ -29,12 +29,17 @@ def parse_flags(cpuinfo: str) -> frozenset[str]:
     return frozenset()
 
 
-@functools.lru_cache(maxsize=1)
-def flags() -> frozenset[str]:
+@functools.cache
+def _cpuinfo() -> str:
     try:
-        return parse_flags(Path("/proc/cpuinfo").read_text())
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return ""
+
+
+@functools.cache
+def flags() -> frozenset[str]:
+    return parse_flags(_cpuinfo())
 
 
 def simd_flags(cpu_flags: frozenset[str] | None = None) -> list[str]:
@@ -60,10 +65,7 @@ def isa_name(cpu_flags: frozenset[str] | None = None) -> str:
 
 
 def model_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    for line in _cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()

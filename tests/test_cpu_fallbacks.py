@@ -163,15 +163,14 @@ def test_the_governor_gives_up_a_busy_core_and_takes_it_back_once_samples_agree(
     assert not tick_at(2.6) and tick_at(2.9) and governor.threads == 2 and set_to == [1, 2]
 
 
-def test_other_programs_runnable_threads_are_counted_and_ours_are_not():
+def test_other_programs_spinning_threads_are_counted():
     from engine import thread_policy
     from engine.bench.busy import BusyCores
-    quiet = thread_policy.runnable_elsewhere()
     with BusyCores(2, max_s=30):
         import time
         time.sleep(0.5)
         busy = max(thread_policy.runnable_elsewhere() for _ in range(20))
-    assert busy >= min(quiet, 3) + 1
+    assert busy >= 2                                # both spinners are runnable, in other processes
 
 
 @pytest.mark.parametrize("dtype,weights", [(torch.float32, "float"), (torch.bfloat16, "float"), (torch.bfloat16, "int4")])

@@ -153,3 +153,18 @@ def test_onednn_is_tried_before_it_serves_a_dtype():
     """On this CPU fp32 ran and matched; a dtype oneDNN is not used for is named."""
     assert packed_linear.refusal(torch.float32) is None
     assert "float32, bfloat16 only" in packed_linear.refusal(torch.float16)
+
+
+def test_a_width_our_linear_cannot_take_is_packed_by_onednn_with_the_same_results(monkeypatch):
+    """Our CPU linear packs whole 32-column blocks; a 40-wide weight goes to oneDNN, not to an
+    unpacked call that re-lays the weight out every time."""
+    from engine.kernels import cpu_linear
+    if cpu_linear.refusal() or packed_linear.refusal(torch.float32):
+        pytest.skip("needs both our CPU linear and oneDNN here")
+    monkeypatch.setattr(packed_linear, "_preferred", {torch.float32: "ours"})
+    gen = torch.Generator().manual_seed(2)
+    odd, even, x = torch.randn(40, 64, generator=gen), torch.randn(64, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    assert packed_linear.pack(odd).is_mkldnn and packed_linear.pack(even).dim() == 3
+    for weight in (odd, even):
+        torch.testing.assert_close(packed_linear.linear(x, packed_linear.pack(weight), None), F.linear(x, weight),
+                                   atol=1e-5, rtol=1e-5)

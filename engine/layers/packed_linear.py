@@ -122,19 +122,25 @@ def path(dtype: torch.dtype) -> str:
     return said + (f" ({'; '.join(skipped)})" if skipped else "")
 
 
-def packable(weight: torch.Tensor) -> bool:
+def _packer(weight: torch.Tensor) -> str | None:
+    """The backend that packs this weight: its dtype's, or oneDNN where ours cannot take the
+    shape (an out width that is not whole 32-column blocks); None: it stays plain."""
     if not (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in DTYPES):
-        return False
+        return None
     chosen = backend(weight.dtype)
-    return chosen == "onednn" or (chosen == "ours" and cpu_linear.packable(weight))
+    if chosen == "ours" and not cpu_linear.packable(weight):
+        chosen = "torch" if "onednn" in refusals(weight.dtype) else "onednn"
+    return None if chosen == "torch" else chosen
+
+
+def packable(weight: torch.Tensor) -> bool:
+    return _packer(weight) is not None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """The weight `[out, in]` in its backend's layout: ours [out / 32, in, 32], or oneDNN's
     (an opaque mkldnn tensor of the same shape)."""
-    if backend(weight.dtype) == "ours":
-        return cpu_linear.pack(weight)
-    return _onednn_pack(weight)
+    return cpu_linear.pack(weight) if _packer(weight) == "ours" else _onednn_pack(weight)
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:

@@ -94,12 +94,11 @@ def _tried(kind: str, dtype: torch.dtype) -> str | None:
 def _reference_weight(w: torch.Tensor, kind: str) -> torch.Tensor:
     """The float weight quantize() rounds `w` to, computed without the kernels."""
     if kind == INT8:
-        scale = (w.abs().amax(1) / 127).clamp(min=1e-8)
-        return (w / scale[:, None]).round().clamp(-128, 127) * scale[:, None]
-    g = w.reshape(w.shape[0], -1, INT4_GROUP)
-    low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    scale = ((high - low) / 15).clamp(min=1e-6)
-    return (((g - low) / scale).round().clamp(0, 15) * scale + low).reshape(w.shape)
+        q, scale = int8_rtn(w)
+        return q.float() * scale[:, None]
+    q, scale, zero = int4_rtn(w)
+    groups = scale.shape[1]
+    return ((q.view(w.shape[0], groups, -1) - 8) * scale[..., None] + zero[..., None]).view(w.shape)
 
 
 def slow_in(dtype: torch.dtype) -> str | None:
@@ -119,21 +118,30 @@ def from_int4_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, d
     return QuantizedWeight(INT4, data, scales_and_zeros, (out, inp), group)
 
 
-def quantize_int4(w: torch.Tensor, dtype: torch.dtype, group_size: int = INT4_GROUP) -> QuantizedWeight:
-    """Round-to-nearest, asymmetric, per group of `group_size` input elements (gpt-fast)."""
+def int4_rtn(w: torch.Tensor, group_size: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest, asymmetric, per group of `group_size` input elements (gpt-fast):
+    (q [out, in] 0..15, scale, zero [out, in / group] float32), w ~ (q - 8) * scale + zero."""
     out, inp = w.shape
     g = w.detach().float().reshape(out, inp // group_size, group_size)
     low, high = g.amin(-1), g.amax(-1)
     scale = ((high - low) / 15).clamp(min=1e-6)
     q = ((g - low[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(out, inp)
-    return from_int4_groups(q, scale, low + 8 * scale, dtype)
+    return q, scale, low + 8 * scale
+
+
+def int8_rtn(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest, symmetric, per output channel: (q [out, in] int8, scale [out] float32)."""
+    w32 = w.detach().float()
+    scale = (w32.abs().amax(1) / 127).clamp(min=1e-8)
+    return (w32 / scale[:, None]).round().clamp(-128, 127).to(torch.int8), scale
+
+
+def quantize_int4(w: torch.Tensor, dtype: torch.dtype, group_size: int = INT4_GROUP) -> QuantizedWeight:
+    return from_int4_groups(*int4_rtn(w, group_size), dtype)
 
 
 def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
-    """Round-to-nearest, symmetric, per output channel."""
-    w32 = w.detach().float()
-    scale = (w32.abs().amax(1) / 127).clamp(min=1e-8)
-    q = (w32 / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
+    q, scale = int8_rtn(w)
     return QuantizedWeight(INT8, q.contiguous(), scale.to(dtype), tuple(w.shape))
 
 

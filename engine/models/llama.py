@@ -240,7 +240,7 @@ class LlamaFamilyModel(nn.Module):
         if self.packed_weights:
             return
         if not all(packed_linear.packable(m.weight) for m in linears):
-            # Torch's matmul serves them (packed_linear.refusal): its rows are checked the same way.
+            # Torch's matmul serves them (no packing kernel runs this dtype): its rows are checked too.
             plain = [m.weight for m in linears if m.weight.device.type == "cpu" and not m.weight.is_meta]
             if plain:
                 packed_linear.check_rows(plain)

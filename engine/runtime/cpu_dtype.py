@@ -8,11 +8,11 @@ bf16 has no native path, its conversions make it slower and fp32 wins. The resul
 CPU model, instruction set, torch version and thread count in the user cache folder (the
 probe takes under a second).
 
-A dtype is timed on the path the engine would take for it (oneDNN where it serves that dtype
-here, else torch's matmul: engine.layers.packed_linear.refusal), after a tiny forward-pass's
-worth of its ops has run (`compute_refusal`). A dtype whose kernels are missing is skipped
-with its reason, never a crash: on an AVX2-only CPU oneDNN refuses bf16, and bf16 is then
-timed on torch's matmul, which converts every element and loses to fp32.
+A dtype is timed on each linear kernel that runs it here (engine.layers.packed_linear.BACKENDS:
+ours, oneDNN; torch's matmul only where neither does), after a tiny forward pass's worth of
+its ops has run (`compute_refusal`); each dtype then prefers its fastest kernel. A dtype
+whose kernels are missing is skipped with its reason, never a crash: on an AVX2-only CPU
+oneDNN refuses bf16, and bf16 is timed on our CPU linear instead.
 """
 from __future__ import annotations
 
@@ -42,14 +42,14 @@ class DtypeChoice:
 def cpu_key() -> str:
     """What the probe's answer depends on: the CPU, its ISA as torch and oneDNN see it (a
     ONEDNN_MAX_CPU_ISA or ATEN_CPU_CAPABILITY cap changes it), torch and the threads."""
-    onednn = ",".join(_name(d) for d in CANDIDATES if packed_linear.refusal(d) is None) or "none"
+    onednn = ",".join(dtype_name(d) for d in CANDIDATES if packed_linear.refusal(d) is None) or "none"
     from engine.kernels import cpu_linear
     ours = "none" if cpu_linear.refusal() else f"{cpu_linear.isa()} {cpu_linear.build_tag()}"
     return (f"v2 | {cpu_features.model_name()} | {cpu_features.isa_name()} | {torch.backends.cpu.get_cpu_capability()} | "
             f"oneDNN {onednn} | ours {ours} | torch {torch.__version__} | {torch.get_num_threads()} threads")
 
 
-def _name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -65,9 +65,9 @@ def compute_refusal(dtype: torch.dtype) -> str | None:
         attn = torch.softmax((h @ h.t()).float(), dim=-1).to(dtype) @ h
         out = F.silu(attn) * attn
     except RuntimeError as error:
-        return f"{_name(dtype)} kernels are missing on this CPU: {first_line(error)}"
+        return f"{dtype_name(dtype)} kernels are missing on this CPU: {first_line(error)}"
     if not torch.isfinite(out.float()).all():
-        return f"{_name(dtype)} gave non-finite results on this CPU"
+        return f"{dtype_name(dtype)} gave non-finite results on this CPU"
     return None
 
 
@@ -97,10 +97,10 @@ def measure() -> dict[str, dict[str, float] | str]:
     for dtype in CANDIDATES:
         skipped = compute_refusal(dtype)
         if skipped:
-            out[_name(dtype)] = skipped
+            out[dtype_name(dtype)] = skipped
             continue
         runs = [b for b in packed_linear.BACKENDS if b not in packed_linear.refusals(dtype)]
-        out[_name(dtype)] = {b: probe_seconds(dtype, b) for b in (runs[:-1] if len(runs) > 1 else runs)}
+        out[dtype_name(dtype)] = {b: probe_seconds(dtype, b) for b in (runs[:-1] if len(runs) > 1 else runs)}
     return out
 
 

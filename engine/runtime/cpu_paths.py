@@ -14,13 +14,14 @@ import torch
 from engine import cpu_features
 from engine.layers import packed_linear, quantized_linear
 from engine.runtime import compiled_step
+from engine.runtime.cpu_dtype import dtype_name
 
 
 def describe(device: torch.device, dtype: torch.dtype, dtype_why: str, compile_state: str,
              kernels_state: str) -> dict[str, str]:
     """One line per part: what runs, and why where it is a fallback."""
     paths = {"isa": cpu_features.isa_name() if device.type == "cpu" else device.type,
-             "dtype": f"{_name(dtype)} ({dtype_why})"}
+             "dtype": f"{dtype_name(dtype)} ({dtype_why})"}
     if device.type == "cpu":
         paths["linear"] = packed_linear.path(dtype)
         activations = quantized_linear.FAST_DTYPES[0]
@@ -43,15 +44,11 @@ def probe_report() -> dict[str, str | None]:
               "compiler": compiled_step.compiler_refusal("cpu") or "found",
               "dtype_auto": fastest(cache_dir() / "cpu_dtype.json").why}
     for dtype in packed_linear.DTYPES:
-        report[f"compute_{_name(dtype)}"] = compute_refusal(dtype) or "runs"
-        report[f"linear_{_name(dtype)}"] = packed_linear.path(dtype)
+        report[f"compute_{dtype_name(dtype)}"] = compute_refusal(dtype) or "runs"
+        report[f"linear_{dtype_name(dtype)}"] = packed_linear.path(dtype)
         for kind in (quantized_linear.INT4, quantized_linear.INT8):
-            report[f"{kind}_{_name(dtype)}"] = quantized_linear.refusal(kind, dtype) or "runs"
+            report[f"{kind}_{dtype_name(dtype)}"] = quantized_linear.refusal(kind, dtype) or "runs"
     return report
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 if __name__ == "__main__":
