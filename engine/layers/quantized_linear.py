@@ -29,6 +29,7 @@ import torch
 from engine.errors import first_line
 
 INT4, INT8 = "int4", "int8"
+INT8_GROUPS = "int8-groups"     # 8-bit weights with a float scale per group (Q8_0: 32, Q6_K: 16)
 INT4_GROUP = 32                 # llama.cpp's Q4 block; gpt-fast's default is 32 too
 INNER_K_TILES = 1               # the CPU kernel takes any in_features divisible by the group
 CHECK_ROWS = (1, 2, 3, 16, 64)
@@ -54,6 +55,8 @@ class QuantizedWeight:
         return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
 
     def describe(self) -> str:
+        if self.kind == INT8_GROUPS:
+            return f"int8 (group {self.group_size})"
         return f"int4 (group {self.group_size})" if self.kind == INT4 else "int8 (per channel)"
 
 
@@ -118,6 +121,43 @@ def from_int4_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, d
     return QuantizedWeight(INT4, data, scales_and_zeros, (out, inp), group)
 
 
+def from_int8_groups(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
+    """q [out, in] integers -128..127; scale [out, in / group] with w = q * scale (Q8_0: group
+    32; Q6_K: group 16, scale d * sc and q the 6-bit value minus 32)."""
+    out, inp = q.shape
+    group = inp // scale.shape[1]
+    return QuantizedWeight(INT8_GROUPS, q.to(torch.int8).contiguous(), scale.float().contiguous(), (out, inp), group)
+
+
+@dataclass
+class StackedWeight:
+    """A linear whose output rows come from parts of different kinds (a fused q/k/v whose v is
+    stored as Q6_K and q, k as Q4_K): each part runs its own kernel, outputs concatenated."""
+    parts: list[QuantizedWeight]
+
+    @property
+    def kind(self) -> str:
+        return "+".join(dict.fromkeys(p.kind for p in self.parts))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def describe(self) -> str:
+        return " + ".join(dict.fromkeys(p.describe() for p in self.parts))
+
+
+def stack(parts: list[QuantizedWeight]) -> QuantizedWeight | StackedWeight:
+    """One weight from parts stacked along the output rows (a fused linear)."""
+    if len(parts) == 1:
+        return parts[0]
+    return StackedWeight(list(parts))
+
+
 def int4_rtn(w: torch.Tensor, group_size: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest, asymmetric, per group of `group_size` input elements (gpt-fast):
     (q [out, in] 0..15, scale, zero [out, in / group] float32), w ~ (q - 8) * scale + zero."""
@@ -151,7 +191,13 @@ def quantize(w: torch.Tensor, kind: str, dtype: torch.dtype) -> QuantizedWeight:
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, in] -> [M, out]."""
-    if qw.kind == INT4:
+    if isinstance(qw, StackedWeight):
+        y = torch.cat([linear(x, part, None) for part in qw.parts], dim=-1)
+        return y if bias is None else y + bias
+    if qw.kind == INT8_GROUPS:      # placeholder until the kernel lands: dequantized per call
+        w = (qw.data.float().view(qw.shape[0], -1, qw.group_size) * qw.scales[..., None]).view(qw.shape)
+        y = (x.float() @ w.t()).to(x.dtype)
+    elif qw.kind == INT4:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, qw.data, qw.group_size, qw.scales)
     else:
         y = torch.ops.aten._weight_int8pack_mm(x, qw.data, qw.scales)
@@ -161,6 +207,8 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> t
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """The float weight [out, in] the kernel computes with (in the scales' dtype): the
     identity matrix through the kernel, so it is the kernel's own arithmetic."""
+    if isinstance(qw, StackedWeight):
+        return torch.cat([dequantize(part) for part in qw.parts])
     eye = torch.eye(qw.shape[1], dtype=qw.scales.dtype)
     return linear(eye, qw, None).t().contiguous()
 
