@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from engine import cpu_features
 from engine.errors import first_line
 
-SOURCES = [Path(__file__).with_name("cpu_linear.cpp")]
+# one library: this op, and the quantized one (cpu_quant_linear.cpp, engine.kernels.cpu_quant)
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_quant_linear.cpp")]
 BLOCK = 32                          # output columns per packed block (NB in the source)
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 NEEDS = {"scalar": (), "avx2": ("avx2", "fma"), "avx512": ("avx512f",)}
@@ -51,7 +52,7 @@ def build_tag() -> str:
 
 
 @functools.cache
-def _load() -> None:
+def load() -> None:
     """Compile (once per source and torch version) and load the op library."""
     from torch.utils.cpp_extension import load
     folder = build_dir() / build_tag()
@@ -65,7 +66,7 @@ def _load() -> None:
 def refusal() -> str | None:
     """Why our CPU linear cannot serve here (None: it built and passed its trials)."""
     try:
-        _load()
+        load()
     except Exception as error:      # noqa: BLE001 - a compiler missing or failing is the answer
         return f"our CPU linear did not build here ({type(error).__name__}: {first_line(error)})"
     flags = cpu_features.flags()

@@ -1,0 +1,147 @@
+"""Our quantized CPU linear (cpu_quant_linear.cpp, the torch op `workbench_cpu::linear_q`):
+4-bit weights in groups of 32 and 8-bit weights in groups of 32 or 16, each weight w = d * u + m
+with u an unsigned integer, activations quantized per row to int8 in blocks of 32. Each group's
+dot is an exact integer (AVX-512 VNNI, AVX2, scalar), the floats are accumulated in order over
+K, so a row's bits depend neither on the row count nor on the instruction set.
+
+Built with our CPU linear, into the same library (engine.kernels.cpu_linear.load). Tried before
+it is used (`refusal`): on random weights of both widths, each instruction set this CPU offers
+must give the scalar path's bits for 1, 5 and 9 rows and agree with the dequantized weight.
+The widest set that passes runs; `force_isa` (or WORKBENCH_CPU_ISA=avx2|scalar) picks another.
+
+Scales are stored in fp16 when every d and m is exactly an fp16 number (a GGUF's are), else
+in fp32: exact either way, and fp16 saves a sixth of a 4-bit weight's bytes.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from engine import cpu_features
+from engine.errors import first_line
+from engine.kernels import cpu_linear
+
+COLS, XBLOCK = 16, 32           # output columns per tile; activation block
+GROUPS = {4: (32,), 8: (32, 16)}
+ISAS = cpu_linear.ISAS
+NEEDS = {"scalar": (), "avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", "avx512_vnni")}
+OFFSET8 = 128                   # an 8-bit q is stored as u = q + 128
+_chosen: dict[str, str] = {}
+
+
+@functools.cache
+def refusal() -> str | None:
+    """Why our quantized CPU linear cannot serve here (None: it built and passed its trials)."""
+    try:
+        cpu_linear.load()
+    except Exception as error:      # noqa: BLE001 - a compiler missing or failing is the answer
+        return f"our quantized CPU linear did not build here ({type(error).__name__}: {first_line(error)})"
+    flags = cpu_features.flags()
+    offered = [isa for isa in ISAS if all(f in flags for f in NEEDS[isa])]
+    passed = [isa for isa in offered if _trial(isa) is None]
+    if "scalar" not in passed:
+        return f"our quantized CPU linear failed its trial here: {_trial('scalar')}"
+    wanted = os.environ.get(cpu_linear.ISA_ENV)
+    if wanted and wanted not in passed:
+        return (f"{cpu_linear.ISA_ENV}={wanted} asks for an instruction set our quantized linear did not pass "
+                f"here (passed: {', '.join(passed)})")
+    _chosen.setdefault("isa", wanted or passed[-1])
+    return None
+
+
+def _trial(isa: str) -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    for bits, group in ((4, 32), (8, 32), (8, 16)):
+        n, k = 3 * COLS, 96
+        u = torch.randint(0, 16 if bits == 4 else 256, (n, k), generator=gen)
+        d = (torch.rand(n, k // group, generator=gen) / 8 + 1e-3).half().float()
+        m = (torch.randn(n, k // group, generator=gen) / 8).half().float()
+        w, scales = pack(u, d, m, bits)
+        x = torch.randn(9, k, generator=gen)
+        try:
+            got = torch.ops.workbench_cpu.linear_q(x, w, scales, None, bits, group, ISAS[isa])
+            scalar = torch.ops.workbench_cpu.linear_q(x, w, scales, None, bits, group, ISAS["scalar"])
+            rows = [torch.ops.workbench_cpu.linear_q(x[:r], w, scales, None, bits, group, ISAS[isa]) for r in (1, 5)]
+        except RuntimeError as error:
+            return f"{isa} {bits}-bit failed ({first_line(error)})"
+        if not torch.equal(got, scalar) or not all(torch.equal(r, got[:len(r)]) for r in rows):
+            return f"{isa} {bits}-bit rounds unlike the scalar path"
+        want = x @ unpack(w, scales, bits).t()
+        if not torch.allclose(got, want, rtol=5e-2, atol=5e-2 * want.abs().max().item()):
+            return f"{isa} {bits}-bit gave wrong results"
+    return None
+
+
+def isa() -> str:
+    return _chosen.get("isa", "scalar")
+
+
+def force_isa(name: str | None) -> None:
+    """Run with `name` ('avx512' meaning VNNI, 'avx2', 'scalar'), or None: the widest that passed."""
+    _chosen.pop("isa", None)
+    if name is not None:
+        if name not in ISAS:
+            raise ValueError(f"unknown instruction set {name!r}; known: {', '.join(ISAS)}")
+        _chosen["isa"] = name
+    refusal.cache_clear()
+    refusal()
+
+
+def packable(shape: tuple[int, int], bits: int, group: int) -> str | None:
+    """Why a weight [out, in] cannot take this kernel (None: it can)."""
+    out, inp = shape
+    if group not in GROUPS[bits]:
+        return f"{bits}-bit groups of {group} (the kernel takes {', '.join(map(str, GROUPS[bits]))})"
+    if out % COLS:
+        return f"out_features {out} is not a multiple of {COLS}"
+    if inp % XBLOCK or inp % group:
+        return f"in_features {inp} is not a multiple of {max(XBLOCK, group)}"
+    return None
+
+
+def _scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """[N, K/G] d and m -> [N/16, K/G, 2, 16], in fp16 where that is exact, else fp32."""
+    n, groups = d.shape
+    both = torch.stack([d.float(), m.float()], dim=1)                    # [N, 2, K/G]
+    both = both.reshape(n // COLS, COLS, 2, groups).permute(0, 3, 2, 1).contiguous()
+    half = both.half()
+    return half if torch.equal(half.float(), both) else both
+
+
+def pack(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """u [N, K] unsigned integers (0..15 or 0..255), d, m [N, K / G] with w = d * u + m
+    -> (w [N/16, K/G, bytes], scales [N/16, K/G, 2, 16]): the layout in cpu_quant_linear.cpp."""
+    n, k = u.shape
+    group = k // d.shape[1]
+    tiles, groups = n // COLS, k // group
+    u8 = u.to(torch.uint8)
+    if bits == 4:
+        # [tile, col, group, half, j, i] -> [tile, group, j, col, i]; low nibble: half 0
+        v = u8.reshape(tiles, COLS, groups, 2, 4, 4)
+        lo, hi = (v[:, :, :, h].permute(0, 2, 3, 1, 4) for h in (0, 1))
+        w = (lo | (hi << 4)).reshape(tiles, groups, 256)
+    else:
+        w = u8.reshape(tiles, COLS, groups, group // 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, group * COLS)
+    return w.contiguous(), _scales(d, m)
+
+
+def unpack(w: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """The float weight [N, K] = d * u + m that a packed weight holds."""
+    tiles, groups, nbytes = w.shape
+    group = 32 if bits == 4 else nbytes // COLS
+    if bits == 4:
+        v = w.reshape(tiles, groups, 4, COLS, 4)
+        u = torch.stack([v & 0x0F, v >> 4], dim=2).permute(0, 4, 1, 2, 3, 5)      # [tile, col, group, half, j, i]
+    else:
+        u = w.reshape(tiles, groups, group // 4, COLS, 4).permute(0, 3, 1, 2, 4)
+    u = u.reshape(tiles * COLS, groups, group).float()
+    s = scales.float().permute(0, 3, 1, 2).reshape(tiles * COLS, groups, 2, 1)
+    return (u * s[:, :, 0] + s[:, :, 1]).reshape(tiles * COLS, groups * group)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype."""
+    group = 32 if bits == 4 else w.shape[2] // COLS
+    return torch.ops.workbench_cpu.linear_q(x, w, scales, bias, bits, group, ISAS[isa()])

@@ -1,0 +1,394 @@
+// workbench_cpu::linear_q — y[M, N] = x[M, K] @ W^T (+ bias) for weight-only quantized weights:
+// 4-bit (groups of 32 along K: Q4_0, Q4_1, Q4_K, AWQ, GPTQ) or 8-bit (groups of 32: Q8_0, or of
+// 16: Q6_K), with the activations quantized per row to int8 in blocks of 32.
+//
+// Arithmetic (the same on every instruction set, for every row count):
+//   activations, per row and block of 32:  sx = amax / 127,  xq = round_even(x * (127 / amax))
+//   weights, per column and group of G:    w = d * u + m,  u an unsigned integer (4 or 8 bits)
+//   per group, in order over K:            U   = sum(u * xq)              (exact, int32)
+//                                          acc = fma(float(U), d * sx, acc)
+//                                          acc = fma(m, sx * float(sum(xq)), acc)
+// A 4-bit format's zero point lives in m; an 8-bit q in -128..127 is stored as u = q + 128 with
+// m = -128 d (Q6_K: u = q6 in 0..63, m = -32 d). U is an integer, so how a path computes it does
+// not matter: AVX-512 VNNI (vpdpbusd), AVX2 (vpmaddubsw + vpmaddwd, no saturation: bounded
+// below) and scalar code give the same U, then the same float steps. Vectors run across
+// output columns, never across k, so a row's bits depend neither on the row count nor on the
+// instruction set nor on the thread count (threads split column tiles, never K). Each weight
+// tile is decoded once per call for every group of rows that uses it (llama.cpp's CPU
+// method, written for this project).
+//
+// Packed layout, per tile of 16 output columns (t = N / 16) and group g of G k:
+//   4-bit (G = 32): w[t, g, 256] uint8, byte j*64 + c*4 + i (j < 4, c < 16, i < 4) holds
+//                   u[c][32g + 4j + i] in its low nibble and u[c][32g + 16 + 4j + i] in its high;
+//   8-bit:          w[t, g, G*16] uint8, byte j*64 + c*4 + i holds u[c][Gg + 4j + i];
+//   scales[t, g, 2, 16] (fp16 or fp32): d of the 16 columns, then m.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t COLS = 16, XB = 32;
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+// ---- activations ---------------------------------------------------------------------------
+struct Rows {
+  const int8_t* xq;        // [M, K]
+  const float* sx;         // [M, K / 32]
+  const float* sxs;        // [M, K / G]: sx * sum(xq) over each weight group
+  const int32_t* xsum;     // [M, K / G]: sum(xq) over each weight group
+  int64_t K, G;
+};
+
+inline float round_even(float v) {     // |v| <= 127 < 2^22: the classic shift, no libm call
+  const volatile float shift = 12582912.0f;
+  return (v + shift) - shift;
+}
+
+// One row: the scalar definition. The AVX-512 variant below must give the same bytes.
+void quantize_row_scalar(const float* x, int64_t K, int64_t G, int8_t* xq, float* sx, float* sxs, int32_t* xsum) {
+  for (int64_t b = 0; b < K / XB; ++b) {
+    const float* xb = x + b * XB;
+    float amax = 0.0f;
+    for (int i = 0; i < XB; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    sx[b] = amax / 127.0f;
+    for (int i = 0; i < XB; ++i) {
+      float q = round_even(xb[i] * inv);
+      q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+      xq[b * XB + i] = static_cast<int8_t>(q);
+    }
+  }
+  for (int64_t g = 0; g < K / G; ++g) {
+    int32_t s = 0;
+    for (int64_t i = 0; i < G; ++i) s += xq[g * G + i];
+    xsum[g] = s;
+    sxs[g] = sx[g * G / XB] * static_cast<float>(s);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw")))
+void quantize_row_avx512(const float* x, int64_t K, int64_t G, int8_t* xq, float* sx, float* sxs, int32_t* xsum) {
+  for (int64_t b = 0; b < K / XB; ++b) {
+    __m512 v0 = _mm512_loadu_ps(x + b * XB), v1 = _mm512_loadu_ps(x + b * XB + 16);
+    // max of |x|: exact in any order (NaN aside)
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    sx[b] = amax / 127.0f;
+    const __m512 iv = _mm512_set1_ps(inv), lim = _mm512_set1_ps(127.0f);
+    // cvtps rounds to nearest even (MXCSR default), as round_even does
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(v0, iv), 0x08), lim), -lim));
+    __m512i q1 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(v1, iv), 0x08), lim), -lim));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * XB), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * XB + 16), _mm512_cvtepi32_epi8(q1));
+  }
+  for (int64_t g = 0; g < K / G; ++g) {
+    int32_t s = 0;
+    for (int64_t i = 0; i < G; ++i) s += xq[g * G + i];
+    xsum[g] = s;
+    sxs[g] = sx[g * G / XB] * static_cast<float>(s);
+  }
+}
+
+// ---- scales --------------------------------------------------------------------------------
+template <typename S> inline float scale_at(const S* p, int64_t i);
+template <> inline float scale_at<float>(const float* p, int64_t i) { return p[i]; }
+template <> inline float scale_at<at::Half>(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+
+template <typename S> __attribute__((target("avx512f"))) inline __m512 scales16_512(const S* p);
+template <> __attribute__((target("avx512f"))) inline __m512 scales16_512<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <> __attribute__((target("avx512f"))) inline __m512 scales16_512<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <typename S> __attribute__((target("avx2,fma,f16c"))) inline __m256 scales8_256(const S* p);
+template <> __attribute__((target("avx2,fma,f16c"))) inline __m256 scales8_256<float>(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+template <> __attribute__((target("avx2,fma,f16c"))) inline __m256 scales8_256<at::Half>(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+struct Weight {
+  const uint8_t* w;        // the tile's first byte
+  const void* s;           // the tile's first scale
+  int64_t wstride, sstride;   // bytes / scales from one tile to the next
+};
+
+constexpr int64_t group_bytes(int BITS, int64_t G) { return BITS == 4 ? 256 : G * 16; }
+
+// ---- AVX-512 VNNI: T tiles (16 columns each) by R rows at once -----------------------------
+template <int BITS, int R, int T, typename S>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void tile_vnni(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64_t ldy, bool prefetch_next = false,
+               uint8_t* unpack_to = nullptr) {
+  constexpr int P = R * T <= 4 ? 2 : 1;
+  const int64_t K = rows.K, G = rows.G, groups = K / G, gb = group_bytes(BITS, G), xblocks = K / XB;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const S* sc = static_cast<const S*>(wt.s);
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    // P integer chains per output (added exactly at the end) keep enough vpdpbusd in flight
+    // when few rows share a tile
+    __m512i isum[R][T][P];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t)
+        for (int p = 0; p < P; ++p) isum[r][t][p] = _mm512_setzero_si512();
+    const int8_t* xg = rows.xq + row0 * K + g * G;
+    if (prefetch_next) {      // the next tiles' weights and scales, while this one computes
+      for (int t = 0; t < T; ++t) {
+        const uint8_t* next = wt.w + (T + t) * wt.wstride + g * gb;
+        for (int64_t line = 0; line < gb; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(sc + (T + t) * wt.sstride + g * 2 * COLS), _MM_HINT_T0);
+      }
+    }
+    if constexpr (BITS == 4) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        __m512i lo[T], hi[T];
+        for (int t = 0; t < T; ++t) {
+          const __m512i v = _mm512_loadu_si512(wt.w + t * wt.wstride + g * gb + j * 64);
+          lo[t] = _mm512_and_si512(v, low);
+          hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          if (unpack_to) {    // the 8-bit layout of the same u: later row groups skip the decode
+            uint8_t* out = unpack_to + t * groups * 32 * COLS + g * 32 * COLS;
+            _mm512_storeu_si512(out + j * 64, lo[t]);
+            _mm512_storeu_si512(out + (j + 4) * 64, hi[t]);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          int32_t a, c;
+          std::memcpy(&a, xg + r * K + 4 * j, 4);
+          std::memcpy(&c, xg + r * K + 16 + 4 * j, 4);
+          const __m512i xa = _mm512_set1_epi32(a), xc = _mm512_set1_epi32(c);
+          for (int t = 0; t < T; ++t) {
+            isum[r][t][0] = _mm512_dpbusd_epi32(isum[r][t][0], lo[t], xa);
+            isum[r][t][P - 1] = _mm512_dpbusd_epi32(isum[r][t][P - 1], hi[t], xc);
+          }
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int j = 0; j < G / 4; ++j) {
+        __m512i v[T];
+        for (int t = 0; t < T; ++t) v[t] = _mm512_loadu_si512(wt.w + t * wt.wstride + g * gb + j * 64);
+        for (int r = 0; r < R; ++r) {
+          int32_t a;
+          std::memcpy(&a, xg + r * K + 4 * j, 4);
+          const __m512i xa = _mm512_set1_epi32(a);
+          for (int t = 0; t < T; ++t) isum[r][t][j % P] = _mm512_dpbusd_epi32(isum[r][t][j % P], v[t], xa);
+        }
+      }
+    }
+    const int64_t xb = g * G / XB;
+    for (int t = 0; t < T; ++t) {
+      const S* s = sc + t * wt.sstride + g * 2 * COLS;
+      const __m512 dv = scales16_512<S>(s), mv = scales16_512<S>(s + COLS);
+      for (int r = 0; r < R; ++r) {
+        const float sx = rows.sx[(row0 + r) * xblocks + xb], sxs = rows.sxs[(row0 + r) * groups + g];
+        const __m512i u = P == 2 ? _mm512_add_epi32(isum[r][t][0], isum[r][t][P - 1]) : isum[r][t][0];
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_mul_ps(dv, _mm512_set1_ps(sx)), acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sxs), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + r * ldy + t * COLS, acc[r][t]);
+}
+
+// ---- AVX2: one tile (two halves of 8 columns) by R rows ------------------------------------
+// 4-bit: vpmaddubsw pairs are at most 2 * 15 * 127 = 3810, and the 8 of a group sum to at most
+// 30480 < 32767 in int16 before one vpmaddwd. 8-bit: u = q + 128 would overflow a pair, so the
+// product is taken as |q| * sign(xq, q) (at most 2 * 128 * 127 = 32512 per pair) and U restored
+// as sum(q * xq) + 128 * sum(xq), exactly.
+template <int BITS, int R, typename S>
+__attribute__((target("avx2,fma,f16c")))
+void tile_avx2(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64_t ldy) {
+  const int64_t K = rows.K, G = rows.G, groups = K / G, gb = group_bytes(BITS, G), xblocks = K / XB;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const S* sc = static_cast<const S*>(wt.s);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* xg = rows.xq + row0 * K + g * G;
+    __m256i isum[R][2];
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (BITS == 4) {
+        __m256i p16[R];
+        for (int r = 0; r < R; ++r) p16[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt.w + g * gb + j * 64 + h * 32));
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            int32_t a, c;
+            std::memcpy(&a, xg + r * K + 4 * j, 4);
+            std::memcpy(&c, xg + r * K + 16 + 4 * j, 4);
+            p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
+            p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(c)));
+          }
+        }
+        for (int r = 0; r < R; ++r) isum[r][h] = _mm256_madd_epi16(p16[r], ones);
+      } else {
+        for (int r = 0; r < R; ++r) isum[r][h] = _mm256_setzero_si256();
+        for (int j = 0; j < G / 4; ++j) {
+          const __m256i q = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt.w + g * gb + j * 64 + h * 32)), flip);
+          const __m256i aq = _mm256_abs_epi8(q);
+          for (int r = 0; r < R; ++r) {
+            int32_t a;
+            std::memcpy(&a, xg + r * K + 4 * j, 4);
+            const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(_mm256_set1_epi32(a), q));
+            isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(p, ones));
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_set1_epi32(128 * rows.xsum[(row0 + r) * groups + g]));
+      }
+    }
+    const S* s = sc + g * 2 * COLS;
+    const int64_t xb = g * G / XB;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dv = scales8_256<S>(s + h * 8), mv = scales8_256<S>(s + COLS + h * 8);
+      for (int r = 0; r < R; ++r) {
+        const float sx = rows.sx[(row0 + r) * xblocks + xb], sxs = rows.sxs[(row0 + r) * groups + g];
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), _mm256_mul_ps(dv, _mm256_set1_ps(sx)), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sxs), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + r * ldy + h * 8, acc[r][h]);
+}
+
+// ---- scalar: the definition -----------------------------------------------------------------
+template <int BITS, typename S>
+void tile_scalar(const Rows& rows, int64_t row, const Weight& wt, float* y) {
+  const int64_t K = rows.K, G = rows.G, groups = K / G, gb = group_bytes(BITS, G), xblocks = K / XB;
+  const S* sc = static_cast<const S*>(wt.s);
+  for (int c = 0; c < COLS; ++c) {
+    float acc = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* xg = rows.xq + row * K + g * G;
+      const uint8_t* wg = wt.w + g * gb;
+      int32_t u = 0;
+      for (int j = 0; j < (BITS == 4 ? 4 : G / 4); ++j)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t byte = wg[j * 64 + c * 4 + i];
+          if (BITS == 4) {
+            u += static_cast<int32_t>(byte & 0x0F) * xg[4 * j + i];
+            u += static_cast<int32_t>(byte >> 4) * xg[16 + 4 * j + i];
+          } else {
+            u += static_cast<int32_t>(byte) * xg[4 * j + i];
+          }
+        }
+      const float sx = rows.sx[row * xblocks + g * G / XB], sxs = rows.sxs[row * groups + g];
+      acc = std::fma(static_cast<float>(u), scale_at<S>(sc, g * 2 * COLS + c) * sx, acc);
+      acc = std::fma(scale_at<S>(sc, g * 2 * COLS + COLS + c), sxs, acc);
+    }
+    y[c] = acc;
+  }
+}
+
+// ---- one call ------------------------------------------------------------------------------
+// The first row group streams the weights (prefetching the next tiles) and, for 4-bit weights
+// read by more than one row group, leaves them decoded to bytes in `scratch` for the others:
+// the same integers u, so the same U and the same bits.
+template <int BITS, typename S, int T>
+void vnni_rows(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t ldy, uint8_t* scratch) {
+  const int64_t groups = rows.K / rows.G;
+  const bool reuse = BITS == 4 && M > 4;
+  const Weight decoded{scratch, wt.s, groups * 32 * COLS, wt.sstride};
+  int64_t i = 0;
+  auto group_of = [&](auto rows_now) {
+    constexpr int RN = decltype(rows_now)::value;
+    if (i == 0) tile_vnni<BITS, RN, T, S>(rows, i, wt, y, ldy, true, reuse ? scratch : nullptr);
+    else if (reuse) tile_vnni<8, RN, T, S>(rows, i, decoded, y + i * ldy, ldy);
+    else tile_vnni<BITS, RN, T, S>(rows, i, wt, y + i * ldy, ldy);
+    i += RN;
+  };
+  while (i + 4 <= M) group_of(std::integral_constant<int, 4>{});
+  if (M - i == 3) group_of(std::integral_constant<int, 3>{});
+  if (M - i == 2) group_of(std::integral_constant<int, 2>{});
+  if (M - i == 1) group_of(std::integral_constant<int, 1>{});
+}
+
+template <int BITS, typename S>
+void run_tiles(Isa isa, const Rows& rows, int64_t M, int64_t t0, int64_t t1, const Weight& base, float* y, int64_t N) {
+  const S* s0 = static_cast<const S*>(base.s);
+  auto at = [&](int64_t t) { return Weight{base.w + t * base.wstride, s0 + t * base.sstride, base.wstride, base.sstride}; };
+  int64_t t = t0;
+  if (isa == AVX512) {
+    std::vector<uint8_t> scratch(BITS == 4 && M > 4 ? 2 * (rows.K / 32) * 32 * COLS : 0);
+    for (; t + 2 <= t1; t += 2) vnni_rows<BITS, S, 2>(rows, M, at(t), y + t * COLS, N, scratch.data());
+    for (; t < t1; ++t) vnni_rows<BITS, S, 1>(rows, M, at(t), y + t * COLS, N, scratch.data());
+  } else if (isa == AVX2) {
+    for (; t < t1; ++t) {
+      int64_t i = 0;
+      for (; i + 2 <= M; i += 2) tile_avx2<BITS, 2, S>(rows, i, at(t), y + i * N + t * COLS, N);
+      if (i < M) tile_avx2<BITS, 1, S>(rows, i, at(t), y + i * N + t * COLS, N);
+    }
+  } else {
+    for (; t < t1; ++t)
+      for (int64_t i = 0; i < M; ++i) tile_scalar<BITS, S>(rows, i, at(t), y + i * N + t * COLS);
+  }
+}
+
+at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                    const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group, int64_t isa) {
+  TORCH_CHECK(bits == 4 || bits == 8, "workbench_cpu::linear_q: bits is 4 or 8");
+  TORCH_CHECK(bits == 4 ? group == 32 : (group == 32 || group == 16), "linear_q: groups of 32 (4-bit), 32 or 16 (8-bit)");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == group_bytes(bits, group),
+              "linear_q: x [M, K] and w [N / 16, K / group, bytes per group] uint8 expected");
+  TORCH_CHECK(x.size(1) == w.size(1) * group && x.size(1) % XB == 0, "linear_q: x's K does not match the weight's");
+  TORCH_CHECK(scales.dim() == 4 && scales.size(0) == w.size(0) && scales.size(1) == w.size(1) && scales.size(2) == 2 &&
+              scales.size(3) == COLS, "linear_q: scales [N / 16, K / group, 2, 16] expected");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf, "linear_q: fp32 or fp16 scales");
+  TORCH_CHECK(isa >= SCALAR && isa <= AVX512, "linear_q: isa 0 scalar, 1 avx2, 2 avx512 (VNNI)");
+  const int64_t M = x.size(0), K = x.size(1), tiles = w.size(0), N = tiles * COLS, groups = K / group;
+  const at::Tensor xf = x.to(at::kFloat).contiguous(), wc = w.contiguous(), sc = scales.contiguous();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> sx(M * (K / XB)), sxs(M * groups);
+  std::vector<int32_t> xsum(M * groups);
+  const float* xp = xf.data_ptr<float>();
+  for (int64_t i = 0; i < M; ++i)
+    (isa == AVX512 ? quantize_row_avx512 : quantize_row_scalar)(
+        xp + i * K, K, group, xq.data() + i * K, sx.data() + i * (K / XB), sxs.data() + i * groups, xsum.data() + i * groups);
+  const Rows rows{xq.data(), sx.data(), sxs.data(), xsum.data(), K, group};
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  const Weight base{wc.data_ptr<uint8_t>(), sc.data_ptr(), groups * group_bytes(bits, group), groups * 2 * COLS};
+  if (M > 0) {
+    // grain: two tiles, so the AVX-512 path keeps its 32-column pairs
+    at::parallel_for(0, tiles, 2, [&](int64_t t0, int64_t t1) {
+      const bool half = sc.scalar_type() == at::kHalf;
+      if (bits == 4) {
+        half ? run_tiles<4, at::Half>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N)
+             : run_tiles<4, float>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N);
+      } else {
+        half ? run_tiles<8, at::Half>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N)
+             : run_tiles<8, float>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N);
+      }
+    });
+  }
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
+  m.def("linear_q(Tensor x, Tensor w, Tensor scales, Tensor? bias, int bits, int group, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
+  m.impl("linear_q", &linear_q);
+}
