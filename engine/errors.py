@@ -71,6 +71,10 @@ class LlamaServerMissingError(WorkbenchError):
     """llama.cpp's llama-server has not been built (scripts/build_llama_server.sh)."""
 
 
+class VllmMissingError(WorkbenchError):
+    """vLLM's CPU build has not been installed (scripts/build_vllm.sh)."""
+
+
 def first_line(error: BaseException, limit: int = 200) -> str:
     """An exception's first line, short enough for "In effect" and a status bar."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]

@@ -82,7 +82,8 @@ def test_engine_never_imports_qt():
 
 # The request path: what a newcomer reads first. Everything else lives in a subpackage.
 TOP_LEVEL = {"engine", "engine.engine", "engine.request", "engine.scheduler", "engine.stream", "engine.config", "engine.metrics", "engine.errors",
-             "engine.profiles", "engine.backend", "engine.workload", "engine.cpu_features", "engine.thread_policy"}
+             "engine.profiles", "engine.backend", "engine.workload", "engine.cpu_features", "engine.thread_policy",
+             "engine.user_cache"}
 SUBPACKAGES = {"cache", "kernels", "layers", "models", "loading", "runtime", "spec", "remote", "bench", "training"}
 REQUEST_PATH = ("engine.engine", "engine.request", "engine.scheduler", "engine.stream")
 OFFLINE_TOOLS = ("engine.bench", "engine.training")

@@ -8,7 +8,7 @@ import pytest
 
 from engine.errors import ConfigError, NotOpenAIServerError, ServerAuthError, ServerUnreachableError
 from engine.remote.backend import CONNECT_TIMEOUT_S, RemoteBackend, list_served_models, normalize_url
-from engine.remote.llama_server import free_port
+from engine.remote.server_process import free_port
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine.bench.cli import main
-from engine.remote.llama_server import free_port
+from engine.remote.server_process import free_port
 
 SECRET = "sk-serve-bench-7c1e9"
 KEY_ENV = "WORKBENCH_TEST_SERVE_KEY"

