@@ -132,7 +132,7 @@ def weights_bytes(model: torch.nn.Module, shared_with: torch.nn.Module | None = 
             if getattr(x, "quant", None) is not None:
                 if x.weight.is_meta:
                     held.pop(id(x.weight), None)
-                held[id(x.quant.data)] = x.quant.nbytes
+                held[id(x.quant)] = x.quant.nbytes
         return held
     skip = storages(shared_with) if shared_with is not None else {}
     return sum(n for key, n in storages(model).items() if key not in skip)

