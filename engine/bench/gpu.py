@@ -89,11 +89,11 @@ def _timed_generate(hf, ids, tokens: int):
 
 
 def _transformers(args) -> tuple[list[list[int]], float]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from engine.loading.loader import resolve
+    from transformers import AutoTokenizer
+    from engine.loading.loader import resolve, transformers_model
     folder = resolve(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
+    hf = transformers_model(folder, dtype=torch.bfloat16).to("cuda").eval()
     outputs, tokens, seconds = [], 0, 0.0
     _timed_generate(hf, torch.tensor([[1, 2, 3]], device="cuda"), 2)      # warm-up
     for prompt in PROMPTS:

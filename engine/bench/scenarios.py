@@ -46,8 +46,8 @@ def _progress(message: str, fraction: float) -> None:
 def _hf_model(eng, dtype: torch.dtype | None = None):
     """transformers' model on the engine's folder and device, in the engine's dtype unless
     told: the reference."""
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(eng.target_model.folder, dtype=dtype or eng.runner.model_dtype).eval()
+    from engine.loading.loader import transformers_model
+    hf = transformers_model(eng.target_model.folder, dtype=dtype or eng.runner.model_dtype).eval()
     hf = hf.to(eng.device)
     hf.generation_config.eos_token_id = None      # compare fixed-length continuations
     hf.generation_config.pad_token_id = 0
