@@ -28,6 +28,7 @@ from engine.bench.scenarios import (BUILTIN_SHAPES, bench_decode, bench_kv, benc
 from engine.config import BY_KEY
 from engine.errors import WorkbenchError
 from engine.loading.synthetic import PRESETS
+from engine.loading.synthetic_gguf import SYNTHETIC_GGUF_PRESETS
 
 
 def bench_kernels(args) -> dict:
@@ -62,8 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--weight-dtype", default=None, choices=list(BY_KEY["weight_dtype"].choices),
                     help="weights as served (the weight_dtype setting; default: each scenario's own, the engine's "
                     "auto for most; parity and kv: float, the weights transformers reads); quality: the one to judge")
-    ap.add_argument("--synthetic", default=None, choices=sorted(PRESETS),
-                    help="load: a random-weight checkpoint of this architecture, written once to the user cache")
+    ap.add_argument("--synthetic", default=None, choices=sorted(PRESETS) + sorted(SYNTHETIC_GGUF_PRESETS),
+                    help="load: a random-weight checkpoint of this architecture (or a GGUF of it: *-q4_k_m), "
+                    "written once to the user cache")
     ap.add_argument("--compile", default="auto", choices=["off", "on", "auto"],
                     help="parity, decode, speculative: run our decode and verify steps compiled "
                     "(engine.runtime.compiled_step)")
