@@ -2,6 +2,7 @@
 
     QT_QPA_PLATFORM=offscreen python -m app.screenshot [--out docs/screenshot.png]
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --remote [--out docs/screenshot-remote.png]
+    QT_QPA_PLATFORM=offscreen python -m app.screenshot --remote vllm [--out docs/screenshot-vllm.png]
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --laptop [--out docs/screenshot-1366x768.png]
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --load [--out docs/screenshot-load.png]
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --plots [--out docs/screenshot-plots.png]
@@ -13,8 +14,11 @@ live plots panel whole (every row, as Export PNG writes it). --remote starts lla
 llama-server on the embedded GGUF, drafting for itself, with --metrics
 (engine.remote.llama_server; scripts/build_llama_server.sh builds it), connects to it as
 "Connect to server…" does, and grabs the window after two chat turns: acceptance and TTFT
-from the server's figures, KV usage from its /slots. Settings go to a temporary config
-folder, never the user's.
+from the server's figures, KV usage from its /slots. --remote vllm does the same with vLLM
+(engine.remote.vllm_server; scripts/build_vllm.sh installs it) on the default model's
+weights as float safetensors (engine.bench.float_folder), with ngram speculation: acceptance from its spec-decode
+counters, KV usage from its /metrics gauge; it takes minutes to start. Settings go to a
+temporary config folder, never the user's.
 """
 from __future__ import annotations
 
@@ -28,9 +32,11 @@ from PySide6.QtWidgets import QApplication
 
 from app.__main__ import build
 from app.theme import style_sheet
+from engine.bench.float_folder import float_folder
 from engine.loading.loader import default_gguf_path
 from engine.profiles import ProfileStore
 from engine.remote.llama_server import LlamaServer
+from engine.remote.vllm_server import VllmServer
 
 # (what to change in the side panel before the message, the message)
 SCRIPT = (
@@ -48,6 +54,12 @@ REMOTE_SYSTEM_PROMPT = "You are a concise cooking tutor. Answer in two or three 
 REMOTE_SCRIPT = ("What is a roux, and what is it used for?", "And how does a béchamel differ from it?")
 REMOTE_MAX_TOKENS = 96
 REMOTE_MODEL_NAME = "SmolLM2-135M-Instruct"     # what the server calls it (--alias), not its file path
+# --remote vllm: turns that repeat text, so ngram speculation has something to look up
+VLLM_SCRIPT = ("Write this sentence five times, one per line: the quick brown fox jumps over the lazy dog.",
+               "Now write it three more times, then name the animals in it.")
+VLLM_NGRAM_K = 4
+VLLM_PLOTS_SHARE = 0.6     # the replies are short lines: the plots get the room (TTFT in view)
+REMOTE_ENGINES = ("llama-server", "vllm")
 WINDOW_SIZE = (1600, 1000)        # the README pictures: a desktop-sized window
 LAPTOP_SIZE = (1366, 768)
 LOAD_WORKLOAD = {"num_prompts": 16, "max_concurrency": 4, "output_len": 32, "request_rate": None}
@@ -70,14 +82,14 @@ def apply(panel, changes: dict) -> None:
         combo.setCurrentIndex(combo.findData(value))
 
 
-def run(out: Path, remote: bool = False, mode: str = "chat") -> None:
+def run(out: Path, remote: str | None = None, mode: str = "chat") -> None:
     app = QApplication.instance() or QApplication([])
     app.setStyleSheet(style_sheet())
     with tempfile.TemporaryDirectory() as config:
         workbench = build(store=ProfileStore(config), start=not remote)     # attached: no local model
         try:
             if remote:
-                chat_with_server_and_grab(workbench, out)
+                chat_with_server_and_grab(workbench, out, remote)
             elif mode == "load":
                 serve_and_grab(workbench, out)
             else:
@@ -168,17 +180,17 @@ def serve_and_grab(workbench, out: Path) -> None:
     grab(window, out)
 
 
-def chat_with_server_and_grab(workbench, out: Path) -> None:
+def chat_with_server_and_grab(workbench, out: Path, engine: str = "llama-server") -> None:
     window, controller = workbench.window, workbench.controller
     show(window)
-    gguf = default_gguf_path()
-    # one thread: on a busy 2-core machine llama.cpp's spinning threads starve each other
-    with LlamaServer(gguf, draft=gguf, metrics=True, threads=1, extra=("--alias", REMOTE_MODEL_NAME)) as server:
+    if engine == "vllm":
+        window.resizeDocks([window.plots_dock], [int(WINDOW_SIZE[1] * VLLM_PLOTS_SHARE)], Qt.Orientation.Vertical)
+    with started_server(engine) as server:
         controller.connect_server(server.url, "", "")
         wait_until(lambda: controller.model_ready and controller.busy == "", timeout_s=120)
         window.chat.set_system_prompt(REMOTE_SYSTEM_PROMPT)
         window.settings.widget("max_tokens").setValue(REMOTE_MAX_TOKENS)
-        for message in REMOTE_SCRIPT:
+        for message in VLLM_SCRIPT if engine == "vllm" else REMOTE_SCRIPT:
             controller.send(message)
             wait_until(lambda: controller.request_id is None)
         if window.error_text():
@@ -186,19 +198,32 @@ def chat_with_server_and_grab(workbench, out: Path) -> None:
         grab(window, out)
 
 
+def started_server(engine: str):
+    """The server the picture is attached to, speculating (one thread: on a busy 2-core
+    machine llama.cpp's spinning threads starve each other)."""
+    if engine == "vllm":
+        return VllmServer(float_folder(), served_model_name=REMOTE_MODEL_NAME, ngram_k=VLLM_NGRAM_K, threads=1,
+                          progress=lambda message: print(message, flush=True))
+    gguf = default_gguf_path()
+    return LlamaServer(gguf, draft=gguf, metrics=True, threads=1, extra=("--alias", REMOTE_MODEL_NAME))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--remote", action="store_true", help="attached to a llama-server started for the picture")
+    parser.add_argument("--remote", nargs="?", const="llama-server", choices=REMOTE_ENGINES, default=None,
+                        help="attached to a server started for the picture: llama-server (the default) or vllm")
     parser.add_argument("--laptop", action="store_true", help="the chat session in a 1366x768 window")
     parser.add_argument("--load", action="store_true", help="a load run and an A/B with the results table")
     parser.add_argument("--plots", action="store_true", help="the chat session and a turn drafting trees, then the "
                         "whole live plots panel")
-    parser.add_argument("--out", type=Path, help="default: docs/screenshot.png, -remote, -1366x768, -load or -plots.png")
+    parser.add_argument("--out", type=Path, help="default: docs/screenshot.png, -remote, -vllm, -1366x768, -load or "
+                        "-plots.png")
     args = parser.parse_args()
     mode = "load" if args.load else "laptop" if args.laptop else "plots" if args.plots else "chat"
     default = {"chat": "screenshot.png", "laptop": "screenshot-1366x768.png", "load": "screenshot-load.png",
                "plots": "screenshot-plots.png"}[mode]
-    run(args.out or Path("docs") / ("screenshot-remote.png" if args.remote else default), args.remote, mode)
+    remote_picture = {"llama-server": "screenshot-remote.png", "vllm": "screenshot-vllm.png"}.get(args.remote)
+    run(args.out or Path("docs") / (remote_picture or default), args.remote, mode)
 
 
 if __name__ == "__main__":

@@ -11,5 +11,11 @@ bash scripts/setup.sh
 # tests need it, so launching the app never waits for it.
 server=$(bash scripts/build_llama_server.sh)     # its own line: a failed build fails the run
 echo "test: llama-server at $server" >&2
+# vLLM is never built here (3.5 GB, scripts/build_vllm.sh): its tests run where it is installed.
+if vllm=$(.venv/bin/python -c 'from engine.remote import vllm_venv; print(vllm_venv.python())' 2>/dev/null); then
+  echo "test: vLLM at $vllm (tests/test_remote_vllm.py runs)" >&2
+else
+  echo "test: no vLLM venv: tests/test_remote_vllm.py skips (bash scripts/build_vllm.sh installs it)" >&2
+fi
 export QT_QPA_PLATFORM=offscreen
 exec .venv/bin/python -m pytest "$@"

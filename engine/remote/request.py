@@ -25,7 +25,11 @@ What each event holds:
     `usage.completion_tokens`); ids are not streamed, so token_ids stays empty;
   - TTFT and step times: measured here, from the chunk arrival times (stamped on arrival);
   - proposed / accepted: llama.cpp's per-request `timings.draft_n` / `draft_n_accepted`
-    (deltas); other servers give them only server-wide, in the final figures;
+    (deltas); vLLM counts them only server-wide (`vllm:spec_decode_*`), so for the backend's
+    one active request they are the counters' deltas between two polls of /metrics (every
+    `poll_interval_s`, with KV usage), on the event that read them, the rest on the final
+    event: a point per poll, not per server step (on a shared server, others' drafts too);
+    other servers give them only in the final figures;
   - prefix hits: `timings.cache_n` or `usage.prompt_tokens_details.cached_tokens`;
   - kv_usage: polled at most every `poll_interval_s` (llama.cpp /slots, else /metrics).
 A number the server does not give stays None. If the server dies mid-stream, the events
@@ -55,6 +59,7 @@ class RemoteHost(Protocol):
     served_models: list[str]
     kv_cache_dtype: str | None
     poll_interval_s: float
+    drafts_per_request: bool
 
     def settings(self) -> dict: ...
     def kv_usage(self) -> float | None: ...
@@ -80,6 +85,10 @@ class RemoteRequest:
         self.t_polled = 0.0
         self.finish_reason: str | None = None
         self.prompt: tuple[int | None, int | None] = (None, None)   # (prompt tokens, prefix-cache hits)
+        # drafts from the server-wide counters, polled (vLLM): the last reading counted
+        self.drafts_from_counters = (before is not None and before.draft_tokens is not None
+                                     and not host.drafts_per_request)
+        self.polled = before
 
     # ---- the interface (engine.backend.BackendRequest) -------------------------------
     def cancel(self) -> None:
@@ -171,6 +180,7 @@ class RemoteRequest:
     def _event(self, t: float, text: str, finish_reason: str | None = None, t_first: float | None = None) -> StepEvent:
         """The event that ends at `t` (its last chunk's arrival); t_first: its first chunk's."""
         first = self.step_index == 0 and bool(text)      # the first token: TTFT
+        kv_usage = self._poll()
         tokens = self.pending["tokens"] if self.counts_per_chunk else None
         prompt_tokens, hits = self._prompt_counts()
         event = StepEvent(
@@ -183,7 +193,7 @@ class RemoteRequest:
             generated_tokens=self._generated(tokens),
             ttft_s=((t if t_first is None else t_first) - self.stream.t_submit) if first else None,
             finished=finish_reason is not None, finish_reason=finish_reason,
-            settings=self.host.settings() if self.step_index == 0 else None, token_count=tokens, kv_usage=self._poll_kv())
+            settings=self.host.settings() if self.step_index == 0 else None, token_count=tokens, kv_usage=kv_usage)
         self.pending = dict.fromkeys(self.pending, 0)
         self.t_last = t
         self.step_index += 1
@@ -196,18 +206,22 @@ class RemoteRequest:
         self.finished = True
         # E2EL ends at the last token, as vLLM's client times it (not at [DONE] after it)
         self.stats.e2e_s = (self.t_last if self.step_index else t) - self.stream.t_submit
+        after = self.host.scrape() if self.before is not None else None
+        if self.drafts_from_counters:       # the drafts since the last poll go with this event
+            self._count_drafts(after)
+            self.kv_usage = after.kv_usage if after is not None else self.kv_usage
+            self.t_polled = time.perf_counter()
         event = self._event(t, "", finish_reason=reason)
-        figures = self._figures()
+        figures = self._figures(after)
         event.server = figures
         self._complete_summary(figures)
         event.summary = self.stats
         event.running = self.stats.as_dict()
         return event
 
-    def _figures(self) -> dict:
+    def _figures(self, after: MetricsReading | None) -> dict:
         """The server's own numbers for this request (engine.remote.server_metrics), and a note
         when it exports none."""
-        after = self.host.scrape() if self.before is not None else None
         figures = request_figures(self.before, after) if after is not None else \
             {**request_figures(MetricsReading(), MetricsReading()), "shared_counters": None}   # all missing
         figures["metrics"] = self.host.metrics_note() or "available"
@@ -246,12 +260,26 @@ class RemoteRequest:
             self.prompt = (usage["prompt_tokens"], details.get("cached_tokens", self.prompt[1]))
         return self.prompt
 
-    def _poll_kv(self) -> float | None:
+    def _poll(self) -> float | None:
+        """KV usage, read at most every poll_interval_s; with it, where drafts are counted
+        server-wide only, the drafts since the last reading (into pending)."""
         now = time.perf_counter()
         if now - self.t_polled >= self.host.poll_interval_s:
             self.t_polled = now
-            self.kv_usage = self.host.kv_usage()
+            if self.drafts_from_counters:
+                reading = self.host.scrape()
+                self._count_drafts(reading)
+                self.kv_usage = reading.kv_usage if reading is not None else None
+            else:
+                self.kv_usage = self.host.kv_usage()
         return self.kv_usage
+
+    def _count_drafts(self, reading: MetricsReading | None) -> None:
+        if reading is None or reading.draft_tokens is None or self.polled is None:
+            return
+        self.pending["proposed"] += max(0, int(reading.draft_tokens - (self.polled.draft_tokens or 0)))
+        self.pending["accepted"] += max(0, int((reading.accepted_tokens or 0) - (self.polled.accepted_tokens or 0)))
+        self.polled = reading
 
     def _refused(self, status: int, body: str):
         message = _error_message(body)

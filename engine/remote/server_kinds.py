@@ -27,6 +27,7 @@ class ServerKind:
     reset_endpoint: str | None = None        # POST path that drops the prefix cache
     reset_note: str = ""                     # what the server needs for that endpoint
     info_path: str | None = None             # GET path with version / launch settings (JSON)
+    drafts_per_request: bool = False         # the stream counts a request's drafts (llama.cpp timings.draft_n)
 
 
 KINDS: dict[str, ServerKind] = {k.name: k for k in (
@@ -57,7 +58,7 @@ KINDS: dict[str, ServerKind] = {k.name: k for k in (
         stream_fields={"stream_options": {"include_usage": True}, "timings_per_token": True},
         reset_endpoint="/slots/{id}?action=erase", reset_note="start llama-server with --slot-save-path DIR; its RAM prompt cache "
         "(--cache-ram, on by default) keeps copies that erasing the slots does not drop: --cache-ram 0 for a full reset",
-        info_path="/props"),
+        info_path="/props", drafts_per_request=True),
     ServerKind(OPENAI, "OpenAI-compatible server", "none known", {},
                stream_fields={"stream_options": {"include_usage": True}}),
 )}

@@ -2,11 +2,11 @@
 scripts/build_vllm.sh (engine.remote.vllm_venv), for the integration tests,
 `python -m engine.bench peer --engine vllm` and the screenshot.
 
-    with VllmServer(resolve(None), served_model_name="SmolLM2-135M-Instruct", ngram_k=4) as server:
+    with VllmServer(float_folder(), served_model_name="SmolLM2-135M-Instruct", ngram_k=4) as server:
         backend = RemoteBackend(server.url)
 
-It serves a Hugging Face folder (the default model's converted safetensors folder,
-engine.loading.loader.resolve) with the launch flags that give the workbench its numbers:
+It serves a Hugging Face folder with safetensors weights (the default model's, dequantized
+once: engine.bench.float_folder) with the launch flags that give the workbench its numbers:
   - `--enable-prompt-tokens-details`: prefix-cache hits per request
     (usage.prompt_tokens_details.cached_tokens);
   - VLLM_SERVER_DEV_MODE=1: POST /reset_prefix_cache;
