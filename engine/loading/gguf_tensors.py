@@ -2,8 +2,10 @@
 has, its blocks decoded exactly into the quantized kernels' forms (engine.layers.quantized_linear),
 and a per-tensor float read for what no kernel takes.
 
-The file's metadata is parsed by the `gguf` package's reader; names map through its
-tensor-name table, and the row order through transformers' own tensor processor (llama.cpp
+The file's header is parsed here (`read_header`: the tensors' names, types, shapes and
+offsets, and the scalar metadata; the tokenizer's arrays are skipped, where the `gguf`
+package's reader would hold 150k tokens as 300k numpy arrays, 360 MB). Names map through
+gguf's tensor-name table, and the row order through transformers' own tensor processor (llama.cpp
 permutes the rows of Llama's q and k projections; transformers undoes it on load, and so do
 we, on the row index, so both agree by construction). Tensor bytes are read with plain file
 reads, a slice of rows at a time, never through a memory map: a mapping keeps every page it
@@ -29,6 +31,10 @@ llama.cpp's quantizer makes them).
 """
 from __future__ import annotations
 
+import math
+import mmap
+import struct
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -53,12 +59,11 @@ class GGUFTensors:
         import gguf
         self.path = Path(path)
         self._gguf = gguf
-        self.reader = gguf.GGUFReader(str(path))
-        field = self.reader.fields["general.architecture"]
-        self.arch = bytes(field.parts[field.data[0]]).decode()
+        self.metadata, tensors = read_header(self.path)
+        self.arch = self.metadata["general.architecture"]
         arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.arch)
         self.names = gguf.get_tensor_name_map(arch, hf_config.num_hidden_layers)
-        self.by_name = {t.name: t for t in self.reader.tensors}
+        self.by_name = {t.name: t for t in tensors}
         self.hf_config = hf_config
 
     def _tensor(self, hf_name: str):
@@ -89,21 +94,21 @@ class GGUFTensors:
     def int8_group(self, hf_name: str) -> int:
         return INT8_GROUP_TYPES[self.type_of(hf_name)]
 
-    def int4_groups(self, hf_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def int4_groups(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [out, in] uint8 0..15, scale, zero [out, in / 32] float32) with
-        w = (q - 8) * scale + zero, rows in transformers' order."""
+        w = (q - 8) * scale + zero, rows in transformers' order (`rows`: only those)."""
         kind = self.type_of(hf_name)
         if kind not in INT4_TYPES:
             raise ValueError(f"{hf_name} is {kind}, not one of {INT4_TYPES}")
-        return self._decoded(hf_name, _INT4_DECODERS[kind])
+        return self._decoded(hf_name, _INT4_DECODERS[kind], rows=rows)
 
-    def int8_groups(self, hf_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def int8_groups(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [out, in] int8, scale [out, in / group] float32) with w = q * scale (group 32
-        for Q8_0, 16 for Q6_K), rows in transformers' order."""
+        for Q8_0, 16 for Q6_K), rows in transformers' order (`rows`: only those)."""
         kind = self.type_of(hf_name)
         if kind not in INT8_GROUP_TYPES:
             raise ValueError(f"{hf_name} is {kind}, not one of {tuple(INT8_GROUP_TYPES)}")
-        return self._decoded(hf_name, _INT8_DECODERS[kind])
+        return self._decoded(hf_name, _INT8_DECODERS[kind], rows=rows)
 
     def dequantized(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor in `dtype`, as `gguf.quants.dequantize` gives it (then rounded to
@@ -111,39 +116,42 @@ class GGUFTensors:
         float32 copy of a large tensor is made on the way to a bf16 one."""
         t = self._tensor(hf_name)
         qtype = t.tensor_type
-        shape = self.shape(hf_name)
         if t.tensor_type.name in FLOAT_TYPES:
             decode = lambda raw: (raw.reshape(raw.shape[0], -1).view(FLOAT_TYPES[qtype.name]),)   # noqa: E731
         else:
             decode = lambda raw: (self._gguf.quants.dequantize(raw.reshape(raw.shape[0], -1), qtype),)  # noqa: E731
         (values,) = self._decoded(hf_name, decode, dtype)
-        return values.reshape(shape)
+        return values.reshape(self.shape(hf_name))
 
-    def _decoded(self, hf_name: str, decode, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    def _decoded(self, hf_name: str, decode, dtype: torch.dtype | None = None,
+                 rows: slice = slice(None)) -> tuple[torch.Tensor, ...]:
         """`decode` (stored blocks [rows, blocks, block bytes] -> arrays [rows, ...]) applied
         to slices of rows read from the file, written into whole tensors in transformers'
-        row order (each output in `dtype` when given, else as decoded)."""
+        row order (each output in `dtype` when given, else as decoded); `rows`: of
+        transformers' rows, only these (the file's rows that hold them are read)."""
         t = self._tensor(hf_name)
-        rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
+        total = int(t.shape[-1]) if len(t.shape) > 1 else 1
         block_values, block_bytes = self._gguf.GGML_QUANT_SIZES[t.tensor_type]
-        row_bytes = int(t.n_bytes) // rows
-        where = np.empty(rows, dtype=np.int64)     # file row -> transformers' row
-        where[self._row_order(t.name, rows) if len(t.shape) > 1 else [0]] = np.arange(rows)
+        row_bytes = t.n_bytes // total
+        wanted = (self._row_order(t.name, total) if len(t.shape) > 1 else np.zeros(1, dtype=np.int64))[rows]
+        where = np.full(total, -1, dtype=np.int64)      # file row -> its place in the output
+        where[wanted] = np.arange(len(wanted))
         outputs = None
         step = max(1, READ_BYTES // row_bytes)
         with open(self.path, "rb", buffering=0) as f:
-            for start in range(0, rows, step):
-                n = min(step, rows - start)
-                f.seek(int(t.data_offset) + start * row_bytes)
+            for start in range(int(wanted.min()), int(wanted.max()) + 1, step):
+                n = min(step, int(wanted.max()) + 1 - start)
+                f.seek(t.data_offset + start * row_bytes)
                 raw = np.empty((n, row_bytes // block_bytes, block_bytes), dtype=np.uint8)
                 if f.readinto(memoryview(raw).cast("B")) != raw.nbytes:
                     raise EOFError(f"{self.path} ends inside tensor {t.name}; the file is truncated")
-                parts = [torch.from_numpy(np.ascontiguousarray(a)) for a in decode(raw)]
+                index = where[start:start + n]
+                keep = index >= 0
+                parts = [torch.from_numpy(np.ascontiguousarray(a[keep])) for a in decode(raw)]
                 if outputs is None:
-                    outputs = [torch.empty((rows, *p.shape[1:]), dtype=dtype or p.dtype) for p in parts]
-                index = torch.from_numpy(where[start:start + n])
+                    outputs = [torch.empty((len(wanted), *p.shape[1:]), dtype=dtype or p.dtype) for p in parts]
                 for out, part in zip(outputs, parts):
-                    out.index_copy_(0, index, part.to(out.dtype))
+                    out.index_copy_(0, torch.from_numpy(index[keep]), part.to(out.dtype))
         return tuple(outputs)
 
     def _row_order(self, gguf_name: str, out: int) -> np.ndarray:
@@ -219,6 +227,77 @@ def _q6_k(raw: np.ndarray):
 
 _INT4_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
 _INT8_DECODERS = {"Q8_0": _q8_0, "Q6_K": _q6_k}
+
+
+# ---- the header ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StoredTensor:
+    name: str                   # GGUF's: "blk.0.attn_q.weight"
+    tensor_type: "object"       # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]      # GGUF's order: the fastest-varying dimension first
+    n_bytes: int
+    data_offset: int            # from the start of the file
+
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_header(path: Path) -> tuple[dict, list[StoredTensor]]:
+    """(scalar metadata, tensors) of a GGUF file (v2/v3, little-endian); array values
+    (the tokenizer's tokens and merges) are skipped."""
+    import gguf
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        _, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
+        at, metadata = 24, {}
+        for _ in range(n_kv):
+            key, at = _string(data, at)
+            (kind,), at = struct.unpack_from("<I", data, at), at + 4
+            value, at = _value(data, at, kind)
+            if value is not None:
+                metadata[key] = value
+        infos = []
+        for _ in range(n_tensors):
+            name, at = _string(data, at)
+            (dims,), at = struct.unpack_from("<I", data, at), at + 4
+            shape, at = struct.unpack_from(f"<{dims}Q", data, at), at + 8 * dims
+            kind, offset = struct.unpack_from("<IQ", data, at)
+            at += 12
+            infos.append((name, gguf.GGMLQuantizationType(kind), tuple(int(n) for n in shape), offset))
+    alignment = int(metadata.get("general.alignment", 32))
+    start = -(-at // alignment) * alignment
+    tensors = []
+    for name, kind, shape, offset in infos:
+        values, nbytes = gguf.GGML_QUANT_SIZES[kind]
+        tensors.append(StoredTensor(name, kind, shape, math.prod(shape) // values * nbytes, start + offset))
+    return metadata, tensors
+
+
+def _string(data, at: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", data, at)
+    return bytes(data[at + 8:at + 8 + n]).decode("utf-8", errors="replace"), at + 8 + n
+
+
+def _value(data, at: int, kind: int):
+    """(the value, or None for an array, which is skipped; the offset after it)."""
+    if kind == _STRING:
+        return _string(data, at)
+    if kind != _ARRAY:
+        fmt = "<" + _SCALARS[kind]
+        return struct.unpack_from(fmt, data, at)[0], at + struct.calcsize(fmt)
+    item, count = struct.unpack_from("<IQ", data, at)
+    at += 12
+    if item == _STRING:
+        for _ in range(count):
+            at += 8 + struct.unpack_from("<Q", data, at)[0]
+    elif item == _ARRAY:
+        for _ in range(count):
+            at = _value(data, at, _ARRAY)[1]
+    else:
+        at += count * struct.calcsize("<" + _SCALARS[item])
+    return None, at
 
 
 class GGUFCheckpoint:

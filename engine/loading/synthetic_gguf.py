@@ -182,7 +182,8 @@ def _add_metadata(writer, config, recipe: str, source) -> None:
         value = field.contents()
         if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type") and len(value) < config.vocab_size:
             pad = config.vocab_size - len(value)    # the embedding's rows past the vocabulary
-            value = value + ([f"<|pad_{i}|>" for i in range(pad)] if name.endswith("tokens") else [4] * pad)
+            # plain entries: as added tokens, 100k pads would cost transformers' tokenizer 330 MB
+            value = value + ([f"<|pad_{i}|>" for i in range(pad)] if name.endswith("tokens") else [1] * pad)
         writer.add_key_value(name, value, field.types[0], field.types[1] if len(field.types) > 1 else None)
 
 

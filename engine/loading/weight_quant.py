@@ -37,6 +37,8 @@ STORED_INT4_TYPES = INT4_TYPES + AWQ_GPTQ_TYPES      # served as int4 as stored
 STORED_KINDS = {**{t: INT4 for t in STORED_INT4_TYPES}, **{t: INT8_GROUPS for t in INT8_GROUP_TYPES}}
 
 AUTO, FLOAT = "auto", "float"
+PART_VALUES = 2**25             # a stored tensor larger than this is packed in slices of rows
+PART_ROWS = 256                 # ... of a multiple of this many rows (the kernels' row tiles divide it)
 FLOAT_SOURCE = "float"          # a tensor of a float checkpoint
 FLOAT_TYPES = (FLOAT_SOURCE, "F32", "F16", "BF16")      # and a GGUF's float tensors
 
@@ -209,11 +211,23 @@ def stored_weight(plan: LinearPlan, stored, dtype: torch.dtype):
     weights = []
     for (kind, _), parts in runs:
         groups = stored.int4_groups if kind == INT4 else stored.int8_groups
-        tensors = _cat([groups(part) for part in parts])
         make = quantized_linear.from_int4_groups if kind == INT4 else quantized_linear.from_int8_groups
-        weights.append(make(*tensors, dtype))
-        del tensors
+        for rows in _row_slices(plan, parts):
+            tensors = _cat([groups(part) if rows == slice(None) else groups(part, rows) for part in parts])
+            weights.append(make(*tensors, dtype))
+            del tensors
     return quantized_linear.stack(weights)
+
+
+def _row_slices(plan: LinearPlan, parts: list[str]) -> list[slice]:
+    """A linear of one large stored tensor (a tied head: 151936 x 2048) is decoded and packed
+    in slices of rows, each its own part of the stacked weight, so the load's transient memory
+    is a slice's (packing copies a weight several times over), not the head's."""
+    out, inp = plan.module.weight.shape
+    if plan.parts != parts or out * inp <= PART_VALUES:
+        return [slice(None)]
+    step = max(PART_ROWS, PART_VALUES // inp // PART_ROWS * PART_ROWS)
+    return [slice(start, min(start + step, out)) for start in range(0, out, step)]
 
 
 def _cat(groups: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,206 @@
+"""A GGUF's k-quants served as stored: each block type decoded exactly into the kernels' forms
+(gguf.quants.dequantize is the oracle), a Q4_K_M file's linears served as stored with no float
+read of them, mixed fused linears stacked, and a type no kernel takes dequantized and named."""
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.layers import quantized_linear
+from engine.layers.quantized_linear import INT4, INT8_GROUPS
+from engine.loading.gguf_tensors import GGUFTensors
+from engine.loading.loader import load_model, transformers_model
+from engine.loading.synthetic_gguf import quantize, recipe_type, use_more_bits, write_gguf
+from engine.loading.synthetic import make_config
+from engine.models.llama import Linear
+from tests.conftest import LOGITS_TEXT, our_logits
+
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 64, 256
+# One tensor per stored type, named as a Llama layer's: q and k have their rows permuted by
+# llama.cpp, which transformers' processor (and so our decoding) undoes.
+STORED = {"attn_q": ("self_attn.q_proj", "Q4_K", HEADS * HEAD_DIM), "attn_k": ("self_attn.k_proj", "Q6_K", KV_HEADS * HEAD_DIM),
+          "attn_v": ("self_attn.v_proj", "Q8_0", KV_HEADS * HEAD_DIM), "attn_output": ("self_attn.o_proj", "Q4_1", HIDDEN),
+          "ffn_gate": ("mlp.gate_proj", "Q4_0", 512), "ffn_up": ("mlp.up_proj", "Q5_0", 512)}
+# A small Llama in llama.cpp's Q4_K_M mix: ffn_down's rows (384) are not whole super-blocks, so
+# they fall back as llama.cpp's do (Q4_K -> Q5_0 in layers 0-1, Q6_K -> Q8_0 in layers 2-3,
+# which use_more_bits picks, as it picks their attn_v for Q6_K); the tied embedding is Q6_K.
+MIX = {"preset": "tiny", "hidden_size": HIDDEN, "intermediate_size": 384, "num_attention_heads": HEADS,
+       "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "num_hidden_layers": 4, "tie_word_embeddings": True}
+
+
+@pytest.fixture(scope="module")
+def blocks_file(tmp_path_factory):
+    """A GGUF of one tensor per type, and each tensor's weights as the oracle dequantizes them
+    (in transformers' row order, by transformers' own processor)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+    path = tmp_path_factory.mktemp("blocks") / "blocks.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    rng = np.random.default_rng(0)
+    expected = {}
+    processor = TENSOR_PROCESSORS["llama"](config={"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS})
+    for name, (hf, kind, rows) in STORED.items():
+        stored = quantize(rng.standard_normal((rows, HIDDEN), dtype=np.float32) * 0.02, kind)
+        writer.add_tensor(f"blk.0.{name}.weight", stored, raw_dtype=gguf.GGMLQuantizationType[kind])
+        oracle = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType[kind])
+        expected[f"model.layers.0.{hf}.weight"] = processor.process(weights=oracle, name=f"blk.0.{name}.weight").weights
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = SimpleNamespace(num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
+    return GGUFTensors(path, config), expected
+
+
+def test_each_block_type_decodes_to_the_oracles_weights_exactly(blocks_file):
+    """In the kernels' forms: int4 w = (q - 8) * scale + zero, int8 groups w = q * scale, bit for
+    bit in float32 (the products are exact, so float64 then one rounding is the oracle's)."""
+    tensors, expected = blocks_file
+    for name, want in expected.items():
+        kind = tensors.type_of(name)
+        if kind in ("Q4_0", "Q4_1", "Q4_K"):
+            q, scale, zero = tensors.int4_groups(name)
+            assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape[1] == HIDDEN // 32
+            groups = (q.double().view(q.shape[0], -1, 32) - 8) * scale.double()[..., None] + zero.double()[..., None]
+        elif kind in ("Q8_0", "Q6_K"):
+            q, scale = tensors.int8_groups(name)
+            group = {"Q8_0": 32, "Q6_K": 16}[kind]
+            assert q.dtype == torch.int8 and scale.shape[1] == HIDDEN // group == HIDDEN // tensors.int8_group(name)
+            if kind == "Q6_K":
+                assert -32 <= int(q.min()) and int(q.max()) <= 31
+            groups = q.double().view(q.shape[0], -1, group) * scale.double()[..., None]
+        else:       # Q5_0: no kernel's form; read dequantized
+            assert torch.equal(tensors.dequantized(name), torch.from_numpy(want)), name
+            continue
+        assert torch.equal(groups.view(q.shape).float(), torch.from_numpy(want)), (name, kind)
+
+
+def test_a_dequantized_read_in_bf16_is_the_oracle_rounded(blocks_file):
+    tensors, expected = blocks_file
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(tensors.dequantized(name, torch.bfloat16), torch.from_numpy(expected[name]).to(torch.bfloat16))
+
+
+def test_the_q4_k_m_recipe_is_llama_cpps():
+    """Qwen3-1.7B's 28 layers: attn_v and ffn_down in Q6_K in the first and last eighth and
+    every third layer between; the tied embedding (the head) in Q6_K; the rest Q4_K."""
+    config = make_config("qwen3-1.7b")
+    more_bits = [i for i in range(28) if use_more_bits(i, 28)]
+    assert more_bits == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27]
+    shape = (1024, 2048)
+    assert recipe_type("model.embed_tokens.weight", (151936, 2048), config) == "Q6_K"
+    assert [recipe_type(f"model.layers.{i}.self_attn.v_proj.weight", shape, config) for i in (0, 3, 5)] == ["Q6_K", "Q4_K", "Q6_K"]
+    assert recipe_type("model.layers.3.mlp.down_proj.weight", (2048, 6144), config) == "Q4_K"
+    assert recipe_type("model.layers.4.self_attn.q_proj.weight", (2048, 2048), config) == "Q4_K"
+    assert recipe_type("model.layers.4.input_layernorm.weight", (2048,), config) == "F32"
+    assert recipe_type("model.layers.0.mlp.down_proj.weight", (2048, 384), config) == "Q8_0"      # fallback
+
+
+@pytest.fixture(scope="module")
+def mix_file(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("mix") / "tiny-q4_k_m.gguf", MIX, "Q4_K_M")
+
+
+@pytest.fixture(scope="module")
+def exact(mix_file):
+    """The file dequantized to float32: the reference."""
+    return load_model(str(mix_file), dtype=torch.float32, weight_dtype="float")
+
+
+def _kernels_refuse() -> str | None:
+    cpu = torch.device("cpu")
+    return (quantized_linear.unsupported(INT4, (HIDDEN, HIDDEN), cpu, torch.bfloat16, 32)
+            or quantized_linear.unsupported(INT8_GROUPS, (HIDDEN, HIDDEN), cpu, torch.bfloat16, 16))
+
+
+@pytest.fixture(scope="module")
+def as_stored(mix_file):
+    if _kernels_refuse():
+        pytest.skip(f"no quantized kernel here: {_kernels_refuse()}")
+    return load_model(str(mix_file), dtype=torch.bfloat16)
+
+
+def test_our_float_read_of_a_gguf_is_transformers_own(mix_file, exact):
+    """Row order (llama's q/k permutation undone), every block type's dequantization and the
+    tied head: transformers' GGUF loader gives the same logits."""
+    ids = exact.tokenizer.encode(LOGITS_TEXT)
+    with torch.no_grad():
+        reference = transformers_model(exact.folder).eval()(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(our_logits(exact), reference, atol=1e-4, rtol=1e-4)
+
+
+def test_every_quantized_tensor_a_kernel_takes_is_served_as_stored(as_stored):
+    report = as_stored.weights.as_dict()
+    assert report["served"] == {"Q4_K": "int4 as stored (group 32)", "Q6_K": "int8 as stored (group 16)",
+                                "Q8_0": "int8 as stored (group 32)", "Q5_0": "bfloat16 (dequantized: no kernel takes Q5_0)"}
+    assert (report["quantized_linears"], report["linears"]) == (4 * 4 + 1 - 2, 4 * 4 + 1)     # all but two Q5_0 downs
+    for i, layer in enumerate(as_stored.model.layers):
+        for name, m in layer.named_modules():
+            if isinstance(m, Linear) and not (name == "mlp.down_proj" and i < 2):
+                assert m.quant is not None and m.weight.is_meta, (i, name)
+    head = as_stored.model.lm_head
+    assert head.quant.kind == INT8_GROUPS and head.weight is as_stored.model.embed_tokens.weight     # lookups stay float
+
+
+def test_a_fused_linear_of_mixed_types_runs_each_part_in_its_kernel(as_stored, exact):
+    """Layers 2 and 3 store q, k in Q4_K and v in Q6_K: one int4 weight for q and k, an int8
+    group weight for v, stacked; together they compute the file's weights."""
+    for i in (2, 3):
+        qkv = as_stored.model.layers[i].self_attn.qkv_proj
+        parts = qkv.quant.parts
+        assert [p.kind for p in parts] == [INT4, INT8_GROUPS] and [p.shape[0] for p in parts] == [HIDDEN + 128, 128]
+        want = exact.model.layers[i].self_attn.qkv_proj.dense_weight()
+        assert (quantized_linear.dequantize(qkv.quant).float() - want).abs().max() <= 1e-2 * want.abs().max()
+    assert not hasattr(as_stored.model.layers[0].self_attn.qkv_proj.quant, "parts")     # all Q4_K: one weight
+
+
+def test_served_as_stored_logits_stay_as_close_to_exact_as_bf16(mix_file, as_stored, exact):
+    """The kernels may round activations to int8 per 32: as stored is held to twice the error
+    of the dequantized bf16 model against the file's exact weights."""
+    reference = our_logits(exact).float()
+    bf16 = load_model(str(mix_file), dtype=torch.bfloat16, weight_dtype="float")
+    err_stored = (our_logits(as_stored).float() - reference).abs().max()
+    err_bf16 = (our_logits(bf16).float() - reference).abs().max()
+    assert err_stored <= 2 * err_bf16 + 1e-3 * reference.abs().max(), (float(err_stored), float(err_bf16))
+
+
+def test_a_tensor_served_as_stored_is_never_read_in_float(mix_file, monkeypatch):
+    """Only the norms, the embedding's lookup table and the Q5_0 tensors no kernel takes are
+    dequantized at load (and the last down projection, for the weights' fingerprint, which
+    a draft head checks: engine.models.eagle_head); every other tensor goes from its blocks
+    to its kernel."""
+    if _kernels_refuse():
+        pytest.skip(f"no quantized kernel here: {_kernels_refuse()}")
+    read = []
+    original = GGUFTensors.dequantized
+    monkeypatch.setattr(GGUFTensors, "dequantized", lambda self, name, dtype=torch.float32:
+                        read.append(name) or original(self, name, dtype))
+    loaded = load_model(str(mix_file), dtype=torch.bfloat16)
+    assert loaded.weights.quantized == 15
+    assert sorted(n for n in read if not n.endswith("norm.weight")) == [
+        "model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight",
+        "model.layers.3.mlp.down_proj.weight"]
+
+
+def test_a_large_tensor_is_packed_in_slices_of_rows_with_the_same_results(mix_file, as_stored, monkeypatch):
+    """The tied head packed a slice of rows at a time (bounded load memory): the same logits,
+    bit for bit, as packed whole."""
+    from engine.loading import weight_quant
+    monkeypatch.setattr(weight_quant, "PART_VALUES", 2**20)
+    sliced = load_model(str(mix_file), dtype=torch.bfloat16)
+    parts = sliced.model.lm_head.quant.parts
+    assert [p.shape[0] for p in parts] == [4096] * 12 and all(p.kind == INT8_GROUPS for p in parts)
+    assert torch.equal(our_logits(sliced), our_logits(as_stored))
+
+
+def test_the_header_is_read_as_gguf_reads_it(mix_file):
+    """Our header parse (which skips the tokenizer's arrays) finds every tensor where gguf's
+    reader does."""
+    from engine.loading.gguf_tensors import read_header
+    metadata, tensors = read_header(mix_file)
+    reader = gguf.GGUFReader(str(mix_file))
+    assert metadata["general.architecture"] == "llama" and metadata["llama.block_count"] == 4
+    assert [(t.name, t.tensor_type, t.shape, t.n_bytes, t.data_offset) for t in tensors] == [
+        (t.name, t.tensor_type, tuple(int(n) for n in t.shape), int(t.n_bytes), int(t.data_offset)) for t in reader.tensors]
