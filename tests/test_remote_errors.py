@@ -94,3 +94,24 @@ def test_a_llama_server_built_for_another_cpu_is_named_with_its_build_flags(tmp_
     assert signal.SIGILL.name in said and "illegal instruction" in said
     assert "built with GGML_AVX2=ON GGML_AVX512=ON, and this CPU is" in said
     assert f"Remove {tmp_path}" in said and "scripts/build_llama_server.sh" in said
+
+
+def test_vllm_not_installed_names_the_install_script(tmp_path, monkeypatch):
+    """Where scripts/build_vllm.sh has not run, starting vLLM says so and what to run."""
+    from engine.errors import VllmMissingError
+    from engine.remote import vllm_venv
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(vllm_venv.PYTHON_ENV, raising=False)
+    assert not vllm_venv.is_built()
+    with pytest.raises(VllmMissingError) as info:
+        vllm_venv.python()
+    assert str(tmp_path / "vllm" / vllm_venv.VLLM_VERSION / "venv") in str(info.value)
+    assert "bash scripts/build_vllm.sh" in str(info.value) and vllm_venv.PYTHON_ENV in str(info.value)
+
+
+def test_vllm_install_refuses_a_cpu_without_avx2():
+    from engine.remote.vllm_venv import cpu_problem
+    avx2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
+    assert cpu_problem(avx2) is None
+    said = cpu_problem(avx2 - {"avx2", "fma"})
+    assert "needs an x86-64 CPU with AVX2" in said and "avx2, fma" in said

@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8, help="parity: number of prompts")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per prompt (parity, decode, speculative)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--engine", default="llama-server", choices=["llama-server", "vllm"],
+                    help="peer: the server to compare with (vllm: scripts/build_vllm.sh installs it)")
     ap.add_argument("--busy-cores", type=int, default=0,
                     help="peer: also decode beside this many spinning processes, in every other of --repeats rounds")
     ap.add_argument("--system-tokens", type=int, default=1000, help="prefix: system prompt length")
