@@ -36,7 +36,7 @@ import torch
 from engine.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from engine.loading.awq_gptq import AWQGPTQTensors, read_quantization_config
 from engine.loading.checkpoint import Checkpoint
-from engine.loading.weight_quant import AUTO, FLOAT, WeightReport, serve_weights, served_as_stored
+from engine.loading.weight_quant import AUTO, FLOAT, WeightReport, release_freed_memory, serve_weights, served_as_stored
 from resources import DRAFTS_DIR
 
 SHIPPED_EAGLE_FOLDER = DRAFTS_DIR / "smollm2-135m-eagle"      # the EAGLE head for the default model
@@ -327,6 +327,7 @@ def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.
     stored = quantized or (checkpoint.source if weight_dtype != FLOAT and not isinstance(checkpoint, Checkpoint) else None)
     as_stored = served_as_stored(model, weight_dtype, torch.device(device), stored, dtype) if stored else set()
     stream_weights(model, checkpoint, device, dtype, progress, quantized, as_stored)
+    release_freed_memory()      # the read copies of large tensors (a GGUF's embedding, dequantized)
     model.source_fingerprint = stored_fingerprint(model, stored)     # of the weights as stored, before quantizing
     weights = serve_weights(model, weight_dtype, torch.device(device), stored)
     name = "SmolLM2-135M-Instruct (embedded)" if reference in (None, "", DEFAULT_MODEL) else Path(str(reference)).name

@@ -216,7 +216,32 @@ def stored_weight(plan: LinearPlan, stored, dtype: torch.dtype):
             tensors = _cat([groups(part) if rows == slice(None) else groups(part, rows) for part in parts])
             weights.append(make(*tensors, dtype))
             del tensors
+            release_freed_memory()
     return quantized_linear.stack(weights)
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim). Decoding and packing
+    free tens of MB of temporaries per weight between the weights that stay; glibc keeps
+    those pages, fragmented, so without this a Qwen3-1.7B load held 470 MB it had freed.
+    Elsewhere (no glibc): nothing."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    import ctypes
+    import ctypes.util
+    import platform
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _glibc()
 
 
 def _row_slices(plan: LinearPlan, parts: list[str]) -> list[slice]:
