@@ -37,7 +37,7 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
     paths = settings.get("paths") or {}
     if "linear" in paths:       # the CPU: which kernels passed their trial here (engine.runtime.cpu_paths)
         lines.append(f"<b>CPU kernels</b> ({escape(paths['isa'])}): linears {escape(paths['linear'])}; "
-                     f"int4 {escape(paths['int4'])}; dtype {escape(paths['dtype'])}")
+                     f"quantized weights {escape(paths['quantized'])}; dtype {escape(paths['dtype'])}")
     if settings.get("memory_plan"):
         lines.append(describe_memory_plan(settings["memory_plan"]))
     if settings.get("chat_template") is False:

@@ -16,14 +16,19 @@ torch.manual_seed(0)
 #   "both-refused": neither runs: torch's matmul serves;
 #   "row-tiles": oneDNN serves and its row check failed: fixed ROW_TILE-row tiles;
 #   "avx2": ours on its AVX2 path (forced on an AVX-512 CPU);
-# and "quant-refused": the int4/int8 kernels refuse, so quantized weights are served as float.
-FALLBACKS = ("ours-refused", "onednn-refused", "both-refused", "row-tiles", "avx2", "quant-refused")
+# The quantized weights' kernels (engine.layers.quantized_linear):
+#   "quant-ours-refused": our quantized linear did not build: torch's int4/int8 kernels serve,
+#     8-bit groups are dequantized;
+#   "quant-avx2": ours on its AVX2 path (vpmaddubsw), forced on an AVX-512 VNNI CPU;
+#   "quant-refused": neither runs, so quantized weights are served as float.
+FALLBACKS = ("ours-refused", "onednn-refused", "both-refused", "row-tiles", "avx2",
+             "quant-ours-refused", "quant-avx2", "quant-refused")
 
 
 @contextlib.contextmanager
 def forced_fallback(name: str | None):
     from engine import cpu_features
-    from engine.kernels import cpu_linear
+    from engine.kernels import cpu_linear, cpu_quant
     from engine.layers import packed_linear, quantized_linear
     ours_refused = lambda: "our CPU linear refused (forced by a test)"                       # noqa: E731
     onednn_refused = lambda dtype: "oneDNN refused this dtype (forced by a test)"            # noqa: E731
@@ -39,8 +44,14 @@ def forced_fallback(name: str | None):
             if cpu_linear.refusal() or not all(f in cpu_features.flags() for f in cpu_linear.NEEDS["avx2"]):
                 pytest.skip(f"our CPU linear does not run here: {cpu_linear.refusal()}")
             mp.setitem(cpu_linear._chosen, "isa", "avx2")
-        elif name == "quant-refused":
-            mp.setattr(quantized_linear, "refusal", lambda kind, dtype: f"{kind} kernel refused (forced by a test)")
+        elif name in ("quant-ours-refused", "quant-refused"):
+            mp.setattr(cpu_quant, "refusal", lambda: "our quantized linear refused (forced by a test)")
+            if name == "quant-refused":
+                mp.setattr(quantized_linear, "refusal", lambda kind, dtype: f"{kind} kernel refused (forced by a test)")
+        elif name == "quant-avx2":
+            if cpu_quant.refusal() or not all(f in cpu_features.flags() for f in cpu_quant.NEEDS["avx2"]):
+                pytest.skip(f"our quantized linear does not run here: {cpu_quant.refusal()}")
+            mp.setitem(cpu_quant._chosen, "isa", "avx2")
         elif name is not None and name not in FALLBACKS:
             raise ValueError(f"no fallback {name!r}; known: {FALLBACKS}")
         yield
@@ -50,7 +61,7 @@ def forced_fallback(name: str | None):
 def default_model():
     """The embedded default model, loaded once per test session (converted on first use)."""
     from engine.loading.loader import load_model
-    return load_model("default")
+    return load_model("default", weight_dtype="float")     # the fp32 reference: the file dequantized, as transformers reads it
 
 
 def engine_factory(loaded, pool_bytes: int):

@@ -263,7 +263,9 @@ def test_the_default_model_loads_with_progress_then_streams_an_answer(open_workb
 
     set_options(bench, qtbot, max_tokens=8)
     steps = collect(bench.probe.stepReady)
-    done = send(bench, qtbot, "What is the capital of France?")
+    # "What is the capital of France?" gets a French non-answer from this 4-bit file with int8
+    # activations: llama-server gives the same one, token for token
+    done = send(bench, qtbot, "Name the capital of France.")
     reply = "".join(e["text_delta"] for e in steps)
     assert len(steps) == done["summary"]["generated_tokens"] > 1          # streamed, one event per token
     assert done["summary"]["generated_tokens"] <= 8

@@ -21,7 +21,7 @@ from engine.loading.loader import load_model
 from engine.loading.synthetic import write_checkpoint
 from engine.models.eagle_head import weights_fingerprint
 from engine.models.llama import Linear
-from tests.conftest import our_logits
+from tests.conftest import forced_fallback, our_logits
 
 GROUP = 32
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]       # AutoAWQ's WQLinear_GEMM: nibble i holds column 8c + order[i]
@@ -120,9 +120,6 @@ def test_awq_and_gptq_are_served_as_stored_int4_and_match_the_reference(checkpoi
     float_reads = []
     dequantized = AWQGPTQTensors.dequantized
     monkeypatch.setattr(AWQGPTQTensors, "dequantized", lambda self, name: float_reads.append(name) or dequantized(self, name))
-    # fp32, to compare bit for bit; auto serves int4 only where the kernel is fast (bf16 here),
-    # so let it take fp32 for this test
-    monkeypatch.setattr(quantized_linear, "FAST_DTYPES", (torch.bfloat16, torch.float32))
     loaded = load_model(str(folder), weight_dtype="auto")
     # no float detour: only the fingerprint's down projection is ever dequantized
     assert float_reads == ["model.layers.1.mlp.down_proj.weight"]
@@ -134,8 +131,9 @@ def test_awq_and_gptq_are_served_as_stored_int4_and_match_the_reference(checkpoi
             assert linear.quant.kind == "int4" and linear.quant.group_size == GROUP and linear.weight.is_meta
             # the fused parts in order, every nibble, zero and scale where the kernel wants it
             assert torch.equal(linear.dense_weight(), theirs.get_submodule(name).weight), name
+    # the kernel quantizes activations to int8 per block of 32: close, not exact
     ours_logits, reference_logits = our_logits(loaded), our_logits(reference)
-    assert (ours_logits - reference_logits).abs().max() <= 1e-3 * reference_logits.abs().max()
+    assert (ours_logits - reference_logits).abs().max() <= 2e-2 * reference_logits.abs().max()
     # an EAGLE head made for these weights attaches however they are served
     assert weights_fingerprint(loaded.model) == weights_fingerprint(reference.model)
 
@@ -225,9 +223,10 @@ def test_group_128_maps_exactly_onto_the_int4_kernel(tmp_path, layout):
     assert torch.equal(tensors.dequantized(f"{base}.weight"), reference)
 
 
-def test_auto_in_float32_dequantizes_and_says_why(checkpoints):
+def test_auto_in_float32_without_our_kernel_dequantizes_and_says_why(checkpoints):
     folder, reference = checkpoints
-    loaded = load_model(str(folder), weight_dtype="auto")                 # fp32
+    with forced_fallback("quant-ours-refused"):
+        loaded = load_model(str(folder), weight_dtype="auto")                 # fp32
     method = "AWQ" if folder.name == "awq" else "GPTQ"
     assert loaded.weights.quantized == 0 and "no fast float32 path" in loaded.weights.served[method]
     assert torch.equal(our_logits(loaded), our_logits(reference))

@@ -18,6 +18,7 @@ from engine.kernels import cpu_linear
 from engine.layers import packed_linear, quantized_linear
 from engine.loading.loader import load_model
 from engine.loading.synthetic import write_checkpoint
+from engine.models.llama import Linear
 from engine.runtime import compiled_step
 from tests.conftest import forced_fallback, our_logits, transformers_logits
 
@@ -80,9 +81,35 @@ def test_refused_int4_kernels_serve_the_weights_as_float_and_say_why(folder):
         eng = LLMEngine(refused, EngineConfig(num_blocks=32, compile="off"), CPU)
         assert refused.weights.quantized == 0
         assert "int4 kernel refused (forced by a test)" in refused.weights.summary()
-        assert eng.settings()["paths"]["int4"] == "float (int4 kernel refused (forced by a test))"
+        assert eng.settings()["paths"]["quantized"] == ("float (our quantized linear refused (forced by a test); "
+                                                        "int4 kernel refused (forced by a test))")
         tokens = eng.generate_text(PROMPT, GREEDY)[1]
-    assert tokens == greedy(load_model(str(folder), dtype=torch.bfloat16))      # served as the float model is
+    assert tokens == greedy(load_model(str(folder), dtype=torch.bfloat16, weight_dtype="float"))   # as the float model
+
+
+def test_without_our_quantized_kernel_torchs_serve_int4_and_8bit_groups_are_dequantized(folder):
+    with forced_fallback("quant-ours-refused"):
+        loaded = load_model(str(folder), dtype=torch.bfloat16, weight_dtype="int4")
+        eng = LLMEngine(loaded, EngineConfig(num_blocks=32, compile="off"), CPU)
+        assert loaded.weights.quantized > 0
+        assert all(m.quant.kernel == quantized_linear.TORCH for m in loaded.model.modules()
+                   if isinstance(m, Linear) and m.quant is not None)
+        assert eng.settings()["paths"]["quantized"] == ("torch's int4/int8 kernels (our quantized linear refused "
+                                                        "(forced by a test))")
+        assert quantized_linear.unsupported(quantized_linear.INT8_GROUPS, (64, 64), CPU, torch.bfloat16, 32) == (
+            "no kernel takes 8-bit groups here (our quantized linear refused (forced by a test))")
+        assert len(eng.generate_text(PROMPT, GREEDY)[1]) == GREEDY.max_tokens
+
+
+def test_our_quantized_kernel_on_avx2_gives_the_vnni_paths_tokens(folder):
+    """Every group's dot is an exact integer on both paths, the floats in the same order: the
+    same bits, so the same text."""
+    def tokens():
+        loaded = load_model(str(folder), dtype=torch.bfloat16, weight_dtype="int4")
+        return LLMEngine(loaded, EngineConfig(num_blocks=32, compile="off"), CPU).generate_text(PROMPT, GREEDY)[1]
+    widest = tokens()
+    with forced_fallback("quant-avx2"):
+        assert tokens() == widest
 
 
 def test_without_a_compiler_the_step_stays_eager_and_says_so(folder, monkeypatch, fast_path_tokens):
@@ -112,12 +139,13 @@ def test_the_isa_name_keys_what_is_built_for_a_cpu():
     assert cpu_features.parse_flags("processor : 0\nflags\t\t: fpu avx2 fma\n") == {"fpu", "avx2", "fma"}
 
 
-AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "WORKBENCH_CPU_ISA": "avx2"}
 IMITATED = """
 import json, sys
 from engine import LLMEngine, SamplingParams
 eng = LLMEngine.load("default")
-ids = eng.encode([{"role": "user", "content": "What is the capital of France?"}])
+ids = eng.encode([{"role": "user", "content": "Name the capital of France."}])
 text = eng.generate_text(ids, SamplingParams(max_tokens=12))[0]
 print(json.dumps({"paths": eng.settings()["paths"], "text": text}))
 """
@@ -138,7 +166,7 @@ def test_the_default_engine_loads_and_answers_on_an_imitated_avx2_only_cpu():
     if result["paths"]["dtype"].startswith("bfloat16"):
         assert "onednn: oneDNN refused bfloat16 here" in result["paths"]["linear"] or \
             result["paths"]["linear"].startswith("ours (")
-    assert result["paths"]["int4"] == "torch's int4 kernel"
+    assert result["paths"]["quantized"] == "ours (avx2), int8 activations per 32"
 
 
 # ---- a busy machine: threads follow the free cores, and never change a reply -------------

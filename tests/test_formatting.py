@@ -28,9 +28,9 @@ def test_in_effect_names_the_cpu_kernels_that_passed_their_trial():
     """On an AVX2-only CPU oneDNN refuses bf16: the panel says which kernel runs instead, and why."""
     refused = "torch matmul (oneDNN refused bfloat16 here: bf16 path needs the cpu support avx512bw)"
     html = describe_settings({"device": "cpu", "dtype": "bfloat16", "threads": 2,
-                              "paths": {"isa": "avx2", "linear": refused, "int4": "torch's int4 kernel",
+                              "paths": {"isa": "avx2", "linear": refused, "quantized": "ours (avx2), int8 activations per 32",
                                         "dtype": "bfloat16 (auto: the faster here)"}})
-    assert f"<b>CPU kernels</b> (avx2): linears {refused}; int4 torch&#x27;s int4 kernel; dtype bfloat16" in html
+    assert f"<b>CPU kernels</b> (avx2): linears {refused}; quantized weights ours (avx2), int8 activations per 32; dtype bfloat16" in html
     assert "CPU kernels" not in describe_settings({"device": "cuda", "paths": {"isa": "cuda", "dtype": "bf16"}})
 
 

@@ -11,7 +11,7 @@ from engine.loading.loader import load_eagle_head, load_model
 from engine.loading.synthetic import PRESETS, write_checkpoint
 from engine.models.llama import Linear
 from engine.runtime.model_runner import prepare_model
-from tests.conftest import engine_factory, our_logits
+from tests.conftest import engine_factory, forced_fallback, our_logits
 
 
 @pytest.fixture(scope="module")
@@ -55,18 +55,24 @@ def test_the_int4_groups_are_the_files_weights_exactly(default_model):
             assert torch.equal(quantized_linear.dequantize(qw), reference), (i, name)
 
 
-def test_auto_keeps_fp32_models_dequantized_and_says_why(default_model):
-    assert default_model.weights.quantized == 0
-    assert "no fast float32 path" in default_model.weights.served["Q4_1"]
+def test_auto_serves_fp32_models_as_stored_where_our_kernel_runs_and_says_why_not_elsewhere():
+    """Our kernel is as fast with fp32 activations as with bf16 (an AVX2-only CPU computes in
+    fp32); torch's int4 kernel is not, so without ours fp32 dequantizes, and says why."""
+    assert load_model("default").weights.served["Q4_1"] == "int4 as stored (group 32)"
+    with forced_fallback("quant-ours-refused"):
+        loaded = load_model("default")
+        assert loaded.weights.quantized == 0 and "no fast float32 path" in loaded.weights.served["Q4_1"]
 
 
-def test_int4_logits_are_as_close_to_exact_as_the_bf16_dequantized_weights(int4_default, bf16_default, default_model):
-    """bf16 activations: the kernel holds scale and zero in bf16 where the float path rounds
-    each weight to bf16. Against the file's exact weights (fp32), int4 is as close as that."""
+def test_int4_logits_stay_close_to_the_exact_weights_with_int8_activations(int4_default, default_model):
+    """Our kernel quantizes bf16 activations to int8 per block of 32 (llama.cpp's method), so
+    the logits move away from the file's exact weights in fp32: here by at most 2.4 where
+    logits reach 31 (torch's int4 kernel, bf16 activations: 0.77), and the top token agrees
+    at 93% of positions (torch's: 86%). `bench quality` gives the perplexity (+0.33%)."""
     exact = our_logits(default_model).float()
-    err_int4 = (our_logits(int4_default).float() - exact).abs().max()
-    err_bf16 = (our_logits(bf16_default).float() - exact).abs().max()
-    assert err_int4 <= 1.5 * err_bf16 and err_int4 <= 5e-2 * exact.abs().max(), (float(err_int4), float(err_bf16))
+    served = our_logits(int4_default).float()
+    assert (served - exact).abs().max() <= 0.12 * exact.abs().max()
+    assert (served.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.85
 
 
 def test_quantized_bytes_are_counted_exactly(int4_default, bf16_default):

@@ -1,5 +1,5 @@
 """Kernels: Triton for the paged KV cache (CUDA; the Triton interpreter on CPU in tests), and
-our native CPU linear as a torch op.
+our native CPU linears as torch ops.
 
 store.py            K and V for N tokens into their slots, FP8 quantize-on-store
 paged_attention.py  attention over paged KV for the last Q tokens of each sequence
@@ -7,6 +7,8 @@ paged_attention.py  attention over paged KV for the last Q tokens of each sequen
 dispatch.py         `attention(...)`, the entry point `engine.layers.attention` calls
 cpu_linear.py       `workbench_cpu::linear` (cpu_linear.cpp), built at first use: fp32/bf16
                     weights, a row's bits independent of the row count and the ISA
+cpu_quant.py        `workbench_cpu::linear_q` (cpu_quant_linear.cpp), in the same library:
+                    4-bit and 8-bit group weights, int8 activations, exact integer group dots
 
 Kernel modules import triton; import them through `dispatch`, which degrades to
 `kernels_available() == False` where triton is missing.

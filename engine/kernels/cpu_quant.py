@@ -36,6 +36,7 @@ def refusal() -> str | None:
     """Why our quantized CPU linear cannot serve here (None: it built and passed its trials)."""
     try:
         cpu_linear.load()
+        _register_fake()
     except Exception as error:      # noqa: BLE001 - a compiler missing or failing is the answer
         return f"our quantized CPU linear did not build here ({type(error).__name__}: {first_line(error)})"
     flags = cpu_features.flags()
@@ -49,6 +50,13 @@ def refusal() -> str | None:
                 f"here (passed: {', '.join(passed)})")
     _chosen.setdefault("isa", wanted or passed[-1])
     return None
+
+
+@functools.cache
+def _register_fake() -> None:
+    """The op's output shape for the compiler (torch.compile traces with fake tensors)."""
+    torch.library.register_fake("workbench_cpu::linear_q")(
+        lambda x, w, scales, bias, bits, group, isa: x.new_empty(x.shape[0], w.shape[0] * COLS))
 
 
 def _trial(isa: str) -> str | None:
@@ -128,7 +136,8 @@ def pack(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> tuple[
 
 
 def unpack(w: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
-    """The float weight [N, K] = d * u + m that a packed weight holds."""
+    """The float weight [N, K] = d * u + m that a packed weight holds, rounded once to fp32
+    (exact where fp32 holds it: an 8-bit (u - 128) * d always)."""
     tiles, groups, nbytes = w.shape
     group = 32 if bits == 4 else nbytes // COLS
     if bits == 4:
@@ -136,9 +145,9 @@ def unpack(w: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
         u = torch.stack([v & 0x0F, v >> 4], dim=2).permute(0, 4, 1, 2, 3, 5)      # [tile, col, group, half, j, i]
     else:
         u = w.reshape(tiles, groups, group // 4, COLS, 4).permute(0, 3, 1, 2, 4)
-    u = u.reshape(tiles * COLS, groups, group).float()
-    s = scales.float().permute(0, 3, 1, 2).reshape(tiles * COLS, groups, 2, 1)
-    return (u * s[:, :, 0] + s[:, :, 1]).reshape(tiles * COLS, groups * group)
+    u = u.reshape(tiles * COLS, groups, group).double()
+    s = scales.double().permute(0, 3, 1, 2).reshape(tiles * COLS, groups, 2, 1)
+    return (u * s[:, :, 0] + s[:, :, 1]).reshape(tiles * COLS, groups * group).float()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, bits: int) -> torch.Tensor:

@@ -1,23 +1,26 @@
-"""Weight-only quantized linears: int4 in groups along the input dim, int8 per output channel.
+"""Weight-only quantized linears: 4-bit weights in groups of 32 along the input dim, 8-bit
+weights in groups (Q8_0: 32, Q6_K: 16) or per output channel.
 
-Formats are those of torch's CPU kernels, so a weight is stored once, in the layout its
-kernel reads:
-  - int4: `_weight_int4pack_mm_for_cpu`, w = (q - 8) * scale + zero per group of `group_size`
-    input elements, q in 0..15; scales_and_zeros [in / group, out, 2] in the activations'
-    dtype. llama.cpp's Q4_1 (w = d * q + m per 32) maps exactly: scale = d, zero = m + 8d;
-    Q4_0 (w = d * (q - 8)): scale = d, zero = 0.
-  - int8: `_weight_int8pack_mm`, w = q * scale per output row, q in -128..127.
+Two kernels, each tried before it serves:
+  - ours (engine.kernels.cpu_quant, `workbench_cpu::linear_q`): every kind, fp32 or bf16
+    activations, which it quantizes per row to int8 in blocks of 32; each group's dot an exact
+    integer, the floats in order, so a row's bits do not depend on the row count or the ISA.
+    Its cost stays nearly flat as rows grow (the weights are read and decoded once per call).
+  - torch's (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`): int4 groups and int8 per
+    channel only, fast with bf16 activations only, and its cost climbs with rows (it works in
+    4-row tiles and dequantizes the weights again for each). It serves where ours does not
+    build (no compiler) or cannot take a shape.
+A kind neither kernel takes here is served as float by the loader, which says why
+(`unsupported`). The forms the loaders hand over:
+  - int4: q 0..15 with w = (q - 8) * scale + zero per group (llama.cpp's Q4_1, w = d * q + m:
+    scale = d, zero = m + 8d; Q4_0, w = d * (q - 8): scale = d, zero = 0);
+  - int8 groups: q -128..127 with w = q * scale per group;
+  - int8 per channel: q -128..127 with w = q * scale per output row.
 Quantization of a float weight is round-to-nearest, as gpt-fast's: int8 symmetric per
-channel, int4 asymmetric per group (min/max over the group).
-
-Activations must be bf16 (or fp16): in float32 torch's kernels loop per row (FAST_DTYPES).
-Measured on this 2-core CPU (the default model's 30 layers of linears, one row, 2 threads):
-packed bf16 7.1-11 ms, int8 5.5 ms, int4 4.8 ms; from 4 rows up int4 is slower than bf16
-(8 rows: 14 ms against 10), int8 slower still. Each row's result does not depend on the
-row count (checked at quantize time, `check_rows`), so a quantized model stays
-batch-invariant. A kernel serves a model only after it has run here on a tiny weight and
-matched the float reference (`refusal`, once per kind and dtype a process); a refused kind
-is served as float, and the weights report says why.
+channel, int4 asymmetric per group (min/max over the group), its scale and minimum rounded to
+fp16 first so that our kernel stores them in 2 bytes exactly.
+Each row's result does not depend on the row count (checked at load, `check_rows`), so a
+quantized model stays batch-invariant.
 """
 from __future__ import annotations
 
@@ -27,15 +30,17 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import first_line
+from engine.kernels import cpu_quant
 
 INT4, INT8 = "int4", "int8"
 INT8_GROUPS = "int8-groups"     # 8-bit weights with a float scale per group (Q8_0: 32, Q6_K: 16)
+BITS = {INT4: 4, INT8: 8, INT8_GROUPS: 8}
 INT4_GROUP = 32                 # llama.cpp's Q4 block; gpt-fast's default is 32 too
-INNER_K_TILES = 1               # the CPU kernel takes any in_features divisible by the group
+OURS, TORCH = "ours", "torch"
+INNER_K_TILES = 1               # torch's int4 kernel takes any in_features divisible by the group
 CHECK_ROWS = (1, 2, 3, 16, 64)
-# Activations the kernels are fast for. In float32 both run a per-row loop: a 128-row pass of
-# a 1536 x 576 int4 weight took 196 ms against 6.8 ms in bf16 (int8: 98 ms), so a quantized
-# fp32 model would prefill 30x slower than the same model dequantized.
+# Activations torch's kernels are fast for. In float32 both run a per-row loop: a 128-row pass
+# of a 1536 x 576 int4 weight took 196 ms against 6.8 ms in bf16 (int8: 98 ms).
 FAST_DTYPES = (torch.bfloat16,)
 
 AVAILABLE = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_weight_int8pack_mm")
@@ -43,39 +48,51 @@ AVAILABLE = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(t
 
 @dataclass
 class QuantizedWeight:
-    """One linear's weight [out, in] in a kernel's format (see the module docstring)."""
-    kind: str
-    data: torch.Tensor          # int4: packed uint8 (the kernel's layout); int8: int8 [out, in]
-    scales: torch.Tensor        # int4: scales_and_zeros [in / group, out, 2]; int8: [out]
+    """One linear's weight [out, in] in a kernel's layout (see the module docstring)."""
+    kind: str                   # INT4 | INT8 | INT8_GROUPS: what the weight is
+    data: torch.Tensor          # ours: cpu_quant.pack's bytes; torch: its packed int4 / int8 [out, in]
+    scales: torch.Tensor        # ours: cpu_quant.pack's scales; torch int4: [in / group, out, 2]; int8: [out]
     shape: tuple[int, int]      # (out, in)
-    group_size: int = 0         # int4 only
+    group_size: int = 0         # 0: per channel
+    kernel: str = TORCH         # OURS | TORCH
+    dtype: torch.dtype = torch.bfloat16     # the activations it was made for
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
 
     def describe(self) -> str:
-        if self.kind == INT8_GROUPS:
-            return f"int8 (group {self.group_size})"
-        return f"int4 (group {self.group_size})" if self.kind == INT4 else "int8 (per channel)"
+        if self.kind == INT8:
+            return "int8 (per channel)"
+        return f"{'int4' if self.kind == INT4 else 'int8'} (group {self.group_size})"
+
+
+def _our_refusal(kind: str, shape: tuple[int, int], group_size: int) -> str | None:
+    """Why our kernel cannot take this weight here (None: it can)."""
+    return cpu_quant.refusal() or cpu_quant.packable(shape, BITS[kind], group_size or cpu_quant.XBLOCK)
 
 
 def unsupported(kind: str, shape: tuple[int, int], device: torch.device, dtype: torch.dtype,
                 group_size: int = INT4_GROUP) -> str | None:
     """Why a weight of this shape cannot take this kind here, with activations in `dtype`
-    (None: it can)."""
-    if not AVAILABLE:
-        return f"this torch ({torch.__version__}) has no weight-only {kind} kernels"
+    (None: a kernel takes it)."""
     if device.type != "cpu":
         return f"{kind} weights run on the CPU only in this release ({device.type} keeps them dequantized)"
+    ours = _our_refusal(kind, shape, group_size if kind != INT8 else 0)
+    if ours is None:
+        return None
+    if kind == INT8_GROUPS:
+        return f"no kernel takes 8-bit groups here ({ours})"
+    if not AVAILABLE:
+        return f"{ours}; this torch ({torch.__version__}) has no weight-only {kind} kernels"
     if kind == INT4 and shape[1] % group_size:
         return f"in_features {shape[1]} is not a multiple of the int4 group {group_size}"
     return refusal(kind, dtype)
 
 
 def refusal(kind: str, dtype: torch.dtype) -> str | None:
-    """Why the `kind` kernel cannot run with `dtype` activations on this CPU (None: it ran on
-    a tiny weight and matched the float reference). Tests replace this to force the fallback."""
+    """Why torch's `kind` kernel cannot run with `dtype` activations on this CPU (None: it ran
+    on a tiny weight and matched the float reference). Tests replace this to force the fallback."""
     return _tried(kind, dtype)
 
 
@@ -84,7 +101,7 @@ def _tried(kind: str, dtype: torch.dtype) -> str | None:
     gen = torch.Generator().manual_seed(0)
     w, x = torch.randn(16, 64, generator=gen), torch.randn(3, 64, generator=gen).to(dtype)
     try:
-        qw = quantize(w, kind, dtype)
+        qw = _torch_weight(kind, w, dtype)
         got = linear(x, qw, None).float()
         want = x.float() @ _reference_weight(w, kind).t()
     except RuntimeError as error:
@@ -105,28 +122,52 @@ def _reference_weight(w: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def slow_in(dtype: torch.dtype) -> str | None:
-    """Why the kernels are slow with activations in `dtype` (None: they are fast)."""
-    if dtype in FAST_DTYPES:
+    """Why the kernels are slow with activations in `dtype` (None: they are fast). Ours is fast
+    in fp32 and bf16; torch's in bf16 only."""
+    if dtype in FAST_DTYPES or cpu_quant.refusal() is None:
         return None
     return (f"torch's CPU int4/int8 kernels have no fast {str(dtype).removeprefix('torch.')} path (a 128-row pass "
-            "took 30x the bfloat16 time here)")
+            f"took 30x the bfloat16 time here), and ours does not run: {cpu_quant.refusal()}")
+
+
+def path() -> str:
+    """Which kernel serves quantized weights here, for "In effect"."""
+    ours = cpu_quant.refusal()
+    if ours is None:
+        return f"ours ({cpu_quant.isa()}{' VNNI' if cpu_quant.isa() == 'avx512' else ''}), int8 activations per 32"
+    torch_says = refusal(INT4, FAST_DTYPES[0])
+    return f"torch's int4/int8 kernels ({ours})" if torch_says is None else f"float ({ours}; {torch_says})"
 
 
 def from_int4_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
     """q [out, in] integers 0..15; scale, zero [out, in / group] with w = (q - 8) * scale + zero."""
     out, inp = q.shape
     group = inp // scale.shape[1]
+    if _our_refusal(INT4, (out, inp), group) is None:
+        scale32 = scale.float()
+        w, scales = cpu_quant.pack(q, scale32, zero.float() - 8 * scale32, 4)
+        return QuantizedWeight(INT4, w, scales, (out, inp), group, OURS, dtype)
     data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INNER_K_TILES)
     scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
-    return QuantizedWeight(INT4, data, scales_and_zeros, (out, inp), group)
+    return QuantizedWeight(INT4, data, scales_and_zeros, (out, inp), group, TORCH, dtype)
 
 
 def from_int8_groups(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
     """q [out, in] integers -128..127; scale [out, in / group] with w = q * scale (Q8_0: group
-    32; Q6_K: group 16, scale d * sc and q the 6-bit value minus 32)."""
+    32; Q6_K: group 16, scale d * sc and q the 6-bit value minus 32). Only our kernel takes it
+    (`unsupported` says where it does not)."""
     out, inp = q.shape
     group = inp // scale.shape[1]
-    return QuantizedWeight(INT8_GROUPS, q.to(torch.int8).contiguous(), scale.float().contiguous(), (out, inp), group)
+    why = _our_refusal(INT8_GROUPS, (out, inp), group)
+    if why:
+        raise ValueError(f"8-bit groups cannot be served here: {why}")
+    w, scales = _pack8(q, scale.float())
+    return QuantizedWeight(INT8_GROUPS, w, scales, (out, inp), group, OURS, dtype)
+
+
+def _pack8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 q and a scale per group -> our kernel's bytes u = q + 128, with m = -128 d."""
+    return cpu_quant.pack(q.to(torch.int16) + cpu_quant.OFFSET8, scale, -cpu_quant.OFFSET8 * scale, 8)
 
 
 @dataclass
@@ -164,9 +205,15 @@ def int4_rtn(w: torch.Tensor, group_size: int = INT4_GROUP) -> tuple[torch.Tenso
     out, inp = w.shape
     g = w.detach().float().reshape(out, inp // group_size, group_size)
     low, high = g.amin(-1), g.amax(-1)
-    scale = ((high - low) / 15).clamp(min=1e-6)
+    scale, low = _fp16_where_exact(((high - low) / 15).clamp(min=1e-6)), _fp16_where_exact(low)
     q = ((g - low[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(out, inp)
     return q, scale, low + 8 * scale
+
+
+def _fp16_where_exact(t: torch.Tensor) -> torch.Tensor:
+    """t rounded to fp16 where fp16 holds it (finite, normal), else as it was."""
+    half = t.half().float()
+    return torch.where(torch.isfinite(half) & ((half.abs() >= 2 ** -14) | (t == 0)), half, t)
 
 
 def int8_rtn(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,11 +229,25 @@ def quantize_int4(w: torch.Tensor, dtype: torch.dtype, group_size: int = INT4_GR
 
 def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
     q, scale = int8_rtn(w)
-    return QuantizedWeight(INT8, q.contiguous(), scale.to(dtype), tuple(w.shape))
+    if _our_refusal(INT8, tuple(w.shape), 0) is None:       # per channel: the same scale in each group
+        data, scales = _pack8(q, scale[:, None].expand(-1, w.shape[1] // cpu_quant.XBLOCK).contiguous())
+        return QuantizedWeight(INT8, data, scales, tuple(w.shape), 0, OURS, dtype)
+    return QuantizedWeight(INT8, q.contiguous(), scale.to(dtype), tuple(w.shape), 0, TORCH, dtype)
 
 
 def quantize(w: torch.Tensor, kind: str, dtype: torch.dtype) -> QuantizedWeight:
     return quantize_int4(w, dtype) if kind == INT4 else quantize_int8(w, dtype)
+
+
+def _torch_weight(kind: str, w: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
+    """`w` quantized for torch's kernel (its trial)."""
+    if kind == INT4:
+        q, scale, zero = int4_rtn(w)
+        data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INNER_K_TILES)
+        scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        return QuantizedWeight(INT4, data, scales_and_zeros, tuple(w.shape), INT4_GROUP, TORCH, dtype)
+    q, scale = int8_rtn(w)
+    return QuantizedWeight(INT8, q.contiguous(), scale.to(dtype), tuple(w.shape), 0, TORCH, dtype)
 
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -194,10 +255,9 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> t
     if isinstance(qw, StackedWeight):
         y = torch.cat([linear(x, part, None) for part in qw.parts], dim=-1)
         return y if bias is None else y + bias
-    if qw.kind == INT8_GROUPS:      # placeholder until the kernel lands: dequantized per call
-        w = (qw.data.float().view(qw.shape[0], -1, qw.group_size) * qw.scales[..., None]).view(qw.shape)
-        y = (x.float() @ w.t()).to(x.dtype)
-    elif qw.kind == INT4:
+    if qw.kernel == OURS:
+        return cpu_quant.linear(x, qw.data, qw.scales, bias, BITS[qw.kind])
+    if qw.kind == INT4:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, qw.data, qw.group_size, qw.scales)
     else:
         y = torch.ops.aten._weight_int8pack_mm(x, qw.data, qw.scales)
@@ -205,10 +265,13 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> t
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
-    """The float weight [out, in] the kernel computes with (in the scales' dtype): the
-    identity matrix through the kernel, so it is the kernel's own arithmetic."""
+    """The float weight [out, in] the kernel computes with, in the activations' dtype. Ours:
+    d * u + m from its packed bytes; torch's: the identity matrix through the kernel, so it is
+    the kernel's own arithmetic."""
     if isinstance(qw, StackedWeight):
         return torch.cat([dequantize(part) for part in qw.parts])
+    if qw.kernel == OURS:
+        return cpu_quant.unpack(qw.data, qw.scales, BITS[qw.kind]).to(qw.dtype)
     eye = torch.eye(qw.shape[1], dtype=qw.scales.dtype)
     return linear(eye, qw, None).t().contiguous()
 
@@ -219,11 +282,11 @@ def check_rows(weights: list[QuantizedWeight]) -> str | None:
     gen = torch.Generator().manual_seed(0)
     seen = set()
     for qw in weights:
-        key = (qw.kind, qw.shape, qw.group_size, qw.scales.dtype)
+        key = (qw.kind, qw.kernel, qw.shape, qw.group_size, qw.scales.dtype, qw.dtype)
         if key in seen:
             continue
         seen.add(key)
-        x = torch.randn(max(CHECK_ROWS), qw.shape[1], generator=gen).to(qw.scales.dtype)
+        x = torch.randn(max(CHECK_ROWS), qw.shape[1], generator=gen).to(qw.dtype)
         full = linear(x, qw, None)
         for n in CHECK_ROWS[:-1]:
             if not torch.equal(linear(x[:n], qw, None), full[:n]):

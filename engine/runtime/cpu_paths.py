@@ -2,8 +2,8 @@
 LLMEngine.settings() ("In effect"), CI's first lines and `bench decode`.
 
 Every CPU-specific path is tried before it is relied on, each where it is decided: oneDNN's
-linear per dtype (engine.layers.packed_linear.refusal), the int4/int8 weight kernels
-(engine.layers.quantized_linear.refusal), the compute dtype (engine.runtime.cpu_dtype), the
+linear per dtype (engine.layers.packed_linear.refusal), the quantized weight kernels
+(ours: engine.kernels.cpu_quant.refusal; torch's: engine.layers.quantized_linear.refusal), the compute dtype (engine.runtime.cpu_dtype), the
 compiled step's C++ compiler (engine.runtime.compiled_step.compiler_refusal) and Triton
 (engine.kernels.dispatch.kernels_in_effect). This module only gathers their answers.
 """
@@ -24,10 +24,7 @@ def describe(device: torch.device, dtype: torch.dtype, dtype_why: str, compile_s
              "dtype": f"{dtype_name(dtype)} ({dtype_why})"}
     if device.type == "cpu":
         paths["linear"] = packed_linear.path(dtype)
-        activations = quantized_linear.FAST_DTYPES[0]
-        for kind in (quantized_linear.INT4, quantized_linear.INT8):
-            why_not = quantized_linear.refusal(kind, activations)
-            paths[kind] = f"torch's {kind} kernel" if why_not is None else f"float ({why_not})"
+        paths["quantized"] = quantized_linear.path()
     paths["compile"] = compile_state
     paths["attention"] = "Triton kernels" if kernels_state.startswith("on") else f"torch ({kernels_state})"
     return paths
@@ -42,12 +39,12 @@ def probe_report() -> dict[str, str | None]:
     report = {"isa": cpu_features.isa_name(), "flags": " ".join(cpu_features.simd_flags()),
               "torch_capability": torch.backends.cpu.get_cpu_capability(),
               "compiler": compiled_step.compiler_refusal("cpu") or "found",
-              "dtype_auto": fastest(cache_dir() / "cpu_dtype.json").why}
+              "dtype_auto": fastest(cache_dir() / "cpu_dtype.json").why, "quantized": quantized_linear.path()}
     for dtype in packed_linear.DTYPES:
         report[f"compute_{dtype_name(dtype)}"] = compute_refusal(dtype) or "runs"
         report[f"linear_{dtype_name(dtype)}"] = packed_linear.path(dtype)
         for kind in (quantized_linear.INT4, quantized_linear.INT8):
-            report[f"{kind}_{dtype_name(dtype)}"] = quantized_linear.refusal(kind, dtype) or "runs"
+            report[f"torch_{kind}_{dtype_name(dtype)}"] = quantized_linear.refusal(kind, dtype) or "runs"
     return report
 
 

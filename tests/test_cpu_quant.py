@@ -1,0 +1,93 @@
+"""Our quantized CPU linear (engine.kernels.cpu_quant): each row's bits do not depend on how many
+rows share the call nor on the instruction set (AVX-512 VNNI, AVX2, scalar), and the result is
+the exact arithmetic it promises: activations rounded to int8 per block of 32, an integer dot
+per weight group, the floats in order."""
+import pytest
+import torch
+
+from engine import cpu_features
+from engine.kernels import cpu_quant
+from engine.layers import quantized_linear
+
+pytestmark = pytest.mark.skipif(cpu_quant.refusal() is not None, reason=f"{cpu_quant.refusal()}")
+RUNNABLE = [isa for isa, needs in cpu_quant.NEEDS.items() if all(f in cpu_features.flags() for f in needs)]
+FORMATS = [(4, 32), (8, 32), (8, 16)]
+
+
+def _weight(bits, group, n=96, k=320, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 16 if bits == 4 else 256, (n, k), generator=gen)
+    d = (torch.rand(n, k // group, generator=gen) / 8 + 1e-3).half().float()
+    m = (torch.randn(n, k // group, generator=gen) / 8).half().float()
+    return u, d, m
+
+
+def _int8_activations(x):
+    """x rounded as the kernel rounds it: per row and block of 32, sx = amax / 127, q = round-even(x * 127 / amax)."""
+    blocks = x.float().reshape(x.shape[0], -1, cpu_quant.XBLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv).clamp(-127, 127)
+    return (q.double() * (amax / 127).double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("bits,group", FORMATS, ids=["4bit", "8bit-g32", "8bit-g16"])
+def test_rows_1_2_17_64_get_the_same_bits_on_every_instruction_set(bits, group):
+    w, scales = cpu_quant.pack(*_weight(bits, group), bits)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 320, generator=gen) * torch.rand(320, generator=gen) * 4      # uneven channels, as in a model
+    reference = torch.ops.workbench_cpu.linear_q(x, w, scales, None, bits, group, cpu_quant.ISAS["scalar"])
+    for isa in RUNNABLE:
+        for rows in (1, 2, 17, 64):
+            got = torch.ops.workbench_cpu.linear_q(x[:rows], w, scales, None, bits, group, cpu_quant.ISAS[isa])
+            assert torch.equal(got, reference[:rows]), f"{isa}, {rows} rows"
+
+
+@pytest.mark.parametrize("bits,group", FORMATS, ids=["4bit", "8bit-g32", "8bit-g16"])
+def test_the_result_is_the_int8_activations_times_the_exact_weights(bits, group):
+    u, d, m = _weight(bits, group)
+    w, scales = cpu_quant.pack(u, d, m, bits)
+    exact = (u.double().view(96, -1, group) * d[..., None].double() + m[..., None].double()).view(96, 320)
+    assert torch.equal(cpu_quant.unpack(w, scales, bits), exact.float())          # packing is lossless
+    x = torch.randn(9, 320, generator=torch.Generator().manual_seed(2))
+    bias = torch.randn(96)
+    want = _int8_activations(x) @ exact.t() + bias.double()
+    for dtype in (torch.float32, torch.bfloat16):
+        got = cpu_quant.linear(x.to(dtype), w, scales, bias.to(dtype), bits)
+        assert got.dtype == dtype
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2        # bf16: the input and the output rounded
+        assert ((got.double() - want).abs().max() / want.abs().max()) < tolerance, dtype
+
+
+def test_scales_are_fp16_only_where_that_is_exact():
+    u, d, m = _weight(4, 32)
+    assert cpu_quant.pack(u, d, m, 4)[1].dtype == torch.float16
+    assert cpu_quant.pack(u, d + 1e-4 * torch.rand_like(d), m, 4)[1].dtype == torch.float32
+
+
+def test_a_shape_the_kernel_cannot_tile_is_named():
+    assert cpu_quant.packable((96, 320), 4, 32) is None
+    assert "out_features 40" in cpu_quant.packable((40, 320), 4, 32)
+    assert "in_features 48" in cpu_quant.packable((96, 48), 8, 16)
+    assert "groups of 64" in cpu_quant.packable((96, 320), 8, 64)
+
+
+def test_every_kind_runs_on_our_kernel_and_keeps_its_rows():
+    """int4 groups, int8 groups and int8 per channel (its scale repeated per group, exactly)."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 128, generator=gen)
+    q8 = torch.randint(-128, 128, (64, 128), generator=gen)
+    weights = [quantized_linear.quantize_int4(w, torch.bfloat16), quantized_linear.quantize_int8(w, torch.float32),
+               quantized_linear.from_int8_groups(q8, torch.rand(64, 8, generator=gen).half().float(), torch.bfloat16)]
+    assert [qw.kernel for qw in weights] == [quantized_linear.OURS] * 3
+    assert quantized_linear.check_rows(weights) is None
+    q, scale = quantized_linear.int8_rtn(w)
+    assert torch.equal(quantized_linear.dequantize(weights[1]), q.float() * scale[:, None])
+
+
+def test_forcing_an_instruction_set_is_checked_and_undone():
+    chosen = cpu_quant.isa()
+    with pytest.raises(ValueError, match="unknown instruction set"):
+        cpu_quant.force_isa("sse9")
+    cpu_quant.force_isa(None)
+    assert cpu_quant.isa() == chosen
