@@ -131,8 +131,8 @@ def measure(folder: Path, device: str, dtype_name: str) -> dict:
     stored_types = {gguf.type_of(n) for n in checkpoint.tensors} - set(FLOAT_TYPES) if gguf else set()
     return {"device": device, "dtype": dtype_name, "weight_bytes": weights_bytes(loaded.model),
             "gguf": gguf is not None, "weights": served, "stored_types": sorted(stored_types),
-            "all_quantized_as_stored": bool(served) and all("as stored" in served["served"].get(t, "")
-                                                             for t in stored_types),
+            "all_quantized_as_stored": None if gguf is None else bool(served) and all(
+                "as stored" in served["served"].get(t, "") for t in stored_types),
             "file_bytes": file_bytes, "shards": len(files), "read_s": read_s,
             "read_new_memory_s": read_new_memory_s, "load_s": load_s,
             "peak_rss_bytes": _peak_rss(), "rss_before_load_bytes": rss_before, "vm_hwm_bytes": _vm_hwm(),
