@@ -1,5 +1,6 @@
 """`python -m engine.bench kernels --json`: decode-attention kernel speed against the
-device's measured copy bandwidth.
+device's measured copy bandwidth; on the CPU, the quantized linears' cost by row count
+(engine.bench.linear_rows).
 
 Decode attention is memory bound: each step reads every cached K/V byte once. So the
 figure of merit is achieved bandwidth = bytes the kernel must move / kernel time, and
@@ -25,7 +26,8 @@ DEVICE = "cuda"
 
 def run_kernel_bench() -> dict:
     if not torch.cuda.is_available():
-        return {"cuda": False, "message": "CUDA is absent; kernel bench skipped"}
+        from engine.bench.linear_rows import linear_rows_bench
+        return {"cuda": False, "message": "CUDA is absent; attention kernel bench skipped", **linear_rows_bench()}
     from engine.kernels.dispatch import kernels_available
     if not kernels_available("cuda"):
         return {"cuda": True, "message": "triton is not importable; kernel bench skipped"}

@@ -46,8 +46,8 @@ struct Rows {
   int64_t K, G;
 };
 
-inline float round_even(float v) {     // |v| <= 127 < 2^22: the classic shift, no libm call
-  const volatile float shift = 12582912.0f;
+inline float round_even(float v) {     // |v| <= 127 < 2^22: the classic shift, no libm call (IEEE
+  constexpr float shift = 12582912.0f;  // arithmetic: without -ffast-math the compiler keeps both steps)
   return (v + shift) - shift;
 }
 
@@ -87,6 +87,39 @@ void quantize_row_avx512(const float* x, int64_t K, int64_t G, int8_t* xq, float
     __m512i q1 = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(_mm512_roundscale_ps(_mm512_mul_ps(v1, iv), 0x08), lim), -lim));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * XB), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * XB + 16), _mm512_cvtepi32_epi8(q1));
+  }
+  for (int64_t g = 0; g < K / G; ++g) {
+    int32_t s = 0;
+    for (int64_t i = 0; i < G; ++i) s += xq[g * G + i];
+    xsum[g] = s;
+    sxs[g] = sx[g * G / XB] * static_cast<float>(s);
+  }
+}
+
+__attribute__((target("avx2,fma")))
+void quantize_row_avx2(const float* x, int64_t K, int64_t G, int8_t* xq, float* sx, float* sxs, int32_t* xsum) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < K / XB; ++b) {
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + b * XB + 8 * i);
+      m = _mm256_max_ps(m, _mm256_and_ps(v[i], absmask));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    sx[b] = amax / 127.0f;
+    const __m256 iv = _mm256_set1_ps(inv), lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(
+          _mm256_round_ps(_mm256_mul_ps(v[i], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lim), nlim));
+    // int32 -> int8 in order: the packs work per 128-bit lane, a final permute restores it
+    const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * XB), bytes);
   }
   for (int64_t g = 0; g < K / G; ++g) {
     int32_t s = 0;
@@ -360,7 +393,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   std::vector<int32_t> xsum(M * groups);
   const float* xp = xf.data_ptr<float>();
   for (int64_t i = 0; i < M; ++i)
-    (isa == AVX512 ? quantize_row_avx512 : quantize_row_scalar)(
+    (isa == AVX512 ? quantize_row_avx512 : isa == AVX2 ? quantize_row_avx2 : quantize_row_scalar)(
         xp + i * K, K, group, xq.data() + i * K, sx.data() + i * (K / XB), sxs.data() + i * groups, xsum.data() + i * groups);
   const Rows rows{xq.data(), sx.data(), sxs.data(), xsum.data(), K, group};
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));

@@ -1,0 +1,55 @@
+"""`bench kernels` on the CPU: `linear_rows`, what the whole model's quantized linears cost at 1,
+2, 4, 8 and 16 rows. A decode step is 1 row; a k-token verify pass or a batch of users is more:
+a kernel whose cost stays flat as rows grow makes speculation and batching pay.
+
+The default model, loaded as the app loads it (dtype auto, weight_dtype auto: the GGUF's
+tensors as stored); every quantized linear called once per pass in model order on random
+activations, timed over REPEATS passes (median). The head (the tied Q8_0 embedding) is
+timed apart: a decode step runs it on one row whatever the verify width.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+ROWS = (1, 2, 4, 8, 16)
+REPEATS = 15
+
+
+def linear_rows_bench(reference: str = "default", repeats: int = REPEATS) -> dict:
+    from engine.engine import pick_dtype
+    from engine.layers import quantized_linear
+    from engine.loading.loader import load_model
+    from engine.models.llama import Linear
+    cpu = torch.device("cpu")
+    dtype, why = pick_dtype("auto", cpu)
+    loaded = load_model(reference, dtype=dtype)
+    model = loaded.model
+    body = [m.quant for m in model.modules() if isinstance(m, Linear) and m.quant is not None and m is not model.lm_head]
+    head = model.lm_head.quant
+    if not body:
+        return {"message": f"no quantized linears: {loaded.weights.summary()}"}
+
+    def timed(weights, rows: int) -> float:
+        gen = torch.Generator().manual_seed(rows)
+        xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {qw.shape[1] for qw in weights}}
+        times = []
+        for _ in range(repeats + 1):            # the first pass warms the caches: dropped
+            start = time.perf_counter()
+            for qw in weights:
+                quantized_linear.linear(xs[qw.shape[1]], qw, None)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:]) * 1e3
+
+    rows_ms = {str(n): round(timed(body, n), 3) for n in ROWS}
+    result = {"model": reference, "dtype": f"{str(dtype).removeprefix('torch.')} ({why})",
+              "weights": loaded.weights.summary(), "kernel": quantized_linear.path(),
+              "threads": torch.get_num_threads(), "linears": len(body),
+              "bytes": sum(qw.nbytes for qw in body), "repeats": repeats,
+              "linear_rows": rows_ms,
+              "ratio_to_1_row": {n: round(ms / rows_ms["1"], 3) for n, ms in rows_ms.items()}}
+    if head is not None:
+        result["head_rows"] = {str(n): round(timed([head], n), 3) for n in ROWS}
+    return result
