@@ -37,6 +37,21 @@ namespace {
 constexpr int64_t COLS = 16, XB = 32;
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
 
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {     // round to nearest even, as torch rounds
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);   // NaN stays NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
 // ---- activations ---------------------------------------------------------------------------
 struct Rows {
   const int8_t* xq;        // [M, K]
@@ -386,18 +401,30 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
               scales.size(3) == COLS, "linear_q: scales [N / 16, K / group, 2, 16] expected");
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf, "linear_q: fp32 or fp16 scales");
   TORCH_CHECK(isa >= SCALAR && isa <= AVX512, "linear_q: isa 0 scalar, 1 avx2, 2 avx512 (VNNI)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_q: fp32 or bf16 activations");
   const int64_t M = x.size(0), K = x.size(1), tiles = w.size(0), N = tiles * COLS, groups = K / group;
-  const at::Tensor xf = x.to(at::kFloat).contiguous(), wc = w.contiguous(), sc = scales.contiguous();
+  // bf16 in and out without a torch conversion per call (a decode step makes 121 of these calls)
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = scales.contiguous();
   std::vector<int8_t> xq(M * K);
-  std::vector<float> sx(M * (K / XB)), sxs(M * groups);
+  std::vector<float> sx(M * (K / XB)), sxs(M * groups), widened(bf16 ? K : 0);
   std::vector<int32_t> xsum(M * groups);
-  const float* xp = xf.data_ptr<float>();
-  for (int64_t i = 0; i < M; ++i)
+  for (int64_t i = 0; i < M; ++i) {
+    const float* xr;
+    if (bf16) {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) + i * K;
+      for (int64_t k = 0; k < K; ++k) widened[k] = bf16_to_float(h[k]);     // exact
+      xr = widened.data();
+    } else {
+      xr = xc.data_ptr<float>() + i * K;
+    }
     (isa == AVX512 ? quantize_row_avx512 : isa == AVX2 ? quantize_row_avx2 : quantize_row_scalar)(
-        xp + i * K, K, group, xq.data() + i * K, sx.data() + i * (K / XB), sxs.data() + i * groups, xsum.data() + i * groups);
+        xr, K, group, xq.data() + i * K, sx.data() + i * (K / XB), sxs.data() + i * groups, xsum.data() + i * groups);
+  }
   const Rows rows{xq.data(), sx.data(), sxs.data(), xsum.data(), K, group};
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* yp = y.data_ptr<float>();
+  at::Tensor out = at::empty({M, N}, x.options());
+  std::vector<float> accumulated(bf16 ? M * N : 0);
+  float* yp = bf16 ? accumulated.data() : out.data_ptr<float>();
   const Weight base{wc.data_ptr<uint8_t>(), sc.data_ptr(), groups * group_bytes(bits, group), groups * 2 * COLS};
   if (M > 0) {
     // grain: two tiles, so the AVX-512 path keeps its 32-column pairs
@@ -412,8 +439,21 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
       }
     });
   }
-  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  // the bias is added in fp32, then the sum is rounded once to bf16 (to nearest even)
+  const bool biased = bias.has_value() && bias->defined();
+  const at::Tensor b = biased ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = biased ? b.data_ptr<float>() : nullptr;
+  if (biased || bf16) {
+    uint16_t* op = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+    at::parallel_for(0, M * N, 16384, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const float v = biased ? yp[i] + bp[i % N] : yp[i];
+        if (bf16) op[i] = float_to_bf16(v);
+        else yp[i] = v;
+      }
+    });
+  }
+  return out;
 }
 
 }  // namespace
