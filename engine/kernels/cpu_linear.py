@@ -69,16 +69,35 @@ def refusal() -> str | None:
         load()
     except Exception as error:      # noqa: BLE001 - a compiler missing or failing is the answer
         return f"our CPU linear did not build here ({type(error).__name__}: {first_line(error)})"
+    return choose_isa(_chosen, NEEDS, _trial, "our CPU linear")
+
+
+def choose_isa(chosen: dict[str, str], needs: dict[str, tuple[str, ...]], trial, what: str) -> str | None:
+    """Try each instruction set this CPU offers (`needs`: the flags each one needs) and keep
+    the widest that passed `trial`, or the one ISA_ENV asks for, in `chosen`; else say why
+    none can serve. Shared by our float and quantized linears."""
     flags = cpu_features.flags()
-    offered = [isa for isa in ISAS if all(f in flags for f in NEEDS[isa])]
-    passed = [isa for isa in offered if _trial(isa) is None]
+    offered = [isa for isa in ISAS if all(f in flags for f in needs[isa])]
+    passed = [isa for isa in offered if trial(isa) is None]
     if "scalar" not in passed:
-        return f"our CPU linear failed its trial here: {_trial('scalar')}"
+        return f"{what} failed its trial here: {trial('scalar')}"
     wanted = os.environ.get(ISA_ENV)
     if wanted and wanted not in passed:
-        return f"{ISA_ENV}={wanted} asks for an instruction set that did not pass here (passed: {', '.join(passed)})"
-    _chosen.setdefault("isa", wanted or passed[-1])
+        return f"{ISA_ENV}={wanted} asks for an instruction set {what} did not pass here (passed: {', '.join(passed)})"
+    chosen.setdefault("isa", wanted or passed[-1])
     return None
+
+
+def force(chosen: dict[str, str], name: str | None, refusal) -> None:
+    """Run with `name` ('avx512', 'avx2', 'scalar'), or None: the widest that passed
+    (`refusal` is tried again)."""
+    chosen.pop("isa", None)
+    if name is not None:
+        if name not in ISAS:
+            raise ValueError(f"unknown instruction set {name!r}; known: {', '.join(ISAS)}")
+        chosen["isa"] = name
+    refusal.cache_clear()
+    refusal()
 
 
 def _trial(isa: str) -> str | None:
@@ -109,13 +128,7 @@ def isa() -> str:
 
 def force_isa(name: str | None) -> None:
     """Run with `name` ('avx512', 'avx2', 'scalar'), or None: the widest that passed."""
-    _chosen.pop("isa", None)
-    if name is not None:
-        if name not in ISAS:
-            raise ValueError(f"unknown instruction set {name!r}; known: {', '.join(ISAS)}")
-        _chosen["isa"] = name
-    refusal.cache_clear()
-    refusal()
+    force(_chosen, name, refusal)
 
 
 def packable(weight: torch.Tensor) -> bool:

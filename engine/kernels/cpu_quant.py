@@ -15,11 +15,9 @@ in fp32: exact either way, and fp16 saves a sixth of a 4-bit weight's bytes.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from engine import cpu_features
 from engine.errors import first_line
 from engine.kernels import cpu_linear
 
@@ -39,17 +37,7 @@ def refusal() -> str | None:
         _register_fake()
     except Exception as error:      # noqa: BLE001 - a compiler missing or failing is the answer
         return f"our quantized CPU linear did not build here ({type(error).__name__}: {first_line(error)})"
-    flags = cpu_features.flags()
-    offered = [isa for isa in ISAS if all(f in flags for f in NEEDS[isa])]
-    passed = [isa for isa in offered if _trial(isa) is None]
-    if "scalar" not in passed:
-        return f"our quantized CPU linear failed its trial here: {_trial('scalar')}"
-    wanted = os.environ.get(cpu_linear.ISA_ENV)
-    if wanted and wanted not in passed:
-        return (f"{cpu_linear.ISA_ENV}={wanted} asks for an instruction set our quantized linear did not pass "
-                f"here (passed: {', '.join(passed)})")
-    _chosen.setdefault("isa", wanted or passed[-1])
-    return None
+    return cpu_linear.choose_isa(_chosen, NEEDS, _trial, "our quantized CPU linear")
 
 
 @functools.cache
@@ -88,13 +76,7 @@ def isa() -> str:
 
 def force_isa(name: str | None) -> None:
     """Run with `name` ('avx512' meaning VNNI, 'avx2', 'scalar'), or None: the widest that passed."""
-    _chosen.pop("isa", None)
-    if name is not None:
-        if name not in ISAS:
-            raise ValueError(f"unknown instruction set {name!r}; known: {', '.join(ISAS)}")
-        _chosen["isa"] = name
-    refusal.cache_clear()
-    refusal()
+    cpu_linear.force(_chosen, name, refusal)
 
 
 def packable(shape: tuple[int, int], bits: int, group: int) -> str | None:

@@ -66,6 +66,16 @@ inline float round_even(float v) {     // |v| <= 127 < 2^22: the classic shift, 
   return (v + shift) - shift;
 }
 
+// Per weight group: sum(xq), and sx * sum(xq) (the zero point's weight)
+inline void group_sums(const int8_t* xq, int64_t K, int64_t G, const float* sx, float* sxs, int32_t* xsum) {
+  for (int64_t g = 0; g < K / G; ++g) {
+    int32_t s = 0;
+    for (int64_t i = 0; i < G; ++i) s += xq[g * G + i];
+    xsum[g] = s;
+    sxs[g] = sx[g * G / XB] * static_cast<float>(s);
+  }
+}
+
 // One row: the scalar definition. The AVX-512 variant below must give the same bytes.
 void quantize_row_scalar(const float* x, int64_t K, int64_t G, int8_t* xq, float* sx, float* sxs, int32_t* xsum) {
   for (int64_t b = 0; b < K / XB; ++b) {
@@ -80,12 +90,7 @@ void quantize_row_scalar(const float* x, int64_t K, int64_t G, int8_t* xq, float
       xq[b * XB + i] = static_cast<int8_t>(q);
     }
   }
-  for (int64_t g = 0; g < K / G; ++g) {
-    int32_t s = 0;
-    for (int64_t i = 0; i < G; ++i) s += xq[g * G + i];
-    xsum[g] = s;
-    sxs[g] = sx[g * G / XB] * static_cast<float>(s);
-  }
+  group_sums(xq, K, G, sx, sxs, xsum);
 }
 
 __attribute__((target("avx512f,avx512bw")))
@@ -103,12 +108,7 @@ void quantize_row_avx512(const float* x, int64_t K, int64_t G, int8_t* xq, float
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * XB), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * XB + 16), _mm512_cvtepi32_epi8(q1));
   }
-  for (int64_t g = 0; g < K / G; ++g) {
-    int32_t s = 0;
-    for (int64_t i = 0; i < G; ++i) s += xq[g * G + i];
-    xsum[g] = s;
-    sxs[g] = sx[g * G / XB] * static_cast<float>(s);
-  }
+  group_sums(xq, K, G, sx, sxs, xsum);
 }
 
 __attribute__((target("avx2,fma")))
@@ -136,12 +136,7 @@ void quantize_row_avx2(const float* x, int64_t K, int64_t G, int8_t* xq, float* 
     const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * XB), bytes);
   }
-  for (int64_t g = 0; g < K / G; ++g) {
-    int32_t s = 0;
-    for (int64_t i = 0; i < G; ++i) s += xq[g * G + i];
-    xsum[g] = s;
-    sxs[g] = sx[g * G / XB] * static_cast<float>(s);
-  }
+  group_sums(xq, K, G, sx, sxs, xsum);
 }
 
 // ---- scales --------------------------------------------------------------------------------
