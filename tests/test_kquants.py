@@ -204,3 +204,16 @@ def test_the_header_is_read_as_gguf_reads_it(mix_file):
     assert metadata["general.architecture"] == "llama" and metadata["llama.block_count"] == 4
     assert [(t.name, t.tensor_type, t.shape, t.n_bytes, t.data_offset) for t in tensors] == [
         (t.name, t.tensor_type, tuple(int(n) for n in t.shape), int(t.n_bytes), int(t.data_offset)) for t in reader.tensors]
+
+
+def test_bench_load_measures_a_gguf_against_its_file_size(mix_file):
+    """`bench load` on a GGUF: peak RSS against the file's size, and how each stored type is
+    served (here Q5_0 is not as stored, so not every quantized tensor is)."""
+    from engine.bench.load import RSS_FACTOR, RSS_SLACK, run_load_bench
+    result = run_load_bench(str(mix_file), None, "cpu", None)
+    assert result["gguf"] and result["dtype"] == "bfloat16" and result["file_bytes"] == mix_file.stat().st_size
+    assert result["rss_target_basis"] == "file_bytes"
+    assert result["rss_target_bytes"] == int(RSS_FACTOR * result["file_bytes"] + RSS_SLACK)
+    assert result["stored_types"] == ["Q4_K", "Q5_0", "Q6_K", "Q8_0"]
+    assert result["weights"]["served"]["Q4_K"] == "int4 as stored (group 32)" or _kernels_refuse()
+    assert result["all_quantized_as_stored"] is False       # Q5_0: dequantized
