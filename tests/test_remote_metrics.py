@@ -159,6 +159,9 @@ def test_vllm_launch_settings_come_from_cache_config_info_and_spec_positions():
     assert version == "0.11.0"
     assert settings == {"kv_cache_dtype": "fp8", "enable_prefix_caching": True,
                         "num_speculative_tokens": 3, "proposer": "on"}
+    # without speculation vLLM exports no spec_decode series at all: the proposer is off
+    settings, _ = launch_settings("vllm", {"version": "0.32.0"}, FakeVllm(spec=False).serve())
+    assert settings["proposer"] == "off" and settings["num_speculative_tokens"] is None
 
 
 def test_sglang_gauges_are_read_and_what_it_lacks_is_missing():

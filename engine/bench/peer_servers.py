@@ -7,8 +7,8 @@
   vllm          vLLM's CPU build (scripts/build_vllm.sh) on float safetensors weights of the
                 model (engine.bench.float_folder: the GGUF dequantized once), which our
                 engine loads too, in our engine's dtype.
-                Speculation: ngram prompt lookup on both sides (vLLM's CPU build drafts with
-                ngram, not with a draft model). The sweep starts ONE server for every level,
+                Speculation: ngram prompt lookup (1-4 tokens) on both sides, which needs no
+                second model on either side. The sweep starts ONE server for every level,
                 --max-num-seqs the highest level.
 Both sides get the same thread count; a server is started only after the local side has run
 and stopped before anything else is timed (vLLM's idle engine loop spins a core).

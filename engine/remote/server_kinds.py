@@ -109,6 +109,8 @@ def _vllm(version_info: dict, metrics_text: str) -> tuple[dict, str | None]:
             k = int(labels.get("position", -1)) + 1
             found["num_speculative_tokens"] = max(k, found.get("num_speculative_tokens") or 0)
             found["proposer"] = "on"
+    if metrics_text and "proposer" not in found:
+        found["proposer"] = "off"     # vLLM exports spec_decode series only when it speculates (0.32, seen)
     return found, version_info.get("version")
 
 
