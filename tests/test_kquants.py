@@ -141,7 +141,9 @@ def test_every_quantized_tensor_a_kernel_takes_is_served_as_stored(as_stored):
             if isinstance(m, Linear) and not (name == "mlp.down_proj" and i < 2):
                 assert m.quant is not None and m.weight.is_meta, (i, name)
     head = as_stored.model.lm_head
-    assert head.quant.kind == INT8_GROUPS and head.weight is as_stored.model.embed_tokens.weight     # lookups stay float
+    # the tied embedding's rows are looked up in the head's stored bytes: no float table
+    embedding = as_stored.model.embed_tokens
+    assert head.quant.kind == INT8_GROUPS and embedding.weight.is_meta and embedding.rows_from is head.quant
 
 
 def test_a_fused_linear_of_mixed_types_runs_each_part_in_its_kernel(as_stored, exact):
@@ -167,20 +169,21 @@ def test_served_as_stored_logits_stay_as_close_to_exact_as_bf16(mix_file, as_sto
 
 
 def test_a_tensor_served_as_stored_is_never_read_in_float(mix_file, monkeypatch):
-    """Only the norms, the embedding's lookup table and the Q5_0 tensors no kernel takes are
-    dequantized at load (and the last down projection, for the weights' fingerprint, which
-    a draft head checks: engine.models.eagle_head); every other tensor goes from its blocks
-    to its kernel."""
+    """Only the norms and the Q5_0 tensors no kernel takes are dequantized at load (and the
+    last down projection and every 997th embedding row, for the weights' fingerprint, which a
+    draft head checks: engine.models.eagle_head); every other tensor goes from its blocks to
+    its kernel, the embedding's lookups included."""
     if _kernels_refuse():
         pytest.skip(f"no quantized kernel here: {_kernels_refuse()}")
     read = []
     original = GGUFTensors.dequantized
-    monkeypatch.setattr(GGUFTensors, "dequantized", lambda self, name, dtype=torch.float32:
-                        read.append(name) or original(self, name, dtype))
+    monkeypatch.setattr(GGUFTensors, "dequantized", lambda self, name, dtype=torch.float32, rows=slice(None):
+                        read.append(name if rows == slice(None) else f"{name}[{rows.start}:{rows.stop}:{rows.step}]")
+                        or original(self, name, dtype, rows))
     loaded = load_model(str(mix_file), dtype=torch.bfloat16)
     assert loaded.weights.quantized == 15
     assert sorted(n for n in read if not n.endswith("norm.weight")) == [
-        "model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight",
+        "model.embed_tokens.weight[None:None:997]", "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight",
         "model.layers.3.mlp.down_proj.weight"]
 
 

@@ -86,14 +86,23 @@ def test_quantized_bytes_are_counted_exactly(int4_default, bf16_default):
     bf16 = 2
     per_layer = sum(out * inp // 2 + (inp // 32) * out * 2 * bf16 for out, inp in shapes)   # nibbles + scale/zero
     norms = (2 * c.num_hidden_layers + 1) * c.hidden_size * bf16
-    # the Q8_0 embedding in bf16, and beside it the tied head: as stored (int8 groups) or a
-    # packed bf16 copy (engine.layers.packed_linear)
-    head = int4_default.model.lm_head.quant
-    embedding = c.vocab_size * c.hidden_size * bf16 + (head.nbytes if head is not None else c.vocab_size * c.hidden_size * bf16)
-    assert weights_bytes(int4_default.model) == c.num_hidden_layers * per_layer + norms + embedding
+    # the head tied to the Q8_0 embedding, as stored: a byte per weight and an fp16 d and m
+    # per 32; the embedding's rows are looked up in those bytes (no float table)
+    assert int4_default.model.embed_tokens.weight.is_meta and int4_default.model.embed_tokens.rows_from is not None
+    head = c.vocab_size * c.hidden_size + (c.hidden_size // 32) * c.vocab_size * 2 * bf16
+    assert weights_bytes(int4_default.model) == c.num_hidden_layers * per_layer + norms + head
     assert weights_bytes(int4_default.model) < 0.6 * weights_bytes(bf16_default.model)
     qw = int4_default.model.layers[0].mlp.down_proj.quant
     assert qw.data.dtype == torch.uint8 and qw.data.numel() == c.hidden_size * c.intermediate_size // 2
+
+
+def test_the_embedding_looked_up_in_the_stored_head_is_the_float_table(int4_default, bf16_default):
+    """Each row dequantized from the Q8_0 head's bytes, rounded to bf16: the float load's table
+    exactly; the EAGLE fingerprint (every 997th row) agrees too."""
+    from engine.models.eagle_head import weights_fingerprint
+    ids = torch.tensor([[0, 1, 17, 4095], [49151, 31, 32, 16]])
+    assert torch.equal(int4_default.model.embed_tokens(ids), bf16_default.model.embed_tokens(ids))
+    assert weights_fingerprint(int4_default.model) == weights_fingerprint(bf16_default.model)
 
 
 def test_quantized_weights_change_the_prefix_cache_identity(int4_default, bf16_default):

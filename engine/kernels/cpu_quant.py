@@ -132,6 +132,22 @@ def unpack(w: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
     return (u * s[:, :, 0] + s[:, :, 1]).reshape(tiles * COLS, groups * group).float()
 
 
+def rows(w: torch.Tensor, scales: torch.Tensor, bits: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the float weight d * u + m (unpack's values, fp32): an embedding looked up
+    in its tied head's packed bytes, without a float copy of the table."""
+    tiles, groups, nbytes = w.shape
+    group = 32 if bits == 4 else nbytes // COLS
+    tile, col = ids // COLS, ids % COLS
+    if bits == 4:
+        v = w[tile].reshape(len(ids), groups, 4, COLS, 4)[torch.arange(len(ids)), :, :, col]     # [n, group, j, i]
+        u = torch.cat([(v & 0x0F).reshape(len(ids), groups, 16), (v >> 4).reshape(len(ids), groups, 16)], dim=-1)
+    else:
+        u = w[tile].reshape(len(ids), groups, group // 4, COLS, 4)[torch.arange(len(ids)), :, :, col]
+    s = scales[tile].double()[torch.arange(len(ids)), :, :, col]                                # [n, group, 2]
+    values = u.reshape(len(ids), groups, group).double() * s[..., :1] + s[..., 1:]
+    return values.reshape(len(ids), groups * group).float()
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, bits: int) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype."""
     group = 32 if bits == 4 else w.shape[2] // COLS

@@ -72,6 +72,11 @@ def _our_refusal(kind: str, shape: tuple[int, int], group_size: int) -> str | No
     return cpu_quant.refusal() or cpu_quant.packable(shape, BITS[kind], group_size or cpu_quant.XBLOCK)
 
 
+def ours_takes(kind: str, shape: tuple[int, int], group_size: int) -> bool:
+    """Whether our kernel serves this weight here (so `rows` can look rows up in it)."""
+    return _our_refusal(kind, shape, group_size if kind != INT8 else 0) is None
+
+
 def unsupported(kind: str, shape: tuple[int, int], device: torch.device, dtype: torch.dtype,
                 group_size: int = INT4_GROUP) -> str | None:
     """Why a weight of this shape cannot take this kind here, with activations in `dtype`
@@ -274,6 +279,25 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
         return cpu_quant.unpack(qw.data, qw.scales, BITS[qw.kind]).to(qw.dtype)
     eye = torch.eye(qw.shape[1], dtype=qw.scales.dtype)
     return linear(eye, qw, None).t().contiguous()
+
+
+def can_look_up(qw) -> bool:
+    """Whether `rows` can read this weight's rows (our kernel's layout: an embedding tied to a
+    head served as stored needs no float table)."""
+    return all(part.kernel == OURS for part in getattr(qw, "parts", [qw]))
+
+
+def rows(qw, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight [out, in] (fp32, the values `dequantize` gives), for lookups."""
+    if isinstance(qw, StackedWeight):
+        out, start = torch.empty(len(ids), qw.shape[1]), 0
+        for part in qw.parts:
+            inside = (ids >= start) & (ids < start + part.shape[0])
+            if inside.any():
+                out[inside] = rows(part, ids[inside] - start)
+            start += part.shape[0]
+        return out
+    return cpu_quant.rows(qw.data, qw.scales, BITS[qw.kind], ids)
 
 
 def check_rows(weights: list[QuantizedWeight]) -> str | None:

@@ -110,18 +110,18 @@ class GGUFTensors:
             raise ValueError(f"{hf_name} is {kind}, not one of {tuple(INT8_GROUP_TYPES)}")
         return self._decoded(hf_name, _INT8_DECODERS[kind], rows=rows)
 
-    def dequantized(self, hf_name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantized(self, hf_name: str, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
         """The tensor in `dtype`, as `gguf.quants.dequantize` gives it (then rounded to
-        `dtype`), rows in transformers' order; decoded a slice of rows at a time, so no
-        float32 copy of a large tensor is made on the way to a bf16 one."""
+        `dtype`), rows in transformers' order (`rows`: only those); decoded a slice of rows at
+        a time, so no float32 copy of a large tensor is made on the way to a bf16 one."""
         t = self._tensor(hf_name)
         qtype = t.tensor_type
         if t.tensor_type.name in FLOAT_TYPES:
             decode = lambda raw: (raw.reshape(raw.shape[0], -1).view(FLOAT_TYPES[qtype.name]),)   # noqa: E731
         else:
             decode = lambda raw: (self._gguf.quants.dequantize(raw.reshape(raw.shape[0], -1), qtype),)  # noqa: E731
-        (values,) = self._decoded(hf_name, decode, dtype)
-        return values.reshape(self.shape(hf_name))
+        (values,) = self._decoded(hf_name, decode, dtype, rows=rows)
+        return values.reshape(self.shape(hf_name)) if rows == slice(None) else values
 
     def _decoded(self, hf_name: str, decode, dtype: torch.dtype | None = None,
                  rows: slice = slice(None)) -> tuple[torch.Tensor, ...]:

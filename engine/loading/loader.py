@@ -343,19 +343,18 @@ def awq_gptq_source(folder: Path, checkpoint: Checkpoint) -> AWQGPTQTensors | No
 
 
 def stored_fingerprint(model, quantized) -> str:
-    """weights_fingerprint of the weights as stored; a down projection that is never read in
-    float (served as stored) is dequantized for it, exactly, as weight_dtype float loads it."""
-    from engine.models.eagle_head import weights_fingerprint
-    down = model.layers[-1].mlp.down_proj
-    if not down.weight.is_meta:
+    """weights_fingerprint of the weights as stored; a down projection or an embedding that is
+    never read in float (served as stored) is dequantized for it from the source, exactly, as
+    weight_dtype float loads it (the embedding: only the sampled rows)."""
+    from engine.models.eagle_head import fingerprint_of, weights_fingerprint
+    down, embedding = model.layers[-1].mlp.down_proj, model.embed_tokens.weight
+    if not down.weight.is_meta and not embedding.is_meta:
         return weights_fingerprint(model)
-    saved = down.weight
-    down.weight = torch.nn.Parameter(quantized.dequantized(f"model.layers.{len(model.layers) - 1}.mlp.down_proj.weight"),
-                                     requires_grad=False)
-    try:
-        return weights_fingerprint(model)
-    finally:
-        down.weight = saved
+    down_row = (quantized.dequantized(f"model.layers.{len(model.layers) - 1}.mlp.down_proj.weight")[:1]
+                if down.weight.is_meta else down.weight[:1])
+    rows = (quantized.dequantized("model.embed_tokens.weight", rows=slice(None, None, 997))
+            if embedding.is_meta else embedding[::997])
+    return fingerprint_of(rows, down_row)
 
 
 def gguf_source(folder: Path, hf_config, weight_dtype: str):

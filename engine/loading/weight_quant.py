@@ -136,7 +136,25 @@ def _no_kernel(types: list[str]) -> str | None:
 def served_as_stored(model, weight_dtype: str, device: torch.device, stored, dtype: torch.dtype) -> set[str]:
     """The parameters whose values will come from `stored`'s quantized groups, not from a float
     read (`dtype`: the compute dtype the model is loaded in)."""
-    return {f"{p.name}.weight" for p in plan_linears(model, weight_dtype, device, stored, dtype) if p.as_stored}
+    plans = plan_linears(model, weight_dtype, device, stored, dtype)
+    names = {f"{p.name}.weight" for p in plans if p.as_stored}
+    if any(_embedding_in_head(model, p, stored) for p in plans):
+        names.add("embed_tokens.weight")          # looked up in the head's stored bytes, never read in float
+    return names
+
+
+def _embedding_in_head(model, plan: LinearPlan, stored) -> bool:
+    """Whether the embedding's lookups come from this plan's weight: a head tied to it, served
+    as stored by our kernel (whose rows can be read), so no float table is held."""
+    if plan.name != "lm_head" or not plan.as_stored or model.lm_head.weight is not model.embed_tokens.weight:
+        return False
+    shape = tuple(model.lm_head.weight.shape)
+    for part, source_type in zip(plan.parts, plan.types):
+        kind = STORED_KINDS[source_type]
+        group = stored.int4_group(shape[1]) if kind == INT4 else stored.int8_group(part)
+        if not quantized_linear.ours_takes(kind, shape, group):
+            return False
+    return True
 
 
 def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> WeightReport:
@@ -166,7 +184,10 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> Wei
     for p, qw, forms in chosen:
         why = next((broken[k] for k in _kinds(qw) if k in broken), None)
         if why is None:
-            p.module.quantize(qw, keep_plain=id(p.module.weight) in embeddings)
+            looked_up = _embedding_in_head(model, p, stored) and quantized_linear.can_look_up(qw)
+            p.module.quantize(qw, keep_plain=id(p.module.weight) in embeddings and not looked_up)
+            if looked_up:
+                model.embed_tokens.serve_from(qw)
             served += 1
             for source_type, form in forms.items():
                 report.served.setdefault(source_type, form)
@@ -174,6 +195,8 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> Wei
         # a quantized row would depend on its batch: this linear is served in float instead
         if p.module.weight.is_meta:         # never read in float: its values from the stored groups
             p.module.weight = torch.nn.Parameter(quantized_linear.dequantize(qw).to(dtype), requires_grad=False)
+            if _embedding_in_head(model, p, stored):        # the tied table comes back with it
+                model.embed_tokens.weight = p.module.weight
         report.served[p.source_type] = f"{float_name} (quantized kernels not batch-invariant here: {why})"
     report.quantized = served
     # asked for explicitly (auto does not pick a slow kernel): served, and said

@@ -97,7 +97,14 @@ def weights_fingerprint(model: LlamaFamilyModel) -> str:
     stored = getattr(model, "source_fingerprint", None)     # taken before a quantized load
     if stored is not None:
         return stored
-    rows = [model.embed_tokens.weight[::997], model.layers[-1].mlp.down_proj.dense_weight()[:1]]
+    return fingerprint_of(model.embed_tokens.weight[::997], model.layers[-1].mlp.down_proj.dense_weight()[:1])
+
+
+def fingerprint_of(embedding_rows: torch.Tensor, down_row: torch.Tensor) -> str:
+    """The hash weights_fingerprint takes of its sample: every 997th embedding row and the last
+    layer's down projection's first row (the loader gives them as stored where the model holds
+    them in another form)."""
+    rows = [embedding_rows, down_row]
     h = hashlib.sha256()
     for r in rows:
         h.update(r.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
