@@ -49,6 +49,7 @@ def vllm_server():
         yield server.start()
     finally:
         server.stop()          # never left running: its idle engine loop spins a core
+        server.log.unlink(missing_ok=True)
         os.environ.pop(KEY_ENV, None)
 
 
