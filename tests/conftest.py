@@ -163,3 +163,24 @@ def assert_second_token_follows_the_target(eng, prompt_ids: list[int], requests:
     dof = len(support) - 1                    # chi-square survival function: Q(dof/2, x/2)
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
     assert p_value > 0.001, (observed, expected)
+
+
+def assert_dies_mid_stream(backend, kill) -> None:
+    """A long reply streams; `kill()` stops its server after 5 events: the request ends with a
+    clear ServerDiedError that says the streamed text was kept (the remote backends' tests)."""
+    from engine import SamplingParams
+    from engine.errors import ServerDiedError
+    request = backend.start(chat("Write a very long story about a baker."),
+                            SamplingParams(max_tokens=2000, stop_on_eos=False))
+    transcript = []
+    try:
+        with pytest.raises(ServerDiedError) as info:
+            while not request.finished:
+                transcript.append(request.step().text_delta)
+                if len(transcript) == 5:
+                    kill()
+        assert request.finished
+    finally:
+        request.close()
+    assert len(transcript) >= 5 and all(transcript[:5])
+    assert "stopped in the middle of the reply" in str(info.value) and "kept" in str(info.value)

@@ -9,9 +9,10 @@ import pytest
 
 from engine.backend import Backend, BackendRequest
 from engine.config import SamplingParams
-from engine.errors import ServerAuthError, ServerDiedError, ServerSettingFixedError, UnknownServedModelError
+from engine.errors import ServerAuthError, ServerSettingFixedError, UnknownServedModelError
 from engine.metrics import SERVER, StepEvent
 from engine.remote.server_metrics import parse_samples, read_metrics
+from tests.conftest import assert_dies_mid_stream
 
 K = 4
 GREEDY = SamplingParams(max_tokens=24)
@@ -251,22 +252,11 @@ def test_server_dying_mid_stream_gives_a_clear_error_after_the_streamed_events()
     from engine.remote.backend import RemoteBackend
     server = start_server(metrics=True)
     backend = RemoteBackend(server.url)
-    request = backend.start(chat("Write a very long story about a baker."),
-                            SamplingParams(max_tokens=2000, stop_on_eos=False))
-    transcript = []
     try:
-        with pytest.raises(ServerDiedError) as info:
-            while not request.finished:
-                transcript.append(request.step().text_delta)
-                if len(transcript) == 5:
-                    server.kill()
-        assert request.finished
+        assert_dies_mid_stream(backend, server.kill)
     finally:
-        request.close()
         backend.close()
         server.stop()
-    assert len(transcript) >= 5 and all(transcript[:5])
-    assert "stopped in the middle of the reply" in str(info.value) and "kept" in str(info.value)
 
 
 def test_a_plain_openai_server_gives_totals_only_and_per_step_numbers_stay_missing(spec_server):

@@ -13,10 +13,11 @@ import httpx
 import pytest
 
 from engine.config import SamplingParams
-from engine.errors import ServerAuthError, ServerDiedError, ServerError
+from engine.errors import ServerAuthError, ServerError
 from engine.metrics import SERVER, StepEvent
 from engine.remote import vllm_venv
 from engine.remote.server_metrics import parse_samples, read_metrics
+from tests.conftest import assert_dies_mid_stream
 
 pytestmark = pytest.mark.skipif(
     not vllm_venv.is_built(),
@@ -170,21 +171,8 @@ def test_metrics_names_map_to_the_reading(vllm_server, backend):
 
 def test_server_killed_mid_stream_gives_a_clear_error_and_the_backend_stays_usable(vllm_server, backend):
     """Last: it kills the module's server."""
-    request = backend.start(chat("Write a very long story about a baker."),
-                            SamplingParams(max_tokens=2000, stop_on_eos=False))
-    transcript = []
-    try:
-        with pytest.raises(ServerDiedError) as info:
-            while not request.finished:
-                transcript.append(request.step().text_delta)
-                if len(transcript) == 5:
-                    vllm_server.kill()
-        assert request.finished
-    finally:
-        request.close()
+    assert_dies_mid_stream(backend, vllm_server.kill)
     assert not vllm_server.running
-    assert len(transcript) >= 5 and all(transcript[:5])
-    assert "stopped in the middle of the reply" in str(info.value) and "kept" in str(info.value)
     # the backend lets go of the dead request: the next message gets a clear error, not "busy"
     assert backend.active is None
     with pytest.raises(ServerError, match="cannot reach|stopped|no answer"):
