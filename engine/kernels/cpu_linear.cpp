@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include "cpu_bf16.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,20 +25,8 @@ namespace {
 
 constexpr int64_t NB = 32;
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);   // NaN stays NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using workbench_bf16::bf16_to_float;
+using workbench_bf16::float_to_bf16;
 
 // ---- AVX-512: 2 vectors of 16 columns per row, up to 8 rows at once ----------------------
 template <typename W> __attribute__((target("avx512f"))) inline __m512 load16_512(const W* p);

@@ -26,6 +26,7 @@ from engine.errors import first_line
 
 # one library: this op, and the quantized one (cpu_quant_linear.cpp, engine.kernels.cpu_quant)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_quant_linear.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_bf16.h")]         # part of the build's hash, not compiled alone
 BLOCK = 32                          # output columns per packed block (NB in the source)
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 NEEDS = {"scalar": (), "avx2": ("avx2", "fma"), "avx512": ("avx512f",)}
@@ -48,7 +49,7 @@ FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 @functools.cache
 def build_tag() -> str:
     """The hash of the sources and flags: the build's folder, and part of the CPU probe's key."""
-    return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:12]
+    return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(FLAGS).encode()).hexdigest()[:12]
 
 
 @functools.cache

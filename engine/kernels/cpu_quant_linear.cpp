@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include "cpu_bf16.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -37,20 +38,8 @@ namespace {
 constexpr int64_t COLS = 16, XB = 32;
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {     // round to nearest even, as torch rounds
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);   // NaN stays NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using workbench_bf16::bf16_to_float;
+using workbench_bf16::float_to_bf16;
 
 // ---- activations ---------------------------------------------------------------------------
 struct Rows {
@@ -370,7 +359,8 @@ void run_tiles(Isa isa, const Rows& rows, int64_t M, int64_t t0, int64_t t1, con
   auto at = [&](int64_t t) { return Weight{base.w + t * base.wstride, s0 + t * base.sstride, base.wstride, base.sstride}; };
   int64_t t = t0;
   if (isa == AVX512) {
-    std::vector<uint8_t> scratch(BITS == 4 && M > 4 ? 2 * (rows.K / 32) * 32 * COLS : 0);
+    static thread_local std::vector<uint8_t> scratch;       // each worker thread's decoded tiles
+    scratch.resize(BITS == 4 && M > 4 ? 2 * (rows.K / 32) * 32 * COLS : 0);
     for (; t + 2 <= t1; t += 2) vnni_rows<BITS, S, 2>(rows, M, at(t), y + t * COLS, N, scratch.data());
     for (; t < t1; ++t) vnni_rows<BITS, S, 1>(rows, M, at(t), y + t * COLS, N, scratch.data());
   } else if (isa == AVX2) {
@@ -401,9 +391,16 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   // bf16 in and out without a torch conversion per call (a decode step makes 121 of these calls)
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = scales.contiguous();
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> sx(M * (K / XB)), sxs(M * groups), widened(bf16 ? K : 0);
-  std::vector<int32_t> xsum(M * groups);
+  // per-call buffers, kept by the calling thread: a decode step makes 121 calls
+  static thread_local std::vector<int8_t> xq;
+  static thread_local std::vector<float> sx, sxs, widened, accumulated;
+  static thread_local std::vector<int32_t> xsum;
+  xq.resize(M * K);
+  sx.resize(M * (K / XB));
+  sxs.resize(M * groups);
+  xsum.resize(M * groups);
+  widened.resize(bf16 ? K : 0);
+  accumulated.resize(bf16 ? M * N : 0);
   for (int64_t i = 0; i < M; ++i) {
     const float* xr;
     if (bf16) {
@@ -418,7 +415,6 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   }
   const Rows rows{xq.data(), sx.data(), sxs.data(), xsum.data(), K, group};
   at::Tensor out = at::empty({M, N}, x.options());
-  std::vector<float> accumulated(bf16 ? M * N : 0);
   float* yp = bf16 ? accumulated.data() : out.data_ptr<float>();
   const Weight base{wc.data_ptr<uint8_t>(), sc.data_ptr(), groups * group_bytes(bits, group), groups * 2 * COLS};
   if (M > 0) {
