@@ -391,7 +391,7 @@ class LLMEngine:
         return events + stepped
 
     def warm_compiled_step(self) -> float:
-        """Compile the decode and verify step now (the target's, and the draft's) instead of at
+        """Compile the model's step now (the target's, and the draft's) instead of at
         the first reply that needs it, reporting through the engine's progress; from inductor's
         disk cache this takes seconds, cold about a minute on a small CPU. Returns the seconds
         spent compiling (0.0: the step is eager, or compiled already). Call it when idle."""
@@ -400,19 +400,9 @@ class LLMEngine:
         return sum(runner.warm_compiled() for runner in self.runners())
 
     def _forward(self, work: list["_Work"]) -> list[tuple]:
-        """One pass over every scheduled token: eager and batch-invariant. With `compile = on`,
-        a step whose only work is one decode (or verify) runs the compiled graph instead:
-        faster alone, but its rounding differs from the batched pass (settings() says so). It
-        verifies chains only: while a draft tree is in effect every pass is eager, so a reply
-        never mixes the two roundings."""
-        if not work:
-            return []
-        runner = self.runner
-        if runner.compiled is not None and len(work) == 1 and work[0].decode and self.tree_in_effect() is None:
-            item = work[0].item
-            logits = runner.forward(item.seq, item.tokens, logits_for=item.logits_rows)
-            return [(logits, runner.last_hidden)]
-        return runner.forward_batch([w.item for w in work])
+        """One pass over every scheduled token (compiled where `compile` is on, else eager; a
+        reply never mixes the two), batch-invariant either way."""
+        return self.runner.forward_batch([w.item for w in work]) if work else []
 
     def _prepare(self, scheduled, other_rows: int = 0) -> "_Work":
         """A scheduled request's rows: a prompt chunk, or its last token and drafts to verify

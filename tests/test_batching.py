@@ -40,12 +40,21 @@ def params_for(i: int, sampled: bool) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS[i], stop_on_eos=False)
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# Every pass runs through the compiled step (compile on) or the eager reference (off), never a
+# mix of the two: invariance must hold on each, in fp32 and in bf16 (the CPU's default dtype).
+@pytest.fixture(scope="module", params=[(torch.float32, "off"), (torch.bfloat16, "off"), (torch.float32, "on"),
+                                        (torch.bfloat16, "on")], ids=["fp32", "bf16", "fp32-compiled", "bf16-compiled"])
 def tiny(request, tmp_path_factory):
     from engine.loading.loader import load_model
     from engine.loading.synthetic import write_checkpoint
+    dtype, compile_mode = request.param
     folder = write_checkpoint(tmp_path_factory.mktemp("tiny-batch"), "tiny", seed=0)
-    return load_model(str(folder), dtype=request.param)
+    loaded = load_model(str(folder), dtype=dtype)
+    COMPILE[id(loaded)] = compile_mode
+    return loaded
+
+
+COMPILE: dict[int, str] = {}         # the compile setting each loaded model's engines take
 
 
 # Each linear kernel a CPU may take (conftest.FALLBACKS), forced: batch invariance must hold on
@@ -68,7 +77,7 @@ def tiny_fallback(request, tmp_path_factory):
 
 def engine(loaded, **config) -> LLMEngine:
     config.setdefault("kv_cache_bytes", 8 * 2**20)
-    config.setdefault("compile", "off")
+    config.setdefault("compile", COMPILE.get(id(loaded), "off"))
     return LLMEngine(loaded, EngineConfig(**config), torch.device("cpu"))
 
 
@@ -112,10 +121,17 @@ PRESSURE = dict(num_blocks=12, block_size=16, max_num_batched_tokens=48)
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_eight_concurrent_requests_give_their_solo_tokens(tiny, sampled):
+    _eight_concurrent(tiny, sampled)
+
+
+def _eight_concurrent(tiny, sampled, **config):
     all_prompts = prompts(tiny)
     all_params = [params_for(i, sampled) for i in range(8)]
-    alone = [solo(tiny, p, s) for p, s in zip(all_prompts, all_params)]
-    together, stats = run_together(engine(tiny, **PRESSURE), all_prompts, all_params)
+    alone = [solo(tiny, p, s, **config) for p, s in zip(all_prompts, all_params)]
+    eng = engine(tiny, **PRESSURE, **config)
+    together, stats = run_together(eng, all_prompts, all_params)
+    if COMPILE.get(id(tiny)) == "on":              # every pass of every request ran compiled
+        assert eng.runner.compiled is not None and len(eng.runner.compiled.row_counts) > 3
     assert [together[i] for i in range(8)] == alone
     assert sum(s.preemptions for s in stats.values()) >= 1                 # one was preempted
     assert stats[1].prefix_hit_tokens == 64                                # its shared prefix came from the cache
@@ -124,7 +140,7 @@ def test_eight_concurrent_requests_give_their_solo_tokens(tiny, sampled):
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_on_every_fallback_kernel_concurrent_requests_give_their_solo_tokens(tiny_fallback, sampled):
-    test_eight_concurrent_requests_give_their_solo_tokens(tiny_fallback, sampled)
+    _eight_concurrent(tiny_fallback, sampled)
 
 
 @pytest.mark.parametrize("proposer,extra", [("ngram", {}), ("draft", {"draft_model": "self:1"})])
@@ -141,6 +157,25 @@ def test_the_same_holds_with_each_proposer_on(tiny, proposer, extra, sampled):
     assert sum(s.proposed for s in stats.values()) > 0
     if not sampled:      # greedy speculation is token-identical to plain decoding
         assert alone == [solo(tiny, p, s) for p, s in zip(all_prompts, all_params)]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_the_same_holds_with_an_fp8_cache(tiny, sampled):
+    _eight_concurrent(tiny, sampled, kv_cache_dtype="fp8_e4m3")
+
+
+def test_the_same_holds_with_draft_trees(tiny):
+    """Greedy draft trees (a draft model's, shape 3:4:10): each request's tokens alone, together
+    and without speculation are the same, with a preemption among them."""
+    spec = dict(proposer="draft", draft_model="self:1", num_speculative_tokens=3, draft_tree="3:4:10")
+    all_prompts = prompts(tiny)
+    all_params = [params_for(i, False) for i in range(8)]
+    alone = [solo(tiny, p, s, **spec) for p, s in zip(all_prompts, all_params)]
+    together, stats = run_together(engine(tiny, **PRESSURE, **spec), all_prompts, all_params)
+    assert [together[i] for i in range(8)] == alone
+    assert sum(s.preemptions for s in stats.values()) >= 1
+    assert sum(s.proposed for s in stats.values()) > 0
+    assert alone == [solo(tiny, p, s) for p, s in zip(all_prompts, all_params)]
 
 
 def test_a_prefix_hit_and_a_chunk_boundary_change_nothing(tiny):

@@ -87,7 +87,7 @@ def test_compiled_bf16_step_on_packed_weights_is_lossless_under_speculation(tiny
     eng.reconfigure(proposer="ngram", num_speculative_tokens=4)
     _, speculative, stats = eng.generate_text(prompt, greedy)
     assert speculative == plain
-    assert stats.proposed > 0 and set(eng.runner.compiled.compiled_counts) >= {1, 5}
+    assert stats.proposed > 0 and set(eng.runner.compiled.row_counts) >= {1, 5}
 
 
 def test_cpu_dtype_probe_measures_once_and_survives_a_corrupt_cache(tmp_path, monkeypatch):

@@ -179,4 +179,4 @@ def test_the_compiled_step_serves_int4_weights_as_the_eager_step_does(tiny_folde
     prompt = list(range(3, 30))
     expected = eager.generate_text(prompt, _greedy(10))[1]
     assert compiled.generate_text(prompt, _greedy(10))[1] == expected
-    assert compiled.settings()["compile"] == "on" and compiled.runner.compiled.compiled_counts
+    assert compiled.settings()["compile"] == "on" and compiled.runner.compiled.row_counts

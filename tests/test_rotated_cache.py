@@ -3,6 +3,7 @@ FP8, its prefix-cache key, and a clear error where it cannot apply."""
 import pytest
 import torch
 
+from engine import SamplingParams
 from engine.cache.kv_cache import FP8_DTYPE, CacheShape, KVCache
 from engine.errors import ConfigError
 from engine.layers.rotation import hadamard
@@ -68,12 +69,18 @@ def test_a_head_dim_that_is_not_a_power_of_two_is_refused_by_name():
         KVCache(CacheShape(1, 2, 64), 4, 16, torch.bfloat16, torch.device("cpu"), rotated=True)
 
 
-def test_the_rotated_scheme_is_a_compiled_graph_of_its_own(make_tiny_engine):
-    """Warming for plain FP8 does not count as built for the rotated scheme (its graph rotates)."""
+def test_one_compiled_graph_serves_every_cache_scheme(make_tiny_engine):
+    """The KV dtype never enters the graph (attention is its op): FP8, rotated FP8 and the
+    model's dtype all take the graph built once, and give their own eager tokens."""
     eng = make_tiny_engine(kv_cache_dtype="fp8_e4m3", compile="on")
     eng.warm_compiled_step()
-    assert eng.runner.compiled.is_built(eng.runner.kv)
-    eng.reconfigure(kv_cache_dtype="fp8_e4m3_hadamard")
-    assert not eng.runner.compiled.is_built(eng.runner.kv)
-    eng.warm_compiled_step()
-    assert set(eng.runner.compiled.compile_seconds) == {"fp8_e4m3", "fp8_e4m3_hadamard"}
+    assert eng.runner.compiled.is_built
+    prompt = list(range(5, 40))
+    greedy = SamplingParams(max_tokens=8, stop_on_eos=False)
+    for kv in ("fp8_e4m3_hadamard", "auto"):
+        eng.reconfigure(kv_cache_dtype=kv)
+        assert eng.runner.compiled.is_built and eng.warm_compiled_step() == 0.0
+        events = list(eng.generate(prompt, greedy))
+        assert all(e.compile_s == 0 for e in events)
+        assert [t for e in events for t in e.token_ids] == \
+            make_tiny_engine(kv_cache_dtype=kv, compile="off").generate_text(prompt, greedy)[1]

@@ -98,9 +98,6 @@ class KVCache:
         else:
             self.k_scale = self.v_scale = None
         self._layers = [self._make_layer(i) for i in range(shape.num_layers)]
-        # Every layer's pool as one LayerCache ([L, num_blocks, ...]): write_kv writes all
-        # layers' new K/V with one copy per tensor (the compiled step does).
-        self.all_layers = LayerCache(self.k, self.v, self.k_scale, self.v_scale, rotated)
 
     def layer(self, i: int) -> "LayerCache":
         return self._layers[i]

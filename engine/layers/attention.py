@@ -22,36 +22,22 @@ def encode_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor) -> tuple:
 
 
 def write_kv(cache: LayerCache, encoded: tuple, slot_mapping: torch.Tensor) -> None:
-    """Write encode_kv's output into the given slots. The cache may also be every layer's
-    pool at once ([L, num_blocks, block_size, ...] with encoded [L, N, ...]): one copy per
-    tensor for all layers."""
+    """Write encode_kv's output into the given slots of one layer's pool."""
     k, v, ks, vs = encoded
-    dim = cache.k.dim() - 4                         # 0 for one layer, 1 for all of them
-
-    def flat(pool, tail: int):                      # [..., num_blocks * block_size, *tail dims]
-        return pool.view(*pool.shape[:dim], -1, *pool.shape[pool.dim() - tail:])
     if ks is None:
-        flat(cache.k, 2).index_copy_(dim, slot_mapping, k)
-        flat(cache.v, 2).index_copy_(dim, slot_mapping, v)
+        cache.k.flatten(0, 1).index_copy_(0, slot_mapping, k)
+        cache.v.flatten(0, 1).index_copy_(0, slot_mapping, v)
         return
     # index_copy_ has no FP8 kernel on CPU; copy the raw bytes instead.
-    flat(cache.k, 2).view(torch.uint8).index_copy_(dim, slot_mapping, k.view(torch.uint8))
-    flat(cache.v, 2).view(torch.uint8).index_copy_(dim, slot_mapping, v.view(torch.uint8))
-    flat(cache.k_scale, 1).index_copy_(dim, slot_mapping, ks)
-    flat(cache.v_scale, 1).index_copy_(dim, slot_mapping, vs)
+    cache.k.flatten(0, 1).view(torch.uint8).index_copy_(0, slot_mapping, k.view(torch.uint8))
+    cache.v.flatten(0, 1).view(torch.uint8).index_copy_(0, slot_mapping, v.view(torch.uint8))
+    cache.k_scale.flatten(0, 1).index_copy_(0, slot_mapping, ks)
+    cache.v_scale.flatten(0, 1).index_copy_(0, slot_mapping, vs)
 
 
 def store_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write k, v [N, num_kv_heads, head_dim] into their slots, quantizing if the cache is FP8."""
     write_kv(cache, encode_kv(cache, k, v), slot_mapping)
-
-
-def _decode(cache: LayerCache, encoded: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """encode_kv's output read back as the cache would give it."""
-    k, v, ks, vs = encoded
-    if ks is None:
-        return k.to(dtype), v.to(dtype)
-    return dequantize_fp8(k, ks, dtype), dequantize_fp8(v, vs, dtype)
 
 
 def gather_kv(cache: LayerCache, block_table: torch.Tensor, context_len: int, dtype: torch.dtype):
@@ -266,8 +252,6 @@ def _attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float
         return torch.cat([(_tree_attention if s.tree is not None else _kernel_attention)(
             q[s.start:s.start + s.count], k[s.start:s.start + s.count], v[s.start:s.start + s.count],
             cache, meta, s, scale) for s in meta.seqs])
-    if meta.pending_kv is not None:
-        return _attention_without_store(q, k, v, cache, meta, scale)
     store_kv(cache, k, v, meta.slot_mapping)
     return paged_attention_ref(q, cache, meta, scale)
 
@@ -320,32 +304,3 @@ def one_sequence(meta: AttentionMetadata, s: SeqSlice) -> AttentionMetadata:
     positions = meta.positions[rows]
     return AttentionMetadata(positions, meta.slot_mapping[rows], s.block_table, s.context_len, meta.use_kernels,
                              causal_mask(positions, s.context_len))
-
-
-def _attention_without_store(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The compiled step's attention: the cache is only read (a pure function of it). The
-    new k, v are encoded as the cache stores them, placed at their positions in what was
-    read, and handed back in meta.pending_kv for the caller to write after the pass: the
-    same numbers as storing first and reading back."""
-    encoded = encode_kv(cache, k, v)
-    meta.pending_kv.append(encoded)
-    k_new, v_new = _decode(cache, encoded, q.dtype)
-    k_all, v_all = gather_kv(cache, meta.block_table, meta.context_len, q.dtype)     # [T, H_kv, D]
-    k_all = k_all.index_copy(0, meta.positions, k_new)
-    v_all = v_all.index_copy(0, meta.positions, v_new)
-    return _attention_fusable(q, k_all, v_all, meta.causal_mask, scale)
-
-
-def _attention_fusable(q, k, v, mask, scale: float) -> torch.Tensor:
-    """paged_attention_ref's arithmetic as broadcast products and sums, which inductor fuses
-    with the gather above into a few loops: no matmul calls and no contiguous copies of the
-    transposed keys (those were 3 ms of a 20 ms compiled bf16 decode step on the 2-core CPU).
-    q [N, H_q, D], k, v [T, H_kv, D], mask [N, T]."""
-    n, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    qg = q.view(n, num_kv_heads, num_q_heads // num_kv_heads, 1, head_dim)           # [N, H_kv, G, 1, D]
-    scores = (qg * k.transpose(0, 1)[None, :, None]).sum(-1) * scale              # [N, H_kv, G, T]
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    p = scores.softmax(-1, dtype=torch.float32).to(v.dtype)
-    out = (p[..., None] * v.transpose(0, 1)[None, :, None]).sum(-2)                # [N, H_kv, G, D]
-    return out.reshape(n, num_q_heads, head_dim)

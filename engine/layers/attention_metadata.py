@@ -46,9 +46,6 @@ class AttentionMetadata:
     context_len: int               # tokens in the cache once the new ones are written
     use_kernels: bool = False      # Triton on CUDA; False forces the torch reference
     causal_mask: torch.Tensor | None = None   # [N, T] bool, key j visible to query i; None: all visible
-    # Set by the compiled step: attention leaves the cache untouched and appends each
-    # layer's encoded (k, v, k_scale, v_scale) here, to be written after the pass.
-    pending_kv: list | None = None
     seqs: list[SeqSlice] | None = None       # a batched pass; None: one sequence (the fields above)
     plan: list | None = None                  # the torch path's per-pass layout, built by its first layer
     tree_masks: dict | None = None            # the kernels' tree launches by first row, built by the first layer

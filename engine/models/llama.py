@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.cache.kv_cache import CacheShape, KVCache
 from engine.errors import UnsupportedModelError
-from engine.layers import packed_linear, quantized_linear
+from engine.layers import attention_op, packed_linear, quantized_linear
 from engine.layers.attention import AttentionMetadata, attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -190,8 +190,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.scale = head_dim ** -0.5
+        self.layer_index = 0                 # its place in the stack (the compiled graph's attention op)
 
-    def forward(self, x, cache, meta: AttentionMetadata, rope):
+    def forward(self, x, cache, meta: AttentionMetadata | None, rope):
+        """cache None: inside the compiled step, attention is its op (engine.layers.attention_op)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)              # [N, H_q, D]
@@ -200,7 +202,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = attention(q, k, v, cache, meta, self.scale)          # [N, H_q, D]
+        if cache is None:
+            out = attention_op.paged_attention(q, k, v, self.layer_index, self.scale)
+        else:
+            out = attention(q, k, v, cache, meta, self.scale)      # [N, H_q, D]
         return self.o_proj(out.reshape(n, self.q_size))
 
 
@@ -242,6 +247,8 @@ class LlamaFamilyModel(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim)
                                     for _ in range(config.num_hidden_layers))
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.layer_index = i
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_weights: list[torch.Tensor] = []     # see pack_for_cpu
@@ -273,10 +280,15 @@ class LlamaFamilyModel(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [N] -> final normed hidden states [N, hidden]."""
-        h = self.embed_tokens(input_ids)
-        rope = self.rotary.at(meta.positions, h.dtype)
+        return self.decode_layers(self.embed_tokens(input_ids), meta.positions, kv, meta)
+
+    def decode_layers(self, h: torch.Tensor, positions: torch.Tensor, kv: KVCache | None,
+                      meta: AttentionMetadata | None) -> torch.Tensor:
+        """Embedded inputs [N, hidden] at `positions` -> final normed hidden states. kv None: the
+        compiled step's graph, whose attention op reads the pass from attention_op.serving."""
+        rope = self.rotary.at(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, kv.layer(i), meta, rope)
+            h = layer(h, None if kv is None else kv.layer(i), meta, rope)
         return self.norm(h)
 
     def forward(self, input_ids, kv: KVCache, meta: AttentionMetadata, logits_for: str | int = "last"):
@@ -288,15 +300,7 @@ class LlamaFamilyModel(nn.Module):
         the hidden states feed an EAGLE draft head at no extra cost. logits_for may also be a
         tensor of row indices (a batched pass: each sequence's last rows)."""
         h = self.hidden_states(input_ids, kv, meta)
-        if isinstance(logits_for, torch.Tensor):
-            rows = h.index_select(0, logits_for)
-        elif logits_for == "last":
-            rows = h[-1:]
-        elif isinstance(logits_for, int):
-            rows = h[-logits_for:]
-        else:
-            rows = h
-        return self.logits(rows), h
+        return self.logits(logits_rows(h, logits_for)), h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [N, hidden] -> float32 logits [N, vocab]."""
@@ -399,6 +403,18 @@ class LlamaFamilyModel(nn.Module):
         missing = [k for k in missing if not (k == "lm_head.weight" and self.lm_head.weight is self.embed_tokens.weight)]
         if missing or unexpected:
             raise UnsupportedModelError(f"weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def logits_rows(h: torch.Tensor, logits_for) -> torch.Tensor:
+    """The rows of h [N, hidden] that get logits: the last ("last"), the last n (int), all
+    ("all"), or those a tensor of row indices names (a batched pass: each sequence's last rows)."""
+    if isinstance(logits_for, torch.Tensor):
+        return h.index_select(0, logits_for)
+    if logits_for == "last":
+        return h[-1:]
+    if isinstance(logits_for, int):
+        return h[-logits_for:]
+    return h
 
 
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -1,28 +1,29 @@
-"""The decode and verify step, compiled: torch.compile over the paged cache (gpt-fast's way).
+"""One compiled step for every pass: prefill chunks, decodes, chains, trees, and any mix of them.
 
-One graph serves decode and verify: the row count (2..17; a decode step runs as two identical
-rows, see CompiledStep.__call__), the context and the pool's size are dynamic dimensions, so
-neither a growing chat nor a new k recompiles. Whatever the compiler needs is arranged outside
-the compiled function: the block table is padded to at least MIN_TABLE_BLOCKS (a size-1
-dimension would be specialised; on CUDA it grows in buckets, one CUDA graph each), the mask
-hides padding and the future, and the slots are computed on the host. Prefill (many tokens,
-run once per reply) stays eager. A new KV dtype (FP8 on or off) compiles once more.
+vLLM's piecewise compilation at our size. The model's layers are traced once by torch.compile
+with a dynamic token dimension; attention is the op the graph is split at
+(engine.layers.attention_op), one call per layer that stores the new K/V and attends over
+the paged cache with the batch-invariant torch path (or the Triton kernels on CUDA). The
+pieces between attention calls are row-wise (linears, norms, RoPE, the MLP), so a row's
+result cannot depend on the other rows of the pass, and every pass of every request, of any
+row count, takes this one graph: batch invariance holds compiled against compiled. The eager
+pass stays the reference (tests compare within a tolerance) and is never mixed into a reply.
 
-On the CPU the linear layers call oneDNN on weights packed once at load (engine.layers.packed_linear,
-through a custom op), so the weights are graph inputs, not constants: inductor's FX graph
-cache, kept in the user cache folder, then serves every later process. The eager path is the
-reference; the `compile` setting (off / on / auto) picks between them, and a compiled step
-that fails (compiling, or CUDA graph capture) hands over to it with the reason in settings().
+Whatever the compiler needs is arranged outside the compiled function: the token embedding
+is looked up eagerly (a quantized table is read on the host), rows are padded to at least 2
+(Dynamo specialises sizes 0 and 1; the padding repeats the last row and is dropped), the
+attention metadata (masks, tiles, tables) is built on the host once per pass, and the K/V
+dtype, the pool and the block tables never enter the graph: one graph per model serves every
+KV dtype, context and batch.
 
-Measured on the 2-core CPU (SmolLM2-135M, bf16, 2 threads, one run): eager about 38 tok/s,
-compiled 41-48 (noisy machine); compiling takes 57-60 s on a cold cache and 8-10 s from the
-disk cache. 73 % of a compiled step is oneDNN's matrix-vector products, which read bf16
-weights at 15-22 GB/s here. fp32 gains about 1.1x from compiling. `auto` compiles on
-CUDA only: on the CPU the compiled step serves one request at a time and rounds unlike the
-batched pass (batch invariance), so `on` asks for it there.
+On the CPU the linear layers call our kernels or oneDNN through custom ops that name packed
+weights by index (engine.layers.packed_linear), so inductor's FX graph cache, kept in the user
+cache folder, serves every later process. On CUDA the step records CUDA graphs of the pieces
+between attention calls (inductor's graph partitioning around the cudagraph-unsafe attention
+op), one per token-count bucket (CUDA_TOKEN_BUCKETS, vLLM's capture sizes).
 
-A compile is built before it is timed: the app warms the step at load (ModelRunner.warm_compiled,
-with progress), and a call that compiles anyway (a new KV dtype, a recompile) is counted in
+The graph is built before it is timed: the app warms it at load (ModelRunner.warm_compiled,
+with progress), and a call that compiles anyway (a recompile) is counted in
 `untaken_compile_s`, which the engine puts on the step's event (`compile_s`) so that
 engine.metrics keeps the step out of decode speed.
 """
@@ -32,36 +33,27 @@ import functools
 import os
 import shutil
 import time
-import weakref
 from pathlib import Path
 
 import torch
 
-from engine.config import MAX_SPEC_TOKENS
 from engine.errors import first_line
-from engine.layers import packed_linear
-from engine.layers.attention import write_kv
-from engine.layers.attention_metadata import AttentionMetadata, pass_positions
+from engine.layers import attention_op, packed_linear
+from engine.models.llama import logits_rows
 
-MAX_COMPILED_TOKENS = MAX_SPEC_TOKENS + 1
-MIN_TABLE_BLOCKS = 2
-# CUDA graphs record one graph per shape, so on CUDA the block table grows in buckets of this
-# many blocks (one recording per 256 tokens at block size 16, not one per block); the CPU
-# graph is shape-generic, and padding would only add masked reads there.
-TABLE_BUCKET_BLOCKS = {"cuda": 16}
+MIN_ROWS = 2
+# Token counts CUDA graphs are recorded for (vLLM's capture sizes up to 512): a pass is padded
+# to the next one; past the last it runs in the compiled graph without CUDA graphs.
+CUDA_TOKEN_BUCKETS = (2, 4, 8) + tuple(range(16, 257, 16)) + tuple(range(288, 513, 32))
 
 
-def wanted(mode: str, device: torch.device, dtype: torch.dtype, use_kernels: bool) -> tuple[bool, str]:
-    """(compile?, why) for the `compile` setting."""
+def wanted(mode: str, device: torch.device) -> tuple[bool, str]:
+    """(compile?, why) for the `compile` setting: `auto` and `on` compile wherever the compiler runs."""
     if mode == "off":
         return False, "off"
     missing = compiler_refusal(device.type)
     if missing:
         return False, f"off: {missing}"
-    if use_kernels:
-        return False, "off: the Triton kernels run eagerly"
-    if mode == "auto" and device.type == "cpu":
-        return False, "off (auto: the compiled step serves one request at a time and is not batch-invariant)"
     return True, "on" if mode == "on" else "on (auto)"
 
 
@@ -84,99 +76,108 @@ def compiler_refusal(device_type: str) -> str | None:
 def configure_compiler(cache_dir: Path) -> None:
     """Inductor settings for inference, and its on-disk cache in our cache folder unless the
     user chose one (importing torch._dynamo already sets the variable to torch's /tmp default,
-    which a reboot may wipe, so that value is replaced)."""
+    which a reboot may wipe, so that value is replaced). Duck shaping is off: two dynamic
+    sizes that happen to be equal at the first call (rows and logits rows) must not be
+    assumed equal ever after. Past dynamo's recompile limit (a graph per model architecture,
+    dtype and weight format) it would run the function eagerly without a word, mixing
+    roundings in a reply: it raises instead, and the runner goes eager and says why."""
     import torch._dynamo
     import torch._inductor.config as inductor
+    import torch.fx.experimental._config as fx_config
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor")
     inductor.fx_graph_cache = True
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * MAX_COMPILED_TOKENS)
+    inductor.graph_partition = True             # CUDA graphs around the attention op
+    fx_config.use_duck_shape = False
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+class _ModelGraph:
+    """A model's compiled pass, shared by every runner (and engine) serving that model."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.model = model
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        self.compiled = torch.compile(self._forward, mode=mode, fullgraph=True)
+        self.compile_s: float | None = None            # the first call's seconds, once built
+
+    def _forward(self, h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
+        hidden = self.model.decode_layers(h, positions, None, None)
+        return self.model.logits(logits_rows(hidden, rows)), hidden
+
+
+def model_graph(model: torch.nn.Module, device: torch.device) -> _ModelGraph:
+    graph = model.__dict__.get("_workbench_graph")
+    if graph is None:
+        graph = model.__dict__["_workbench_graph"] = _ModelGraph(model, device)
+    return graph
 
 
 class CompiledStep:
-    """Calls the model's forward through torch.compile for N <= MAX_COMPILED_TOKENS tokens."""
+    """Runs a pass (ModelRunner.forward_batch's ids, metadata and logits rows) through the model's graph."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, progress=None):
-        self.model, self.block_size, self.device = model, block_size, device
+    def __init__(self, model: torch.nn.Module, device: torch.device, progress=None):
+        self.model, self.device = model, device
         self.progress = progress or (lambda message, fraction: None)
         from engine.loading.loader import cache_dir
         configure_compiler(cache_dir())
-        mode = "reduce-overhead" if device.type == "cuda" else None     # CUDA graphs on CUDA
-        self._compiled = torch.compile(self._forward, mode=mode, fullgraph=True)
-        self.compiled_counts: set[int] = set()       # token counts already run compiled (this process)
-        # Seconds of the first call per KV dtype: the compiles (a new KV dtype compiles again).
-        self.compile_seconds: dict[str, float] = {}
-        # Seconds of the calls that compiled (a first call, or a recompile dynamo made), not yet
+        self.graph = model_graph(model, device)
+        self.row_counts: set[int] = set()        # pass sizes run compiled by this runner (tests read it)
+        # Seconds of the calls that compiled (the first, or a recompile dynamo made), not yet
         # taken by take_compile_s: the engine marks the step and keeps it out of decode speed.
         self.untaken_compile_s = 0.0
-        self.table_bucket = TABLE_BUCKET_BLOCKS.get(device.type, 1)
-        self._dynamic_pool = lambda: None            # weakref to the pool whose block dimension is marked
+        self._compiled = self.graph.compiled          # per runner: tests replace it to make a step fail
 
-    def _forward(self, ids, kv, positions, slots, table, mask, logits_for):
-        """A pure function of the cache: it reads the pool and returns the new K/V (writing the
-        pool inside the graph made inductor copy the whole pool every step)."""
-        meta = AttentionMetadata(positions, slots, table, table.shape[0] * self.block_size, False, mask, [])
-        out = self.model.forward_with_hidden(ids, kv, meta, logits_for)
-        # Every layer's new K/V (and FP8 scales) stacked, [L, N, ...]: written in one copy each.
-        return out, [None if parts[0] is None else torch.stack(parts) for parts in zip(*meta.pending_kv)]
-
-    def __call__(self, ids: list[int], kv, start: int, block_table: list[int], logits_for) -> tuple:
-        """(logits as ModelRunner.forward gives them, final hidden states [N, hidden]).
-
-        One graph serves decode and verify: a decode step runs as a 2-row pass whose second row
-        repeats the first (same token, same position; its K/V are not written). Inductor
-        computes a row the same way whatever the row count, but a graph specialised to one
-        row fuses and rounds differently, and in bf16 that flipped near-tied greedy tokens
-        between plain and speculative decoding. The extra row costs little (a 2-row pass
-        reads the same weights) and halves the compile time."""
-        n, bs = len(ids), self.block_size
-        rows = max(n, 2)
-        padded = max(MIN_TABLE_BLOCKS, -(-len(block_table) // self.table_bucket) * self.table_bucket)
-        blocks = block_table + [block_table[0]] * (padded - len(block_table))      # masked out
-        positions, table, slots = pass_positions(start, n, blocks, bs, self.device)
-        if rows > n:
-            positions, slots, ids = positions.repeat(rows), slots.repeat(rows), ids * rows
-        mask = torch.arange(len(blocks) * bs, device=self.device)[None, :] <= positions[:, None]   # [rows, T]
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        # Dynamic dimensions: one graph for every row count, context and pool size, and a disk
-        # cache key that does not depend on which came first.
-        for t, dim in ((table, 0), (mask, 1), (ids_t, 0), (positions, 0), (slots, 0), (mask, 0)):
-            torch._dynamo.mark_dynamic(t, dim)
-        if kv is not self._dynamic_pool():                   # once per pool, not per step
-            for pool in (kv.k, kv.v, kv.k_scale, kv.v_scale):
-                if pool is not None and pool.shape[1] > 1:  # a size-1 dimension is always specialised
-                    torch._dynamo.mark_dynamic(pool, 1)
-            self._dynamic_pool = weakref.ref(kv)             # a released pool must be freed
-        dtype = kv.name              # the scheme: the rotated FP8 cache is a graph of its own
-        first = dtype not in self.compile_seconds
+    def __call__(self, ids: torch.Tensor, kv, meta, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 logits of `rows` [R, V], final hidden states [N, hidden]) for the pass whose
+        token ids [N] and attention metadata are given; the new K/V are stored by the pass."""
+        n, r = ids.shape[0], rows.shape[0]
+        padded = padded_rows(n, self.device)
+        h = self.model.embed_tokens(ids)
+        positions = meta.positions
+        if padded > n:
+            h = torch.cat([h, h[-1:].expand(padded - n, -1)])
+            positions = torch.cat([positions, positions[-1:].expand(padded - n)])
+        if r < MIN_ROWS:
+            rows = torch.cat([rows, rows.new_zeros(MIN_ROWS - r)])
+        for t in (h, positions, rows):
+            torch._dynamo.mark_dynamic(t, 0)
+        first = self.graph.compile_s is None
         if first:
-            self.progress("compiling the decode and verify step (about a minute the first time on a small "
-                          "CPU; seconds from the disk cache)…", 0.0)
+            self.progress("compiling the model's step (about a minute the first time on a small CPU; "
+                          "seconds from the disk cache)…", 0.0)
         graphs_before = compiled_graphs()
         t0 = time.perf_counter()
         packed_linear.use(self.model.packed_weights)
-        (logits, hidden), new_kv = self._compiled(ids_t, kv, positions, slots, table, mask, "all")
-        # Written after the graph, all layers at once; the repeated row of a decode step is not.
-        write_kv(kv.all_layers, tuple(None if x is None else x[:, :n] for x in new_kv), slots[:n])
-        self.compiled_counts.add(n)
+        with attention_op.serving(kv, meta):
+            logits, hidden = self._compiled(h, positions, rows)
+        self.row_counts.add(n)
         if first or compiled_graphs() != graphs_before:
             self.untaken_compile_s += time.perf_counter() - t0
         if first:
-            self.compile_seconds[dtype] = time.perf_counter() - t0
-            self.progress(f"compiled the decode and verify step in {self.compile_seconds[dtype]:.0f} s", 1.0)
-        keep = 1 if logits_for == "last" else logits_for
-        return logits[n - keep:n], hidden[:n]
+            self.graph.compile_s = time.perf_counter() - t0
+            self.progress(f"compiled the model's step in {self.graph.compile_s:.0f} s", 1.0)
+        return logits[:r], hidden[:n]
 
-    def is_built(self, kv) -> bool:
-        """Whether a graph for this pool's KV scheme was compiled already (in this process)."""
-        return kv.name in self.compile_seconds
+    @property
+    def is_built(self) -> bool:
+        """Whether the model's graph was compiled already (in this process)."""
+        return self.graph.compile_s is not None
 
     def take_compile_s(self) -> float:
         """Seconds spent in calls that compiled since the last time this was asked."""
         seconds, self.untaken_compile_s = self.untaken_compile_s, 0.0
         return seconds
+
+
+def padded_rows(n: int, device: torch.device) -> int:
+    """Rows the graph runs for an n-token pass: at least MIN_ROWS; on CUDA the next bucket."""
+    if device.type == "cuda":
+        return next((b for b in CUDA_TOKEN_BUCKETS if b >= max(n, MIN_ROWS)), n)
+    return max(n, MIN_ROWS)
 
 
 def compiled_graphs() -> int:

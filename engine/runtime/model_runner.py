@@ -13,7 +13,7 @@ from engine.cache.kv_cache import FP8_DTYPE, KVCache, is_rotated, resolve_kv_dty
 from engine.cache.memory_plan import plan_memory
 from engine.config import EngineConfig
 from engine.errors import first_line
-from engine.layers.attention import AttentionMetadata, causal_mask
+from engine.layers.attention import AttentionMetadata
 from engine.layers.attention_metadata import SeqSlice, TreeRows, pass_positions, tree_pass_positions
 from engine.loading.loader import LoadedModel
 from engine.models.llama import rope_identity
@@ -78,22 +78,22 @@ class ModelRunner:
         self.set_compile(config.compile)
 
     def set_compile(self, mode: str) -> None:
-        """Use the compiled decode/verify step (engine.runtime.compiled_step) or the eager reference.
-        Once compiling or running it has failed, this runner stays eager and says why."""
-        on, self.compile_state = compiled_step.wanted(mode, self.device, self.model_dtype, self.use_kernels)
+        """Run every pass through the compiled step (engine.runtime.compiled_step) or the eager
+        reference. Once compiling or running it has failed, this runner stays eager and says why."""
+        on, self.compile_state = compiled_step.wanted(mode, self.device)
         if on and self.compile_error is not None:
             on, self.compile_state = False, self.compile_error
         if not on:
             self.compiled = None
-        elif self.compiled is None or self.compiled.block_size != self.kv.block_size:
-            self.compiled = compiled_step.CompiledStep(self.model, self.kv.block_size, self.device, self.progress)
+        elif self.compiled is None:
+            self.compiled = compiled_step.CompiledStep(self.model, self.device, self.progress)
 
     def warm_compiled(self) -> float:
         """Run the compiled step once on a scratch one-token sequence, so that it compiles now
         (reporting through `progress`) and not inside a timed reply. Returns the seconds that
         call spent compiling (0.0: eager, or compiled already). Nothing is left behind: the
         scratch blocks are freed without entering the prefix cache."""
-        if self.compiled is None or self.compiled.is_built(self.kv):
+        if self.compiled is None or self.compiled.is_built:
             return 0.0
         seq = self.start([0])
         try:
@@ -108,8 +108,8 @@ class ModelRunner:
         return self.compiled.take_compile_s() if self.compiled is not None else 0.0
 
     def _compile_failed(self, error: Exception) -> None:
-        """The compiled step is a pure function of the pool (its K/V are written after the
-        graph), so a failed call left nothing behind: the pass is simply run eagerly."""
+        """A failed call may have stored some layers' K/V: the eager pass stores them again, in
+        the same slots, so the pass is simply run eagerly."""
         self.compile_error = (f"off: the compiled step failed ({type(error).__name__}: {first_line(error)}); "
                               "running eagerly")
         self.compile_state, self.compiled = self.compile_error, None
@@ -145,37 +145,25 @@ class ModelRunner:
         seq.num_computed = min(seq.num_computed, num_computed)
         self.blocks.truncate(seq, seq.num_computed)
 
-    @torch.inference_mode()
     def forward(self, seq: RunnerSeq, new_tokens: list[int], logits_for: str | int = "last") -> torch.Tensor:
-        """Feed new_tokens at positions num_computed.. Returns float32 logits; the final hidden
-        states of the new tokens are left in self.last_hidden [N, hidden] (an EAGLE head reads them).
-        Blocks are not registered in the prefix cache here: the caller commits once it
-        knows which tokens are final (speculative tokens may be rolled back)."""
-        start, n = seq.num_computed, len(new_tokens)
-        self.blocks.ensure_capacity(seq, start + n)
-        if self.compiled is not None and n <= compiled_step.MAX_COMPILED_TOKENS and logits_for != "all":
-            try:
-                logits, self.last_hidden = self.compiled(new_tokens, self.kv, start, seq.block_table, logits_for)
-            except Exception as error:      # compiling, or CUDA graph capture, failed: eager from now on
-                self._compile_failed(error)
-            else:
-                seq.num_computed = start + n
-                return logits
-        positions, table, slots = pass_positions(start, n, seq.block_table, self.kv.block_size, self.device)
-        # Built once per pass, shared by every layer (the kernels mask by positions themselves).
-        mask = None if self.use_kernels else causal_mask(positions, start + n)
-        meta = AttentionMetadata(positions, slots, table, start + n, self.use_kernels, mask)
-        ids = torch.tensor(new_tokens, dtype=torch.int64, device=self.device)
-        logits, self.last_hidden = self.model.forward_with_hidden(ids, self.kv, meta, logits_for)
-        seq.num_computed = start + n
+        """Feed new_tokens at positions num_computed.. (a pass of one sequence, forward_batch's
+        path). Returns float32 logits of the last token ("last"), the last n (int) or all
+        ("all"); the final hidden states of the new tokens are left in self.last_hidden
+        [N, hidden] (an EAGLE head reads them). Blocks are not registered in the prefix cache
+        here: the caller commits once it knows which tokens are final (speculative tokens may
+        be rolled back)."""
+        n = len(new_tokens)
+        rows = 1 if logits_for == "last" else n if logits_for == "all" else logits_for
+        (logits, self.last_hidden), = self.forward_batch([PassItem(seq, list(new_tokens), rows)])
         return logits
 
     @torch.inference_mode()
     def forward_batch(self, items: list[PassItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One eager forward pass over every item's new tokens: flattened ids and positions,
-        each sequence's own block table and context. Returns per item (float32 logits of its
-        last logits_rows rows [logits_rows, V], final hidden states of its new tokens [n, hidden]).
-        A row's numbers do not depend on the other items (layers.attention, layers.packed_linear)."""
+        """One forward pass over every item's new tokens: flattened ids and positions, each
+        sequence's own block table and context, through the compiled step where it is on (else
+        the eager reference). Returns per item (float32 logits of its last logits_rows rows
+        [logits_rows, V], final hidden states of its new tokens [n, hidden]). A row's numbers
+        do not depend on the other items (layers.attention, layers.packed_linear)."""
         slices, positions, slots, ids, wanted = [], [], [], [], []
         row = 0
         for item in items:
@@ -199,13 +187,21 @@ class ModelRunner:
                                  self.use_kernels, None, seqs=slices)
         ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
         rows_t = torch.tensor(wanted, dtype=torch.int64, device=self.device)
-        logits, hidden = self.model.forward_with_hidden(ids_t, self.kv, meta, rows_t)
+        logits, hidden = self._pass(ids_t, meta, rows_t)
         out, used = [], 0
         for item, s in zip(items, slices):
             item.seq.num_computed += s.count
             out.append((logits[used:used + item.logits_rows], hidden[s.start:s.start + s.count]))
             used += item.logits_rows
         return out
+
+    def _pass(self, ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor) -> tuple:
+        if self.compiled is not None:
+            try:
+                return self.compiled(ids, self.kv, meta, rows)
+            except Exception as error:      # compiling, or CUDA graph capture, failed: eager from now on
+                self._compile_failed(error)
+        return self.model.forward_with_hidden(ids, self.kv, meta, rows)
 
     @torch.inference_mode()
     def compact(self, seq: RunnerSeq, start: int, rows: list[int]) -> None:

@@ -1,0 +1,62 @@
+"""Attention as one opaque op of a compiled graph (vLLM's piecewise compilation).
+
+The compiled step (engine.runtime.compiled_step) traces the whole pass with a dynamic token
+dimension. Everything between two attention calls is row-wise (linears, norms, RoPE, the
+MLP), so a row's result cannot depend on its neighbours. Attention is where rows meet the
+cache and each other: it stays out of the graph as `workbench::paged_attention(q, k, v,
+layer, scale)`, one call per layer, which stores the new K/V and attends over the paged cache
+through engine.layers.attention (the torch path's batch-invariant arithmetic, or the Triton
+kernels on CUDA), reading the pass's pool and metadata from `serving` (per thread: the GUI
+process runs the engine on a worker thread). On CUDA the op is tagged cudagraph-unsafe, so
+inductor records CUDA graphs of the pieces between attention calls (graph partitioning).
+
+The graph may be given more rows than the pass has (a 1-row pass runs as 2: Dynamo
+specialises sizes 0 and 1); the op attends the pass's rows and repeats the last for the rest.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from engine.layers.attention import attention
+from engine.layers.attention_metadata import AttentionMetadata
+
+_pass = threading.local()
+
+
+@contextlib.contextmanager
+def serving(kv, meta: AttentionMetadata):
+    """The pool and metadata the op's calls inside the block read (one pass)."""
+    before = getattr(_pass, "current", None)
+    _pass.current = (kv, meta)
+    try:
+        yield
+    finally:
+        _pass.current = before
+
+
+def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    current = getattr(_pass, "current", None)
+    if current is None:
+        raise RuntimeError("workbench::paged_attention ran outside attention_op.serving (no pass to attend in)")
+    kv, meta = current
+    n = meta.positions.shape[0]
+    out = attention(q[:n], k[:n], v[:n], kv.layer(layer), meta, scale)
+    if q.shape[0] > n:                                   # padding rows repeat the last real one
+        out = torch.cat([out, out[-1:].expand(q.shape[0] - n, *out.shape[1:])])
+    return out
+
+
+def _paged_attention_shape(q, k, v, layer, scale):
+    return torch.empty_like(q)
+
+
+_LIBRARY = torch.library.Library("workbench", "FRAGMENT")
+_LIBRARY.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor",
+                tags=(torch.Tag.cudagraph_unsafe,))
+for _key in ("CPU", "CUDA"):
+    _LIBRARY.impl("paged_attention", _paged_attention, _key)
+torch.library.register_fake("workbench::paged_attention", _paged_attention_shape, lib=_LIBRARY)
+paged_attention = torch.ops.workbench.paged_attention.default
