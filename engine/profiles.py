@@ -125,6 +125,13 @@ def read_profile(path: str | os.PathLike) -> SessionProfile:
     return SessionProfile.from_json_dict(data, source=str(path))
 
 
+def find_profile(name_or_path: str | os.PathLike, store: "ProfileStore | None" = None) -> tuple[SessionProfile, Path]:
+    """A profile by name (the user's saved ones, then the built-ins) or by path, and its file:
+    a script's look-up, which leaves the user's recent list as it was."""
+    path = (store or ProfileStore()).locate(name_or_path)
+    return read_profile(path), path
+
+
 def write_json_atomic(path: Path, data) -> None:
     """Write to a temp file in the same folder, then os.replace: readers see old or new, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -187,7 +194,8 @@ class ProfileStore:
         builtin = builtin_profiles().get(text)
         if builtin is not None:
             return builtin
-        raise ProfileError(f"no profile named {text!r} in {self.profiles_dir} or the built-in profiles")
+        raise ProfileError(f"no profile named {text!r} in {self.profiles_dir} or the built-in profiles "
+                           f"({', '.join(builtin_profiles())}); give one of those or a profile file's path")
 
     def delete(self, name: str) -> None:
         path = self.path_for(name)

@@ -21,14 +21,16 @@ torch.manual_seed(0)
 #     8-bit groups are dequantized;
 #   "quant-avx2": ours on its AVX2 path (vpmaddubsw), forced on an AVX-512 VNNI CPU;
 #   "quant-refused": neither runs, so quantized weights are served as float.
+# The FP8 cache read (engine.kernels.cpu_fp8):
+#   "fp8-refused": our FP8 cache read did not build: torch's index_select and dequantize serve.
 FALLBACKS = ("ours-refused", "onednn-refused", "both-refused", "row-tiles", "avx2",
-             "quant-ours-refused", "quant-avx2", "quant-refused")
+             "quant-ours-refused", "quant-avx2", "quant-refused", "fp8-refused")
 
 
 @contextlib.contextmanager
 def forced_fallback(name: str | None):
     from engine import cpu_features
-    from engine.kernels import cpu_linear, cpu_quant
+    from engine.kernels import cpu_fp8, cpu_linear, cpu_quant
     from engine.layers import packed_linear, quantized_linear
     ours_refused = lambda: "our CPU linear refused (forced by a test)"                       # noqa: E731
     onednn_refused = lambda dtype: "oneDNN refused this dtype (forced by a test)"            # noqa: E731
@@ -52,6 +54,8 @@ def forced_fallback(name: str | None):
             if cpu_quant.refusal() or not all(f in cpu_features.flags() for f in cpu_quant.NEEDS["avx2"]):
                 pytest.skip(f"our quantized linear does not run here: {cpu_quant.refusal()}")
             mp.setitem(cpu_quant._chosen, "isa", "avx2")
+        elif name == "fp8-refused":
+            mp.setattr(cpu_fp8, "refusal", lambda: "our FP8 cache read refused (forced by a test)")
         elif name is not None and name not in FALLBACKS:
             raise ValueError(f"no fallback {name!r}; known: {FALLBACKS}")
         yield

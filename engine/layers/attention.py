@@ -8,6 +8,7 @@ import torch
 
 from engine.layers.attention_metadata import AttentionMetadata, SeqSlice, causal_mask  # noqa: F401 (re-exported)
 from engine.cache.kv_cache import LayerCache, dequantize_fp8, quantize_fp8
+from engine.kernels import cpu_fp8
 from engine.layers.rotation import hadamard
 
 
@@ -43,11 +44,9 @@ def store_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
 def gather_kv(cache: LayerCache, block_table: torch.Tensor, context_len: int, dtype: torch.dtype):
     """Read one sequence's keys and values, dequantized: 2 x [context_len, H_kv, D]."""
     def read(values, scales):
-        x = values.index_select(0, block_table).flatten(0, 1)[:context_len]
         if scales is None:
-            return x.to(dtype)
-        s = scales.index_select(0, block_table).flatten(0, 1)[:context_len]
-        return dequantize_fp8(x, s, dtype)
+            return values.index_select(0, block_table).flatten(0, 1)[:context_len].to(dtype)
+        return cpu_fp8.gather(values, scales, block_table, dtype).flatten(0, 1)[:context_len]
     return read(cache.k, cache.k_scale), read(cache.v, cache.v_scale)
 
 
@@ -164,14 +163,14 @@ def _gather(cache: LayerCache, group: _Group, dtype: torch.dtype):
     """The group's keys and values, dequantized, padded to whole key tiles: 2 x [B, T, H_kv, D]."""
     b = group.rows.shape[0]
 
-    def pick(pool):                 # by whole blocks, or key by key (a tree's rows)
-        rows = pool.index_select(0, group.table) if group.slots is None else \
-            pool.flatten(0, 1).index_select(0, group.slots)
-        return rows.view(b, group.keys, *pool.shape[2:])
+    def rows(pool):                 # by whole blocks, or key by key (a tree's rows)
+        return pool if group.slots is None else pool.flatten(0, 1)
+    index = group.table if group.slots is None else group.slots
 
     def read(values, scales):
-        x = pick(values)
-        return x.to(dtype) if scales is None else dequantize_fp8(x, pick(scales), dtype)
+        x = rows(values).index_select(0, index).to(dtype) if scales is None else \
+            cpu_fp8.gather(rows(values), rows(scales), index, dtype)
+        return x.view(b, group.keys, *values.shape[2:])
     return read(cache.k, cache.k_scale), read(cache.v, cache.v_scale).masked_fill(group.unwritten, 0)
 
 
