@@ -232,7 +232,7 @@ class LLMEngine:
     def paths(self) -> dict[str, str]:
         """Which kernel path serves each part of a step here, and why (engine.runtime.cpu_paths)."""
         return cpu_paths.describe(self.device, self.runner.model_dtype, self.dtype_why, self.runner.compile_state,
-                                  self.runner.kernels_state)
+                                  self.runner.attention_state)
 
     def plain_step_key(self) -> tuple:
         """What changes a plain decode step's time (the proposer does not)."""

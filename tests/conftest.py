@@ -24,13 +24,14 @@ torch.manual_seed(0)
 # The FP8 cache read (engine.kernels.cpu_fp8):
 #   "fp8-refused": our FP8 cache read did not build: torch's index_select and dequantize serve.
 FALLBACKS = ("ours-refused", "onednn-refused", "both-refused", "row-tiles", "avx2",
-             "quant-ours-refused", "quant-avx2", "quant-refused", "fp8-refused")
+             "quant-ours-refused", "quant-avx2", "quant-refused", "fp8-refused", "attention-refused",
+             "attention-scalar")
 
 
 @contextlib.contextmanager
 def forced_fallback(name: str | None):
     from engine import cpu_features
-    from engine.kernels import cpu_fp8, cpu_linear, cpu_quant
+    from engine.kernels import cpu_attention, cpu_fp8, cpu_linear, cpu_quant
     from engine.layers import packed_linear, quantized_linear
     ours_refused = lambda: "our CPU linear refused (forced by a test)"                       # noqa: E731
     onednn_refused = lambda dtype: "oneDNN refused this dtype (forced by a test)"            # noqa: E731
@@ -56,6 +57,10 @@ def forced_fallback(name: str | None):
             mp.setitem(cpu_quant._chosen, "isa", "avx2")
         elif name == "fp8-refused":
             mp.setattr(cpu_fp8, "refusal", lambda: "our FP8 cache read refused (forced by a test)")
+        elif name == "attention-refused":
+            mp.setattr(cpu_attention, "refusal", lambda: "our CPU attention refused (forced by a test)")
+        elif name == "attention-scalar":
+            mp.setitem(cpu_attention._forced, "isa", "scalar")
         elif name is not None and name not in FALLBACKS:
             raise ValueError(f"no fallback {name!r}; known: {FALLBACKS}")
         yield

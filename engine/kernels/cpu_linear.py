@@ -24,9 +24,11 @@ import torch.nn.functional as F
 from engine import cpu_features
 from engine.errors import first_line
 
-# one library: this op, the quantized one (cpu_quant_linear.cpp, engine.kernels.cpu_quant) and
-# the FP8 cache read (cpu_fp8.cpp, engine.kernels.cpu_fp8)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_quant_linear.cpp", "cpu_fp8.cpp")]
+# one library: this op, the quantized one (cpu_quant_linear.cpp, engine.kernels.cpu_quant), the
+# FP8 cache read (cpu_fp8.cpp, engine.kernels.cpu_fp8) and paged attention (cpu_attention.cpp,
+# engine.kernels.cpu_attention)
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_linear.cpp", "cpu_quant_linear.cpp", "cpu_fp8.cpp", "cpu_attention.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_bf16.h")]         # part of the build's hash, not compiled alone
 BLOCK = 32                          # output columns per packed block (NB in the source)
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}

@@ -252,6 +252,9 @@ def _attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float
             q[s.start:s.start + s.count], k[s.start:s.start + s.count], v[s.start:s.start + s.count],
             cache, meta, s, scale) for s in meta.seqs])
     store_kv(cache, k, v, meta.slot_mapping)
+    if meta.cpu_rows is not None:
+        from engine.kernels import cpu_attention
+        return cpu_attention.attend(q, cache, meta.cpu_rows, scale)
     return paged_attention_ref(q, cache, meta, scale)
 
 

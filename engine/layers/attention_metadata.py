@@ -47,6 +47,7 @@ class AttentionMetadata:
     use_kernels: bool = False      # Triton on CUDA; False forces the torch reference
     causal_mask: torch.Tensor | None = None   # [N, T] bool, key j visible to query i; None: all visible
     seqs: list[SeqSlice] | None = None       # a batched pass; None: one sequence (the fields above)
+    cpu_rows: object | None = None            # our CPU kernel attends (engine.kernels.cpu_attention.PassRows)
     plan: list | None = None                  # the torch path's per-pass layout, built by its first layer
     tree_masks: dict | None = None            # the kernels' tree launches by first row, built by the first layer
 

@@ -87,6 +87,21 @@ class ModelRunner:
             self.compiled = None
         elif self.compiled is None:
             self.compiled = compiled_step.CompiledStep(self.model, self.device, self.progress)
+        self.cpu_attention, self.attention_state = self._attention_path()
+
+    def _attention_path(self) -> tuple[bool, str]:
+        """(does our CPU kernel attend?, what attends and why): the Triton kernels where they
+        run; in the compiled step on the CPU our kernel (engine.kernels.cpu_attention); else
+        the torch path (the eager reference)."""
+        if self.use_kernels:
+            return False, "Triton kernels"
+        if self.compiled is None or self.device.type != "cpu":
+            return False, f"torch ({self.kernels_state})"
+        from engine.kernels import cpu_attention
+        refused = cpu_attention.refusal()
+        if refused:
+            return False, f"torch ({refused})"
+        return True, f"ours ({cpu_attention.isa()}), reads the paged cache as stored"
 
     def warm_compiled(self) -> float:
         """Run the compiled step once on a scratch one-token sequence, so that it compiles now
@@ -113,6 +128,7 @@ class ModelRunner:
         self.compile_error = (f"off: the compiled step failed ({type(error).__name__}: {first_line(error)}); "
                               "running eagerly")
         self.compile_state, self.compiled = self.compile_error, None
+        self.cpu_attention, self.attention_state = self._attention_path()
         self.on_settings_changed()
 
     def release_cache(self) -> None:
@@ -185,6 +201,9 @@ class ModelRunner:
         first = slices[0]
         meta = AttentionMetadata(torch.cat(positions), torch.cat(slots), first.block_table, first.context_len,
                                  self.use_kernels, None, seqs=slices)
+        if self.cpu_attention:
+            from engine.kernels import cpu_attention
+            meta.cpu_rows = cpu_attention.rows_of(slices, meta.positions)
         ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
         rows_t = torch.tensor(wanted, dtype=torch.int64, device=self.device)
         logits, hidden = self._pass(ids_t, meta, rows_t)
@@ -201,6 +220,7 @@ class ModelRunner:
                 return self.compiled(ids, self.kv, meta, rows)
             except Exception as error:      # compiling, or CUDA graph capture, failed: eager from now on
                 self._compile_failed(error)
+                meta.cpu_rows, meta.plan = None, None
         return self.model.forward_with_hidden(ids, self.kv, meta, rows)
 
     @torch.inference_mode()
