@@ -374,7 +374,7 @@ class LLMEngine:
             event = w.request.finish_pass(start, w.item.tokens, logits, hidden, w.proposal, pass_s, compile_s)
             if event is not None:
                 stepped.append(event)
-                if w.proposal is not None and w.proposal.tree is not None:   # a tree trimmed to 0 nodes too:
+                if w.proposal is not None and w.proposal.grown:              # a tree trimmed to 0 nodes too:
                     self.policy.record_tree(event.tree_predicted_accepted or 0.0, event.accepted,   # its drafting
                                             len(event.token_ids), pass_s + w.proposal.time_s,     # was spent
                                             max(w.proposal.tree.depths, default=0))
@@ -405,32 +405,36 @@ class LLMEngine:
         return self.runner.forward_batch([w.item for w in work]) if work else []
 
     def _prepare(self, scheduled, other_rows: int = 0) -> "_Work":
-        """A scheduled request's rows: a prompt chunk, or its last token and drafts to verify
-        (a chain, or a tree: the root and every node, each row attending its own path).
-        other_rows: the other requests' rows in the pass, before their drafts."""
-        request = scheduled.request
-        decode = request.decoding
-        tree = self.tree_in_effect()
-        if tree is not None and self.config.speculation_policy == "auto":
-            tree = TreeShape(tree.top_k, self.policy.tree_depth(tree.depth), tree.nodes)
-        proposal = request.propose(scheduled.max_drafts, tree) if decode and scheduled.max_drafts else None
-        if proposal is not None and proposal.tree is not None:
-            if self.config.speculation_policy == "auto":
-                proposal = proposal.trimmed(self.policy.choose_tree_nodes(proposal.tree.scores, scheduled.max_drafts,
-                                                                          other_rows))
-            start = request.num_computed
-            item = PassItem(request.seq, request.token_ids[start:] + proposal.tokens, 1 + len(proposal.tokens),
-                            proposal.tree.rows(start) if proposal.tokens else None)
-            return _Work(request, item, proposal, decode, scheduled.max_drafts)
-        drafts = proposal.tokens if proposal is not None else []
-        if proposal is not None:
-            self.policy.record_draft(len(drafts), proposal.time_s)
-            request.token_ids.extend(drafts)
+        """A scheduled request's rows: a prompt chunk, or its last token (the root) and the
+        drafts to verify. A chain's rows are causal; a branching tree's attend each its own
+        path (engine.spec.tree), the costlier attention. other_rows: the other requests' rows
+        in the pass, before their drafts."""
+        request, decode = scheduled.request, scheduled.request.decoding
+        proposal = self._propose(request, scheduled.max_drafts, other_rows) if decode and scheduled.max_drafts else None
         start = request.num_computed
-        n = 1 + len(drafts) if decode else scheduled.num_tokens
-        rows = n if drafts else (1 if start + n == len(request.token_ids) else 0)
-        return _Work(request, PassItem(request.seq, request.token_ids[start:start + n], rows), proposal, decode,
-                     scheduled.max_drafts)
+        if proposal is not None and proposal.tokens:
+            tree = proposal.tree
+            item = PassItem(request.seq, request.token_ids[start:] + tree.tokens, 1 + len(tree),
+                            None if tree.is_chain() else tree.rows(start))
+        else:
+            n = 1 if decode else scheduled.num_tokens
+            item = PassItem(request.seq, request.token_ids[start:start + n], 1 if start + n == len(request.token_ids) else 0)
+        return _Work(request, item, proposal, decode, scheduled.max_drafts)
+
+    def _propose(self, request: Request, max_drafts: int, other_rows: int):
+        """Its drafts: a chain of up to max_drafts, or, while a tree is in effect, a tree
+        (under `auto`: grown as deep as the policy says and trimmed to the nodes that pay)."""
+        tree, auto = self.tree_in_effect(), self.config.speculation_policy == "auto"
+        if tree is not None and auto:
+            tree = TreeShape(tree.top_k, self.policy.tree_depth(tree.depth), tree.nodes)
+        proposal = request.propose(max_drafts, tree)
+        if proposal is None:
+            return None
+        if not proposal.grown:
+            self.policy.record_draft(len(proposal.tokens), proposal.time_s)
+        elif auto:
+            proposal = proposal.trimmed(self.policy.choose_tree_nodes(proposal.tree.scores, max_drafts, other_rows))
+        return proposal
 
     def _k_for_step(self) -> int:
         """Draft tokens per decoding sequence this step: k, or the policy's choice by batch size."""

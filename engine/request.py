@@ -23,11 +23,11 @@ import torch
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import CacheTooSmallError
 from engine.layers.sampler import make_generator, probabilities, sample
-from engine.metrics import TARGET, RequestStats, StepEvent, attempted_positions, speculation_report
+from engine.metrics import TARGET, RequestStats, StepEvent, speculation_report
 from engine.runtime.detokenizer import Detokenizer
 from engine.runtime.model_runner import ModelRunner, RunnerSeq
-from engine.spec.spec_decode import Proposal, Proposer, greedy_verify, rejection_sample
-from engine.spec.tree import TreeShape, attempted_depths, greedy_verify_tree, sample_verify_tree
+from engine.spec.spec_decode import Proposal, Proposer, rejection_sample
+from engine.spec.tree import TreeShape, Verdict, greedy_verify, sample_verify
 from engine.spec.step_costs import PlainStepClock
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -131,20 +131,13 @@ class Request:
         a tree shape and a proposer that grows trees, a tree of at most k nodes (a tree's
         nodes are not all emitted: its depth, not its size, is what `room` limits)."""
         proposer = self._proposer()
-        if proposer is None:
-            return None
-        if tree is not None and proposer.supports_trees and k >= 1 and self.room > 1:
-            depth = min(tree.depth, self.room - 1)
-            shape = TreeShape(tree.top_k, depth, min(k, tree.nodes))
-            try:
-                return proposer.propose_tree(self.token_ids, shape, self.params, self.generator)
-            except CacheTooSmallError:
-                return None
-        k = min(k, self.room - 1)
-        if k < 1:
+        if proposer is None or k < 1 or self.room < 2:
             return None
         try:
-            return proposer.propose(self.token_ids, k, self.params, self.generator)
+            if tree is not None and proposer.supports_trees:
+                shape = TreeShape(tree.top_k, min(tree.depth, self.room - 1), min(k, tree.nodes))
+                return proposer.propose_tree(self.token_ids, shape, self.params, self.generator)
+            return proposer.propose(self.token_ids, min(k, self.room - 1), self.params, self.generator)
         except CacheTooSmallError:              # the draft model's own pool is full: draft later
             return None
 
@@ -168,61 +161,45 @@ class Request:
                     proposal: Proposal | None, pass_s: float, compile_s: float = 0.0) -> StepEvent | None:
         """Its rows of a pass that fed `fed` at positions start..: settle the tokens, commit
         the blocks, and return its event (None: a prefill chunk that does not end the prompt).
+        A verify pass's rows are the root at `start`, then every draft (engine.spec.tree):
+        the root's and the accepted path's KV stay (compacted to start..), the rest is freed.
         compile_s: seconds of the step spent compiling (the event carries them; the step is
         then kept out of decode speed)."""
         self.step_compile_s += compile_s
         runner = self.engine.runner
-        if proposal is not None and proposal.tree is not None and proposal.tokens:
-            return self._finish_tree(start, logits, hidden, proposal, pass_s)
+        verdict = self._verify(proposal, logits) if proposal is not None and proposal.tokens else None
+        if verdict is not None:
+            runner.compact(self.seq, start, verdict.rows)
+            hidden = hidden[verdict.rows]             # the kept rows, as a chain would have them
         self.last_pass = (start, hidden)
         for p in self.proposers.values():
             p.target_pass(start, hidden)
-        if self.num_uncomputed > 0:                  # mid-prompt (or mid-recompute) chunk
-            runner.commit(self.seq, self.token_ids)
-            return None
-        if proposal is None or not proposal.tokens:
+        if verdict is None:
+            if self.num_uncomputed > 0:              # mid-prompt (or mid-recompute) chunk
+                runner.commit(self.seq, self.token_ids)
+                return None
             runner.rollback(self.seq, self.seq.num_computed)     # blocks reserved for drafts not made
             runner.commit(self.seq, self.token_ids)
             return self._emit([sample(logits[-1], self.params, self.generator)], [TARGET], pass_s,
                               draft_time=proposal.time_s if proposal is not None else 0.0)
-        drafts = proposal.tokens
-        if self.params.greedy:
-            verdict = greedy_verify(drafts, logits.argmax(-1).tolist())
-        else:
-            verdict = rejection_sample(drafts, proposal.probs, probabilities(logits, self.params), self.generator)
-        # KV is valid for the previous last token and the kept drafts; roll back the rest.
-        runner.rollback(self.seq, len(self.token_ids) - len(drafts) + verdict.num_accepted)
-        del self.token_ids[len(self.token_ids) - len(drafts):]
         runner.commit(self.seq, self.token_ids + verdict.tokens)
-        event = self._emit(verdict.tokens, verdict.kinds, pass_s, draft_time=proposal.time_s,
-                           proposed=len(drafts), accepted=verdict.num_accepted,
-                           positions=attempted_positions(verdict.num_accepted, len(drafts)))
+        tree = proposal.tree
+        event = self._emit(verdict.tokens, verdict.kinds, pass_s, draft_time=proposal.time_s, proposed=len(tree),
+                           accepted=verdict.num_accepted, positions=verdict.accepted_per_position,
+                           tree_nodes=len(tree) if proposal.grown else 0,
+                           tree_predicted=tree.predicted_accepted() if proposal.grown else None)
         for p in self.proposers.values():
             p.accepted(self.token_ids)
         return event
 
-    def _finish_tree(self, start: int, logits: torch.Tensor, hidden: torch.Tensor, proposal: Proposal,
-                     pass_s: float) -> StepEvent:
-        """A tree's verify pass (rows: the root at `start`, then every node): walk the tree,
-        keep the root's and the accepted path's KV (compacted to start..), free the rest."""
-        tree, runner = proposal.tree, self.engine.runner
+    def _verify(self, proposal: Proposal, logits: torch.Tensor) -> Verdict:
+        """logits [1 + drafts, V]: the target's at the root and at every draft."""
         if self.params.greedy:
-            verdict = greedy_verify_tree(tree, logits.argmax(-1).tolist())
-        else:
-            verdict = sample_verify_tree(tree, probabilities(logits, self.params), self.generator)
-        rows = verdict.rows
-        runner.compact(self.seq, start, rows)
-        hidden = hidden[rows]                     # the kept rows, as a chain would have them
-        self.last_pass = (start, hidden)
-        for p in self.proposers.values():
-            p.target_pass(start, hidden)
-        runner.commit(self.seq, self.token_ids + verdict.tokens)
-        event = self._emit(verdict.tokens, verdict.kinds, pass_s, draft_time=proposal.time_s,
-                           proposed=len(tree), accepted=verdict.num_accepted, positions=attempted_depths(verdict),
-                           tree_nodes=len(tree), tree_predicted=tree.predicted_accepted())
-        for p in self.proposers.values():
-            p.accepted(self.token_ids)
-        return event
+            return greedy_verify(proposal.tree, logits.argmax(-1).tolist())
+        target_probs = probabilities(logits, self.params)
+        if proposal.probs is not None:            # a chain drafted from q: keep with min(1, p/q)
+            return rejection_sample(proposal.tokens, proposal.probs, target_probs, self.generator)
+        return sample_verify(proposal.tree, target_probs, self.generator)
 
     def cancelled_event(self) -> StepEvent:
         return self._emit([], [], 0.0, target_passes=0, cancelled=True)

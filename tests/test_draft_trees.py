@@ -13,9 +13,9 @@ from engine.spec.policy import SpeculationPolicy
 from engine.spec.tree import (
     DraftTree,
     TreeShape,
-    greedy_verify_tree,
+    greedy_verify,
     grow,
-    sample_verify_tree,
+    sample_verify,
     select,
 )
 from tests.conftest import assert_second_token_follows_the_target, chat
@@ -145,12 +145,12 @@ def test_greedy_tree_verification_takes_the_longest_matching_path():
     # target argmax per row (root, nodes 0..6): root -> 5 (node 0), node 0 -> 7 (node 2), node 2 -> 10 (node 5),
     # node 5 -> 3 (no child matches: resampled)
     argmax = [5, 7, 0, 10, 0, 0, 3, 0]
-    v = greedy_verify_tree(TREE, argmax)
+    v = greedy_verify(TREE, argmax)
     assert v.path == [0, 2, 5] and v.tokens == [5, 7, 10, 3] and v.kinds == [ACCEPTED] * 3 + [RESAMPLED]
     assert v.rows == [0, 1, 3, 6] and v.attempted_depths == 4
-    v = greedy_verify_tree(TREE, [5, 7, 0, 10, 0, 0, 11, 4])      # down to the leaf 6, then a bonus
+    v = greedy_verify(TREE, [5, 7, 0, 10, 0, 0, 11, 4])      # down to the leaf 6, then a bonus
     assert v.path == [0, 2, 5, 6] and v.tokens == [5, 7, 10, 11, 4] and v.kinds[-1] == BONUS
-    v = greedy_verify_tree(TREE, [1] + [0] * 7)                   # nothing matches at the root
+    v = greedy_verify(TREE, [1] + [0] * 7)                   # nothing matches at the root
     assert v.path == [] and v.tokens == [1] and v.attempted_depths == 1
 
 
@@ -163,7 +163,7 @@ def test_sibling_rejection_keeps_the_target_distribution():
     n = 30000
     counts = torch.zeros(5)
     for _ in range(n):
-        counts[sample_verify_tree(tree, probs, g).tokens[0]] += 1
+        counts[sample_verify(tree, probs, g).tokens[0]] += 1
     expected = p * n
     statistic = float(((counts - expected) ** 2 / expected).sum())
     p_value = float(torch.special.gammaincc(torch.tensor(2.0), torch.tensor(statistic / 2)))
@@ -231,6 +231,29 @@ def test_greedy_with_a_draft_model_tree_is_token_identical_alone_and_batched(mak
     assert _no_blocks_in_use(eng)
     assert _together(eng, prompts) == expected                      # all three in the same steps
     assert _no_blocks_in_use(eng)
+
+
+def test_only_a_branching_tree_pays_for_tree_attention(make_tiny_engine, monkeypatch):
+    """A chain (drafted as one, grown as a top-1 tree, or a tree cut to one path) is verified
+    as plain causal rows; only a branching tree's pass carries TreeRows, the costlier
+    attention path."""
+    eng = make_tiny_engine()
+    eng.set_draft_model("self:1")
+    verified, prepare = [], eng._prepare          # (the drafts branch, the pass attends as a tree)
+
+    def spy(scheduled, other_rows=0):
+        work = prepare(scheduled, other_rows)
+        if work.drafts:
+            verified.append((not work.proposal.tree.is_chain(), work.item.tree is not None))
+        return work
+    monkeypatch.setattr(eng, "_prepare", spy)
+    prompt = eng.encode(chat("Count to five."))
+    for tree, branches in (("off", False), ("1:4:4", False), ("3:4:10", True)):
+        eng.reconfigure(proposer="draft", draft_tree=tree)
+        verified.clear()
+        eng.generate_text(prompt, GREEDY)
+        assert verified and all(branching == as_tree for branching, as_tree in verified), tree
+        assert any(branching for branching, _ in verified) == branches, tree
 
 
 def test_no_block_leak_after_200_tree_steps_with_cancels(make_tiny_engine):

@@ -124,7 +124,8 @@ def test_two_streams_share_the_engine_steps(make_engine):
 
 def test_an_empty_proposal_keeps_its_draft_time(make_engine, monkeypatch):
     from engine.spec.spec_decode import NgramProposer, Proposal
-    monkeypatch.setattr(NgramProposer, "propose", lambda self, *a: Proposal([], None, time_s=0.25))
+    from engine.spec.tree import DraftTree
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, *a: Proposal(DraftTree.chain([]), None, time_s=0.25))
     eng = make_engine(proposer="ngram", speculation_policy="fixed")
     _, _, stats = eng.generate_text(chat("Hi"), SamplingParams(max_tokens=4, stop_on_eos=False))
     assert stats.draft_time_s == pytest.approx(0.5)      # two decode steps tried to draft and stats.proposed == 0

@@ -13,7 +13,8 @@ from engine import EngineConfig, SamplingParams
 from engine.engine import LLMEngine
 from engine.errors import DraftIncompatibleError
 from engine.metrics import ACCEPTED, BONUS, RESAMPLED
-from engine.spec.spec_decode import check_draft_compatible, greedy_verify, ngram_lookup, rejection_sample
+from engine.spec.spec_decode import check_draft_compatible, ngram_lookup, rejection_sample
+from engine.spec.tree import DraftTree, greedy_verify, sample_verify
 from tests.conftest import chat
 
 GREEDY = SamplingParams(max_tokens=20, stop_on_eos=False)
@@ -82,7 +83,7 @@ def test_acceptance_follows_min_1_p_over_q_exactly():
 def test_a_point_mass_draft_is_kept_with_probability_p():
     """n-gram drafts have no distribution: q(x) = 1, so x is kept iff u1 < p(x) = 0.3."""
     target = torch.tensor([[0.3, 0.0, 0.7], [1.0, 0.0, 0.0]])
-    verdicts = [rejection_sample([0], None, target, torch.Generator().manual_seed(seed)) for seed in (0, 3)]
+    verdicts = [sample_verify(DraftTree.chain([0]), target, torch.Generator().manual_seed(seed)) for seed in (0, 3)]
     assert [(v.num_accepted, v.tokens, v.kinds) for v in verdicts] == [(0, [2], [RESAMPLED]),           # u1 0.4963
                                                                       (1, [0, 0], [ACCEPTED, BONUS])]   # u1 0.0043
 
@@ -103,8 +104,8 @@ def test_rejection_resamples_from_the_residual():
 
 
 def test_greedy_verify():
-    assert greedy_verify([5, 6, 7], [5, 6, 9, 1]).tokens == [5, 6, 9]
-    assert greedy_verify([5, 6], [5, 6, 8]).kinds == [ACCEPTED, ACCEPTED, BONUS]
+    assert greedy_verify(DraftTree.chain([5, 6, 7]), [5, 6, 9, 1]).tokens == [5, 6, 9]
+    assert greedy_verify(DraftTree.chain([5, 6]), [5, 6, 8]).kinds == [ACCEPTED, ACCEPTED, BONUS]
 
 
 def test_ngram_lookup_prefers_longest_most_recent_match():

@@ -1,9 +1,10 @@
 """Speculative decoding: proposers, verification, and whether it pays.
 
-spec_decode.py     the proposer interface, n-gram and draft-model proposers, greedy
-                   verification and the rejection sampler (accept with min(1, p/q))
+spec_decode.py     the proposal and proposer interface, n-gram and draft-model proposers, and
+                   the rejection sampler of a chain drafted from q (accept with min(1, p/q))
 eagle_proposer.py  the EAGLE head (engine.models.eagle_head) as a proposer
-tree.py            draft trees: EAGLE-2 growth, selection, greedy and sibling-rejection verification
+tree.py            draft trees (a chain is one): EAGLE-2 growth, selection, the verdict, greedy
+                   and sibling-rejection verification
 policy.py          how many drafts (or tree nodes) a step verifies, from measured costs
 step_costs.py      measured step costs: the baseline of "does speculation pay here?"
 """

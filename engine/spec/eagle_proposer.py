@@ -27,7 +27,7 @@ from engine.layers.attention_metadata import AttentionMetadata, SeqSlice, TreeRo
 from engine.layers.sampler import probabilities
 from engine.models.eagle_head import EagleHead
 from engine.spec.spec_decode import Proposal, Proposer
-from engine.spec.tree import TreeShape, frontier_rows, grow, select
+from engine.spec.tree import DraftTree, TreeShape, frontier_rows, grow, select
 
 GROW = 256          # feature and cache room is added in steps of this many positions
 
@@ -59,7 +59,7 @@ class EagleProposer(Proposer):
         t0 = time.perf_counter()
         first_pass = self._catch_up(token_ids)
         if first_pass is None:
-            return Proposal([], None, time.perf_counter() - t0)
+            return Proposal(DraftTree.chain([]), None, time.perf_counter() - t0)
         logits, g = first_pass
         head, last = self.head, len(token_ids) - 2
         tokens, probs = [], []
@@ -75,7 +75,7 @@ class EagleProposer(Proposer):
             ids = torch.tensor([token], dtype=torch.int64, device=self.device)
             meta = self._meta(pos, 1)
             logits, g = head.step(ids, g[-1:], self.kv, meta, meta.positions + self.base)
-        return Proposal(tokens, torch.stack(probs) if probs else None, time.perf_counter() - t0)
+        return Proposal(DraftTree.chain(tokens), torch.stack(probs) if probs else None, time.perf_counter() - t0)
 
     supports_trees = True
 
@@ -87,7 +87,7 @@ class EagleProposer(Proposer):
         t0 = time.perf_counter()
         first_pass = self._catch_up(token_ids)
         if first_pass is None:
-            return Proposal([], None, time.perf_counter() - t0)
+            return Proposal(DraftTree.chain([]), None, time.perf_counter() - t0)
         logits, g = first_pass
         head, context = self.head, self.kv_end - self.base          # true-feature entries in the head's cache
         index: dict[int, int] = {}                                  # node -> its slot in the head's cache
@@ -106,7 +106,7 @@ class EagleProposer(Proposer):
             return torch.log_softmax(reduced, -1)
 
         tree = select(grow(torch.log_softmax(logits[-1], -1), expand, shape, vocab=head.head_token_ids), shape.nodes)
-        return Proposal(list(tree.tokens), None, time.perf_counter() - t0, tree)
+        return Proposal(tree, None, time.perf_counter() - t0, grown=True)
 
     def _catch_up(self, token_ids):
         """The head's pass over the positions it has target features for and no entry yet;

@@ -1,13 +1,17 @@
 """Speculative decoding: proposers and the rejection sampler.
 
+A proposal is a draft tree (engine.spec.tree); a chain of k drafts is the tree whose parents
+are i - 1. Greedy verification (tree.greedy_verify) keeps drafts while they equal the target
+argmax, then emits the target argmax: identical to plain greedy, for chains and trees.
+
 Notation (as in the paper and gpt-fast): p is the TARGET distribution, q the DRAFT's.
-For draft tokens x_1..x_k, the target scores all of them in one forward pass.
+For a chain x_1..x_k drafted from q, the target scores all of them in one forward pass.
   - accepted token: x_i kept with probability min(1, p(x_i) / q(x_i)), given x_<i kept;
   - resampled ("recovered") token: at the first rejection, drawn from norm(max(0, p - q));
   - bonus token: when all k are kept, drawn from p at position k+1.
-The emitted sequence then has exactly the target's distribution. Greedy mode keeps x_i
-while it equals the target argmax, then emits the target argmax: identical to plain greedy.
-A proposer without a distribution (n-gram lookup) is a point mass: q(x_i) = 1.
+The emitted sequence then has exactly the target's distribution. A proposer without a
+distribution (n-gram lookup, a tree's nodes) is a point mass, q(x_i) = 1: tree.sample_verify,
+which for a chain is this rule with q a point mass.
 """
 from __future__ import annotations
 
@@ -21,65 +25,43 @@ from engine.errors import DraftIncompatibleError
 from engine.layers.sampler import probabilities
 from engine.metrics import ACCEPTED, BONUS, RESAMPLED
 from engine.runtime.model_runner import PassItem
-from engine.spec.tree import DraftTree, TreeShape, frontier_rows, grow, select
+from engine.spec.tree import DraftTree, TreeShape, Verdict, frontier_rows, grow, select
 
 
 # ---- the rejection sampler (pure) ---------------------------------------------
-@dataclass
-class Verdict:
-    num_accepted: int            # draft tokens kept
-    tokens: list[int]            # emitted: the kept draft tokens, then one resampled or bonus token
-    kinds: list[str]
-
-
-def rejection_sample(draft_tokens: list[int], draft_probs: torch.Tensor | None,
+def rejection_sample(draft_tokens: list[int], draft_probs: torch.Tensor,
                      target_probs: torch.Tensor, generator: torch.Generator) -> Verdict:
-    """draft_probs [k, V] (None: point masses), target_probs [k+1, V]."""
+    """A chain drafted from q. draft_probs [k, V]: q at each draft, target_probs [k+1, V]."""
     k = len(draft_tokens)
     for i, x in enumerate(draft_tokens):
-        p_x = float(target_probs[i, x])
-        q_i = _point_mass(x, target_probs[i]) if draft_probs is None else draft_probs[i]
-        q_x = float(q_i[x])
+        p_x, q_x = float(target_probs[i, x]), float(draft_probs[i, x])
         u = float(torch.rand((), generator=generator))
         if q_x > 0 and u < min(1.0, p_x / q_x):
             continue
-        residual = torch.clamp(target_probs[i] - q_i, min=0.0)
+        residual = torch.clamp(target_probs[i] - draft_probs[i], min=0.0)
         if float(residual.sum()) <= 0.0:        # p == q on the support: any draw from p is exact
             residual = target_probs[i]
         token = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-        return Verdict(i, list(draft_tokens[:i]) + [token], [ACCEPTED] * i + [RESAMPLED])
+        return Verdict(list(range(i)), list(draft_tokens[:i]) + [token], [ACCEPTED] * i + [RESAMPLED], i + 1)
     bonus = int(torch.multinomial(target_probs[k], 1, generator=generator))
-    return Verdict(k, list(draft_tokens) + [bonus], [ACCEPTED] * k + [BONUS])
-
-
-def greedy_verify(draft_tokens: list[int], target_argmax: list[int]) -> Verdict:
-    """target_argmax: the target's argmax at each of the k+1 verified positions."""
-    k = len(draft_tokens)
-    for i, x in enumerate(draft_tokens):
-        if x != target_argmax[i]:
-            return Verdict(i, list(draft_tokens[:i]) + [target_argmax[i]], [ACCEPTED] * i + [RESAMPLED])
-    return Verdict(k, list(draft_tokens) + [target_argmax[k]], [ACCEPTED] * k + [BONUS])
-
-
-def _point_mass(token: int, like: torch.Tensor) -> torch.Tensor:
-    """q for a proposer without a distribution: all mass on the proposed token."""
-    q = torch.zeros_like(like)
-    q[token] = 1.0
-    return q
+    return Verdict(list(range(k)), list(draft_tokens) + [bonus], [ACCEPTED] * k + [BONUS], k)
 
 
 # ---- proposers ------------------------------------------------------------------
 @dataclass
 class Proposal:
-    tokens: list[int]
-    probs: torch.Tensor | None    # [len(tokens), V] draft distribution, None for point masses
+    tree: DraftTree               # the drafts (DraftTree.chain for k in a row)
+    probs: torch.Tensor | None    # [len(tree), V] a chain's draft distribution q; None: point masses
     time_s: float = 0.0
-    tree: DraftTree | None = None  # a draft tree (tokens are its nodes'); None: a chain
+    grown: bool = False           # grown by propose_tree: a tree step, its scores the draft's confidences
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.tree.tokens
 
     def trimmed(self, nodes: int) -> "Proposal":
-        """A tree cut to its `nodes` best nodes (engine.spec.tree.select)."""
-        tree = select(self.tree, nodes)
-        return Proposal(list(tree.tokens), None, self.time_s, tree)
+        """A grown tree cut to its `nodes` best nodes (engine.spec.tree.select)."""
+        return Proposal(select(self.tree, nodes), None, self.time_s, grown=True)
 
 
 class Proposer:
@@ -116,7 +98,7 @@ class NgramProposer(Proposer):
     def propose(self, token_ids, k, params, generator) -> Proposal:
         t0 = time.perf_counter()
         tokens = ngram_lookup(token_ids, k, self.ngram_min, self.ngram_max)
-        return Proposal(tokens, None, time.perf_counter() - t0)
+        return Proposal(DraftTree.chain(tokens), None, time.perf_counter() - t0)
 
 
 def ngram_lookup(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -159,7 +141,7 @@ class DraftModelProposer(Proposer):
             if i + 1 < k:
                 logits = runner.forward(seq, [token])
         self.fed = list(token_ids) + tokens[:-1]
-        return Proposal(tokens, torch.stack(probs) if probs else None, time.perf_counter() - t0)
+        return Proposal(DraftTree.chain(tokens), torch.stack(probs) if probs else None, time.perf_counter() - t0)
 
     supports_trees = True
 
@@ -180,8 +162,7 @@ class DraftModelProposer(Proposer):
 
         tree = grow(torch.log_softmax(logits[-1], -1), expand, shape)
         self.fed = list(token_ids)
-        tree = select(tree, shape.nodes)
-        return Proposal(list(tree.tokens), None, time.perf_counter() - t0, tree)
+        return Proposal(select(tree, shape.nodes), None, time.perf_counter() - t0, grown=True)
 
     def accepted(self, token_ids: list[int]) -> None:
         # Draft KV stays valid only where what it was fed agrees with what the target settled on.

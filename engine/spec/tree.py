@@ -1,5 +1,6 @@
 """Draft trees: many candidate continuations verified in one target pass (SpecInfer, EAGLE-2).
 
+Every proposal is a tree: a chain of k drafts is the tree whose parents are i - 1.
 A tree's nodes are draft tokens, numbered in the order they were grown (a parent before its
 children); node i's parent is parents[i] (-1: a child of the root, the last sampled token).
 The verify pass feeds the root and every node: row 0 is the root at position p, row i + 1 is
@@ -8,7 +9,8 @@ index p + 1 + i of its sequence's cache (each node its own slot). A row attends 
 context before p and to its own chain of ancestors: the tree mask. The torch path lays that
 chain out as a sequence of its own (engine.layers.attention), so a node's numbers are the
 same as if its path had been fed as a chain: greedy decoding with a tree is token-identical
-to plain decoding, as with a chain.
+to plain decoding. A chain's tree mask is the causal mask, so its pass is plain causal rows
+(the cheaper attention path) and keeping its accepted rows is a rollback.
 
 Growing (EAGLE-2's rule, `grow`): from the root the draft's top-k tokens are the first
 frontier; each next depth expands the frontier's nodes into their top-k children and keeps
@@ -22,7 +24,8 @@ argmax, and emits the target's argmax where no child matches. Sampling stays los
 recursive rejection over siblings (SpecInfer; EAGLE's `evaluate_posterior`): a node's
 children are point-mass proposals tried in order, child x kept with probability p(x) under
 the target's distribution p, and on rejection p loses x (renormalised) before the next
-sibling; when every child is rejected the token is drawn from what is left of p.
+sibling; when every child is rejected the token is drawn from what is left of p. (A chain
+drafted from a distribution q is sampled against q instead: spec_decode.rejection_sample.)
 """
 from __future__ import annotations
 
@@ -41,6 +44,11 @@ class DraftTree:
     tokens: list[int]
     parents: list[int]                       # -1: a child of the root
     scores: list[float] = field(default_factory=list)    # cumulative draft log-probability per node
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> "DraftTree":
+        """k drafts in a row: node i's parent is node i - 1 (no scores: the draft gave none)."""
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -103,8 +111,9 @@ def select(tree: DraftTree, nodes: int) -> DraftTree:
 
 
 @dataclass
-class TreeVerdict:
-    path: list[int]              # accepted nodes, root's child first
+class Verdict:
+    """What a verify pass settled, for a chain or a tree (the token kinds: engine.spec.spec_decode)."""
+    path: list[int]              # accepted nodes, root's child first (a chain's: 0, 1, ...)
     tokens: list[int]            # emitted: the accepted nodes' tokens, then one resampled or bonus token
     kinds: list[str]
     attempted_depths: int        # depths at which a node was tried (accepted path + the failed try)
@@ -118,8 +127,13 @@ class TreeVerdict:
         """The pass rows (root first) whose KV stays: the root and the accepted nodes."""
         return [0] + [i + 1 for i in self.path]
 
+    @property
+    def accepted_per_position(self) -> list[bool]:
+        """Per depth: accepted, then the failed try if one was made (engine.metrics' positions)."""
+        return [d < self.num_accepted for d in range(self.attempted_depths)]
 
-def greedy_verify_tree(tree: DraftTree, target_argmax: list[int]) -> TreeVerdict:
+
+def greedy_verify(tree: DraftTree, target_argmax: list[int]) -> Verdict:
     """target_argmax: the target's argmax at every row (root first)."""
     children = tree.children()
     path, row = [], 0
@@ -127,16 +141,14 @@ def greedy_verify_tree(tree: DraftTree, target_argmax: list[int]) -> TreeVerdict
         want = target_argmax[row]
         match = next((c for c in children[row] if tree.tokens[c] == want), None)
         if match is None:
-            tokens = [tree.tokens[i] for i in path] + [want]
-            kind = BONUS if not children[row] else RESAMPLED
-            return TreeVerdict(path, tokens, [ACCEPTED] * len(path) + [kind],
-                               len(path) + (1 if children[row] else 0))
+            return _verdict(tree, path, want, tried=bool(children[row]))
         path.append(match)
         row = match + 1
 
 
-def sample_verify_tree(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator) -> TreeVerdict:
-    """target_probs [rows, V]: the target's distribution at every row (root first)."""
+def sample_verify(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator) -> Verdict:
+    """Point-mass drafts (an n-gram chain, a tree). target_probs [rows, V]: the target's
+    distribution at every row (root first)."""
     children = tree.children()
     path, row = [], 0
     while True:
@@ -156,16 +168,15 @@ def sample_verify_tree(tree: DraftTree, target_probs: torch.Tensor, generator: t
             p /= total
         if match is None:
             token = int(torch.multinomial(p, 1, generator=generator))
-            kind = BONUS if not children[row] else RESAMPLED
-            return TreeVerdict(path, [tree.tokens[i] for i in path] + [token], [ACCEPTED] * len(path) + [kind],
-                               len(path) + (1 if children[row] else 0))
+            return _verdict(tree, path, token, tried=bool(children[row]))
         path.append(match)
         row = match + 1
 
 
-def attempted_depths(verdict: TreeVerdict) -> list[bool]:
-    """Per depth: accepted, then the failed try if one was made (engine.metrics' positions)."""
-    return [d < verdict.num_accepted for d in range(verdict.attempted_depths)]
+def _verdict(tree: DraftTree, path: list[int], token: int, tried: bool) -> Verdict:
+    """The accepted path, then `token`: resampled where a child was tried, else a bonus."""
+    return Verdict(path, [tree.tokens[i] for i in path] + [token],
+                   [ACCEPTED] * len(path) + [RESAMPLED if tried else BONUS], len(path) + int(tried))
 
 
 def grow(root_logp: torch.Tensor, expand, shape: TreeShape, vocab: torch.Tensor | None = None) -> DraftTree:
