@@ -111,7 +111,9 @@ class LLMEngine:
         target = loader.load_model(model, device=device, dtype=dtype, allow_hub=allow_hub,
                                    allow_pickle=allow_pickle, max_positions=config.max_model_len, progress=progress,
                                    weight_dtype=config.weight_dtype)
-        return cls(target, config, device, progress, dtype_why)
+        engine = cls(target, config, device, progress, dtype_why)
+        engine.warm_compiled_step()             # the compiled step is built at load, with progress
+        return engine
 
     def set_draft_model(self, reference: str | None, progress=None) -> None:
         """Load (or clear) the draft model now. Checks tokenizer compatibility first; a

@@ -143,6 +143,18 @@ def test_on_every_fallback_kernel_concurrent_requests_give_their_solo_tokens(tin
     _eight_concurrent(tiny_fallback, sampled)
 
 
+@pytest.mark.parametrize("fallback", ["attention-refused", "attention-scalar", "fp8-refused"])
+def test_the_compiled_step_on_each_attention_fallback_gives_solo_tokens(tmp_path, fallback):
+    """The compiled step with the torch attention path (our CPU kernel refused) or the
+    kernel's baseline build, bf16, with an FP8 cache: invariance holds on each."""
+    from engine.loading.loader import load_model
+    from engine.loading.synthetic import write_checkpoint
+    with forced_fallback(fallback):
+        loaded = load_model(str(write_checkpoint(tmp_path, "tiny", seed=0)), dtype=torch.bfloat16)
+        COMPILE[id(loaded)] = "on"
+        _eight_concurrent(loaded, False, kv_cache_dtype="fp8_e4m3")
+
+
 @pytest.mark.parametrize("proposer,extra", [("ngram", {}), ("draft", {"draft_model": "self:1"})])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_the_same_holds_with_each_proposer_on(tiny, proposer, extra, sampled):

@@ -7,7 +7,11 @@
 3. speed: decode tok/s of each path against transformers `generate` in bf16;
 4. batching: the prompts submitted at once through the eager Triton path give their solo
    tokens (`batched_equals_solo`; cuBLAS is not known to be row-invariant, so this may say
-   false: the CPU path is the one tested invariant), and their output tok/s.
+   false: the CPU path is the one tested invariant), and their output tok/s;
+5. graphs: 1, 4 and 16 requests at once through the compiled step (CUDA graphs of the pieces
+   between attention calls, one per token-count bucket) against the eager path: output tok/s
+   of each, their ratio, how many requests got the eager path's tokens, whether the compiled
+   step stayed on, and the CUDA graphs recorded.
 Without CUDA it says so and exits 0.
 """
 from __future__ import annotations
@@ -25,13 +29,16 @@ def bench_gpu_check(args) -> dict:
         return {"cuda": False, "message": "no CUDA on this machine: the GPU checks did not run"}
     from engine.bench.kernels import run_kernel_bench
     result = {"cuda": True, "device": torch.cuda.get_device_name(), "kernels": run_kernel_bench()}
-    outputs, speeds = {}, {}
+    outputs, speeds, loads = {}, {}, {}
     for name, compile_mode in (("eager_kernels", "off"), ("compiled", "on")):
         eng = _engine(args, compile_mode)
         outputs[name], speeds[name] = _generate_all(eng)
         result[f"{name}_settings"] = {k: eng.settings()[k] for k in ("kernels", "compile", "dtype")}
         if name == "eager_kernels":
             result["batching"] = _batched(eng, outputs[name])
+        loads[name] = {n: _under_load(eng, n) for n in LOAD_LEVELS}
+        if name == "compiled":
+            result["graphs"] = _graphs_report(eng, loads)
         del eng
         torch.cuda.empty_cache()
     outputs["transformers"], speeds["transformers"] = _transformers(args)
@@ -77,6 +84,39 @@ def _batched(eng, solo: list[list[int]]) -> dict:
     seconds = time.perf_counter() - t0
     return {"batched_equals_solo": [got[rid] for rid in ids] == solo,
             "output_tok_s": sum(len(v) for v in got.values()) / seconds}
+
+
+LOAD_LEVELS = (1, 4, 16)
+
+
+def _under_load(eng, n: int) -> dict:
+    """n requests at once (the prompts in turn): their tokens and output tok/s."""
+    from engine import SamplingParams
+    params = SamplingParams(max_tokens=TOKENS, stop_on_eos=False)
+    eng.reset_prefix_cache()
+    ids = [eng.submit([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], params) for i in range(n)]
+    got = {rid: [] for rid in ids}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while eng.has_work:
+        for event in eng.step():
+            got[event.request_id].extend(event.token_ids)
+    torch.cuda.synchronize()
+    return {"tokens": [got[rid] for rid in ids], "output_tok_s": sum(map(len, got.values())) / (time.perf_counter() - t0)}
+
+
+def _graphs_report(eng, loads: dict) -> dict:
+    """The compiled step under 1, 4 and 16 requests against the eager path's run of the same."""
+    eager, compiled = loads["eager_kernels"], loads["compiled"]
+    rows = {}
+    for n in LOAD_LEVELS:
+        same = sum(a == b for a, b in zip(compiled[n]["tokens"], eager[n]["tokens"]))
+        rows[n] = {"compiled_tok_s": compiled[n]["output_tok_s"], "eager_tok_s": eager[n]["output_tok_s"],
+                   "ratio": compiled[n]["output_tok_s"] / eager[n]["output_tok_s"],
+                   "requests_with_eager_tokens": f"{same}/{n}"}
+    from torch._dynamo.utils import counters
+    cudagraph_counters = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
+    return {"levels": rows, "compile": eng.settings()["compile"], "inductor_cudagraph_counters": cudagraph_counters}
 
 
 def _timed_generate(hf, ids, tokens: int):

@@ -83,6 +83,7 @@ def bench_serve(args) -> dict:
         for value in values:
             if key is not None:
                 eng.reconfigure(**changes[_label(value)])
+            eng.warm_compiled_step()               # a compile is never inside a timed figure
             arms[_label(value)] = run_arm(eng, jobs_for, args, level)
             if isinstance(value, ProfileArm):
                 arms[_label(value)]["profile"] = profile_report(eng, value, held, args)
@@ -122,6 +123,7 @@ def check_arms(eng, changes: dict[str, dict]) -> None:
             eng.reconfigure(**arm)
         except WorkbenchError as exc:
             raise ConfigError(f"--compare arm {label!r}: the engine refused its settings: {exc}") from exc
+        eng.warm_compiled_step()                   # every arm's graphs (a draft's too) are built now
 
 
 def run_arm(eng, jobs_for, args, level: int) -> dict:

@@ -9,6 +9,10 @@ cpu_linear.py       `workbench_cpu::linear` (cpu_linear.cpp), built at first use
                     weights, a row's bits independent of the row count and the ISA
 cpu_quant.py        `workbench_cpu::linear_q` (cpu_quant_linear.cpp), in the same library:
                     4-bit and 8-bit group weights, int8 activations, exact integer group dots
+cpu_fp8.py          `workbench_cpu::fp8_gather` (cpu_fp8.cpp): the FP8 cache's blocks or slots
+                    gathered and dequantized in one pass (the torch attention path's read)
+cpu_attention.py    `workbench_cpu::paged_attention` (cpu_attention.cpp): the compiled step's
+                    attention on the CPU, every row of a pass over the paged cache as stored
 
 Kernel modules import triton; import them through `dispatch`, which degrades to
 `kernels_available() == False` where triton is missing.

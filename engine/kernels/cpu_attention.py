@@ -137,14 +137,19 @@ def reference(q: torch.Tensor, cache, rows: PassRows, scale: float) -> torch.Ten
 def _trial(isa_name: str) -> str | None:
     """None when the `isa_name` build agrees with the float64 reference on a small pass of
     causal and tree rows, in fp32, bf16 and FP8, and (AVX2) gives the baseline build's bits."""
-    from engine.cache.kv_cache import CacheShape, KVCache
-    from engine.layers.attention import store_kv
+    from engine.cache.kv_cache import CacheShape, KVCache, quantize_fp8
     gen = torch.Generator().manual_seed(0)
     for dtype in KINDS:
         q_dtype = torch.float32 if dtype == torch.float8_e4m3fn else dtype
         cache = KVCache(CacheShape(1, 2, 16), 6, 4, dtype, torch.device("cpu")).layer(0)
         k, v = torch.randn(20, 2, 16, generator=gen), torch.randn(20, 2, 16, generator=gen)
-        store_kv(cache, k, v, torch.arange(20))
+        for pool, scales, x in ((cache.k, cache.k_scale, k), (cache.v, cache.v_scale, v)):
+            if scales is None:
+                pool.view(-1, 2, 16)[:20] = x.to(dtype)
+            else:
+                values, scale = quantize_fp8(x)
+                pool.view(torch.uint8).view(-1, 2, 16)[:20] = values.view(torch.uint8)
+                scales.view(-1, 2)[:20] = scale
         q = torch.randn(5, 4, 16, generator=gen).to(q_dtype)
         rows = PassRows(torch.tensor([[0, 1, 2, 3, 4], [5, 4, 3, 2, 1]]), torch.tensor([0, 0, 0, 1, 1]),
                         torch.tensor([3, 9, 17, 6, 6]), torch.tensor([0, 0, 0, 0, 2, 3]), torch.tensor([7, 9, 8]))

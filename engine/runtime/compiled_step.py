@@ -96,15 +96,18 @@ def configure_compiler(cache_dir: Path) -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
-def _forward(model, h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
-    hidden = model.decode_layers(h, positions, None, None)
-    return model.logits(logits_rows(hidden, rows)), hidden
+def _forward_of(model):
+    """The pass through `model`'s layers, as a function with a code object of its own."""
+    def forward(h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
+        hidden = model.decode_layers(h, positions, None, None)
+        return model.logits(logits_rows(hidden, rows)), hidden
+    return types.FunctionType(forward.__code__.replace(), forward.__globals__, "forward", None, forward.__closure__)
 
 
 class _ModelGraph:
     """A model's compiled pass, shared by every runner (and engine) serving that model.
 
-    Each model gets a code object of its own (a copy of _forward's), so dynamo keeps its
+    Each model gets a code object of its own (_forward_of), so dynamo keeps its
     graphs apart from other models' (a draft, another dtype): guards never have to tell
     models apart, and once built the ~6,000 guards on the model's modules and weights
     (0.9 ms a call on the 2-core CPU, a sixth of a decode step) are skipped. Nothing they
@@ -116,9 +119,8 @@ class _ModelGraph:
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.model = model
-        own = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, "_forward")
         mode = "reduce-overhead" if device.type == "cuda" else None
-        self.compiled = torch.compile(functools.partial(own, model), mode=mode, fullgraph=True)
+        self.compiled = torch.compile(_forward_of(model), mode=mode, fullgraph=True)
         self.compile_s: float | None = None            # the first call's seconds, once built
 
     def __call__(self, h, positions, rows):

@@ -1,0 +1,110 @@
+"""Our CPU paged attention (engine.kernels.cpu_attention), the compiled step's attention op:
+against a float64 reference in fp32, bf16 and FP8, causal and tree rows, GQA groups and
+block sizes; the AVX2 build gives the baseline build's bits; a row's result is the same
+alone or among others, and a tree row's is its chain's; the engine says which path attends."""
+import random
+
+import pytest
+import torch
+
+from engine.cache.kv_cache import FP8_DTYPE, CacheShape, KVCache
+from engine.kernels import cpu_attention
+from engine.kernels.cpu_attention import PassRows, reference
+from engine.layers.attention import store_kv
+from tests.conftest import forced_fallback
+
+pytestmark = pytest.mark.skipif(cpu_attention.refusal() is not None, reason=f"{cpu_attention.refusal()}")
+
+
+def _cache(dtype, num_kv_heads, head_dim, block_size, num_blocks=12, seed=0):
+    cache = KVCache(CacheShape(1, num_kv_heads, head_dim), num_blocks, block_size, dtype, torch.device("cpu")).layer(0)
+    gen = torch.Generator().manual_seed(seed)
+    n = num_blocks * block_size
+    k = torch.randn(n, num_kv_heads, head_dim, generator=gen) * 2
+    v = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+    store_kv(cache, k.to(torch.float32 if dtype == FP8_DTYPE else dtype), v.to(torch.float32 if dtype == FP8_DTYPE
+                                                                              else dtype), torch.arange(n))
+    return cache
+
+
+def _rows(num_blocks: int, block_size: int, seed=0) -> PassRows:
+    """Three sequences over a shuffled pool: causal rows of each, and two tree rows of the last."""
+    rng = random.Random(seed)
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    width = num_blocks // 3
+    tables = torch.tensor([blocks[i * width:(i + 1) * width] for i in range(3)])
+    capacity = width * block_size
+    row_seq = [0, 0, 1, 2, 2, 2, 2]
+    prefix = [1, capacity // 2, capacity, 3, min(17, capacity - 1), capacity - 6, capacity - 6]
+    extra = [capacity - 5, capacity - 3, capacity - 5, capacity - 4, capacity - 2]      # two paths of the tree
+    starts = [0, 0, 0, 0, 0, 0, 2, 5]
+    return PassRows(tables, torch.tensor(row_seq), torch.tensor(prefix), torch.tensor(starts), torch.tensor(extra))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8_DTYPE], ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("heads,head_dim,block_size", [((4, 4), 64, 16), ((9, 3), 64, 16), ((8, 2), 128, 4),
+                                                       ((6, 1), 8, 2)])
+def test_the_kernel_is_the_reference_arithmetic(dtype, heads, head_dim, block_size):
+    num_q_heads, num_kv_heads = heads
+    cache = _cache(dtype, num_kv_heads, head_dim, block_size)
+    rows = _rows(12, block_size)
+    q_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    q = torch.randn(7, num_q_heads, head_dim, generator=torch.Generator().manual_seed(1)).to(q_dtype)
+    got = cpu_attention.attend(q, cache, rows, head_dim ** -0.5)
+    want = reference(q, cache, rows, head_dim ** -0.5)
+    tolerance = 1e-5 if q_dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.double(), want.double(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8_DTYPE], ids=["fp32", "bf16", "fp8"])
+def test_avx2_and_baseline_builds_give_the_same_bits(dtype):
+    from engine import cpu_features
+    if not all(f in cpu_features.flags() for f in cpu_attention.NEEDS["avx2"]):
+        pytest.skip("no AVX2 on this CPU")
+    cache = _cache(dtype, 3, 64, 16)
+    rows = _rows(12, 16)
+    q = torch.randn(7, 9, 64).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    a = cpu_attention._call(q, cache, rows, 0.125, cpu_attention.ISAS["avx2"])
+    b = cpu_attention._call(q, cache, rows, 0.125, cpu_attention.ISAS["scalar"])
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8_DTYPE], ids=["fp32", "bf16", "fp8"])
+def test_a_row_is_the_same_alone_and_a_tree_row_is_its_chain(dtype):
+    cache = _cache(dtype, 3, 64, 16)
+    rows = _rows(12, 16)
+    q = torch.randn(7, 9, 64).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    together = cpu_attention.attend(q, cache, rows, 0.125)
+    for r in range(7):
+        e0, e1 = rows.extra_start[r], rows.extra_start[r + 1]
+        alone = PassRows(rows.tables[rows.row_seq[r]][None], torch.zeros(1, dtype=torch.int64), rows.prefix[r:r + 1],
+                         torch.tensor([0, int(e1 - e0)]), rows.extra_keys[e0:e1] if e1 > e0 else torch.zeros(1).long())
+        assert torch.equal(cpu_attention.attend(q[r:r + 1], cache, alone, 0.125)[0], together[r])
+    # Row 5 sees the context then cache indices c-5, c-3; a chain stored there in that order
+    # (the same keys, the same order) is the causal row at position c-3 over a copy whose
+    # indices c-6.. hold them: the same bits.
+    capacity = 4 * 16
+    chain = KVCache(CacheShape(1, 3, 64), 12, 16, cache.k.dtype, torch.device("cpu")).layer(0)
+    for pool, src in ((chain.k, cache.k), (chain.v, cache.v), (chain.k_scale, cache.k_scale), (chain.v_scale, cache.v_scale)):
+        if pool is None:
+            continue
+        raw, raw_src = (pool.view(torch.uint8), src.view(torch.uint8)) if pool.dtype == FP8_DTYPE else (pool, src)
+        raw.copy_(raw_src)
+        table = rows.tables[2]
+        flat, flat_src = raw.flatten(0, 1), raw_src.flatten(0, 1)
+        for dst_index, src_index in ((capacity - 6, capacity - 5), (capacity - 5, capacity - 3)):
+            flat[table[dst_index // 16] * 16 + dst_index % 16] = flat_src[table[src_index // 16] * 16 + src_index % 16]
+    causal = PassRows(rows.tables[2][None], torch.zeros(1, dtype=torch.int64), torch.tensor([capacity - 4]),
+                      torch.tensor([0, 0]), torch.zeros(1, dtype=torch.int64))
+    assert torch.equal(cpu_attention.attend(q[5:6], chain, causal, 0.125)[0], together[5])
+
+
+def test_the_engine_says_which_path_attends(make_tiny_engine):
+    compiled, eager = make_tiny_engine(compile="on"), make_tiny_engine(compile="off")
+    assert compiled.settings()["paths"]["attention"].startswith(f"ours ({cpu_attention.isa()})")
+    assert eager.settings()["paths"]["attention"].startswith("torch (")
+    with forced_fallback("attention-refused"):
+        refused = make_tiny_engine(compile="on")
+        assert refused.settings()["paths"]["attention"] == "torch (our CPU attention refused (forced by a test))"
+        assert refused.runner.cpu_attention is False and refused.runner.compiled is not None
