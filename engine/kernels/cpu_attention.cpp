@@ -7,7 +7,8 @@
 //
 // Batch-invariant by construction: one (row, KV head) is one task, run by one thread, over
 // its keys in order. Scores are fp32 dot products over D in 8-lane vectors summed in a fixed
-// order, softmax takes two passes (max, then exp and sums in key order), and nothing depends
+// order, softmax takes two passes (max, then exp and sums in key order; exp is our own
+// vector polynomial, Cephes' expf, the same in every build), and nothing depends
 // on the other rows of the pass, the thread count or the instruction set: the vectors are
 // GCC's generic vectors, compiled once for AVX2 and once for the baseline, with the same
 // lane-wise IEEE arithmetic (-ffp-contract=off: no fused multiply-adds), so both give the
@@ -26,23 +27,36 @@
 namespace {
 
 typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8v __attribute__((vector_size(32)));
+typedef uint32_t u8v __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) f8 splat(float x) { return f8{x, x, x, x, x, x, x, x}; }
+static inline __attribute__((always_inline)) f8 select(i8v mask, f8 yes, f8 no) {
+  return (f8)(((i8v)yes & mask) | ((i8v)no & ~mask));
+}
+
+// e^x for 8 lanes: Cephes' expf (x = n ln 2 + r, a degree-5 polynomial in r, 2^n from the
+// exponent bits), about 1 ulp; x is clamped to [-87.3, 88.4] (e^-87.3 stands in for 0).
+static inline __attribute__((always_inline)) f8 exp8(f8 x) {
+  x = select(x < splat(-87.3365478515625f), splat(-87.3365478515625f), x);
+  x = select(x > splat(88.3762626647949f), splat(88.3762626647949f), x);
+  f8 fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  f8 fl = __builtin_convertvector(__builtin_convertvector(fx, i8v), f8);      // truncated toward 0
+  fl = select(fl > fx, fl - splat(1.0f), fl);                                 // floor
+  x = x - fl * splat(0.693359375f);
+  x = x - fl * splat(-2.12194440e-4f);
+  f8 y = splat(1.9875691500e-4f);
+  y = y * x + splat(1.3981999507e-3f);
+  y = y * x + splat(8.3334519073e-3f);
+  y = y * x + splat(4.1665795894e-2f);
+  y = y * x + splat(1.6666665459e-1f);
+  y = y * x + splat(5.0000001201e-1f);
+  y = y * (x * x) + x + splat(1.0f);
+  i8v n = __builtin_convertvector(fl, i8v);
+  return y * (f8)((n + 127) << 23);
+}
 
 enum Kind : int64_t { KIND_F32 = 0, KIND_BF16 = 1, KIND_FP8 = 2 };
-
-struct Fp8Table {
-  float value[256];
-  Fp8Table() {
-    for (int b = 0; b < 256; ++b) {            // e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits
-      int sign = b >> 7, exp = (b >> 3) & 15, man = b & 7;
-      float v;
-      if (exp == 15 && man == 7) v = std::numeric_limits<float>::quiet_NaN();
-      else if (exp == 0) v = std::ldexp(static_cast<float>(man), -9);          // subnormal: man/8 * 2^-6
-      else v = std::ldexp(1.0f + man / 8.0f, exp - 7);
-      value[b] = sign ? -v : v;
-    }
-  }
-};
-const Fp8Table FP8;
 
 struct Pass {
   const void* q; const void* k; const void* v; const float* ks; const float* vs;
@@ -51,75 +65,161 @@ struct Pass {
   int64_t hq, hkv, d, bs; float scale; int64_t q_bf16, kind;
 };
 
-// One head's D values of a pool slot as fp32 (D a multiple of 8).
+// One head's D values of a pool slot as fp32 (D a multiple of 8). bf16 widens exactly (a
+// 16-bit shift); e4m3 goes exactly to fp32 by moving its exponent and mantissa into place
+// and scaling by 2^120 (which also gets its subnormals right; 0x7f/0xff are NaN), then one
+// fp32 multiply by the (token, head) scale: the torch expression's bits.
+template <int64_t KIND>
 static inline __attribute__((always_inline)) void load_kv(const Pass& p, const void* pool, const float* scales,
                                                            int64_t slot, int64_t h, float* dst) {
   int64_t at = (slot * p.hkv + h) * p.d;
-  if (p.kind == KIND_F32) {
+  if (KIND == KIND_F32) {
     std::memcpy(dst, static_cast<const float*>(pool) + at, p.d * 4);
-  } else if (p.kind == KIND_BF16) {
+  } else if (KIND == KIND_BF16 && p.d % 16 == 0) {
+    // 16 values at a time as 8 lanes of 2: the low halves, then the high ones (order 2j + k).
+    const uint16_t* src = static_cast<const uint16_t*>(pool) + at;
+    for (int64_t c = 0; c < p.d; c += 16) {
+      u8v w;
+      std::memcpy(&w, src + c, 32);
+      f8 low = (f8)(w << 16), high = (f8)(w & 0xffff0000u);
+      std::memcpy(dst + c, &low, 32);
+      std::memcpy(dst + c + 8, &high, 32);
+    }
+  } else if (KIND == KIND_BF16) {
     const uint16_t* src = static_cast<const uint16_t*>(pool) + at;
     for (int64_t i = 0; i < p.d; ++i) dst[i] = workbench_bf16::bf16_to_float(src[i]);
+  } else if (p.d % 32 == 0) {
+    // 32 bytes at a time as 8 lanes of 4: byte k of every lane, decoded in place, is one
+    // vector, so a chunk comes out in the order 4j + k (lane_order; q and the output match it).
+    const uint8_t* src = static_cast<const uint8_t*>(pool) + at;
+    const f8 s = splat(scales[slot * p.hkv + h]);
+    const i8v mag_mask = i8v{0} + (0x7f << 20), sign_mask = i8v{0} + static_cast<int32_t>(0x80000000u);
+    const i8v nan_bits = i8v{0} + 0x7fc00000;
+    for (int64_t c = 0; c < p.d; c += 32) {
+      u8v w;
+      std::memcpy(&w, src + c, 32);
+      for (int k = 0; k < 4; ++k) {
+        i8v mag_bits = (i8v)(k < 3 ? w << (20 - 8 * k) : w >> 4) & mag_mask;
+        i8v sign = (i8v)(w << (24 - 8 * k)) & sign_mask;
+        f8 mag = (f8)mag_bits * splat(0x1p120f);
+        mag = select(mag_bits == mag_mask, (f8)nan_bits, mag);
+        f8 x = (f8)((i8v)mag | sign) * s;
+        std::memcpy(dst + c + 8 * k, &x, 32);
+      }
+    }
   } else {
     const uint8_t* src = static_cast<const uint8_t*>(pool) + at;
-    float s = scales[slot * p.hkv + h];
-    for (int64_t i = 0; i < p.d; ++i) dst[i] = FP8.value[src[i]] * s;
+    const float s = scales[slot * p.hkv + h];
+    for (int64_t i = 0; i < p.d; ++i) {
+      uint32_t b = src[i], mag_bits = (b & 0x7f) << 20;
+      float mag;
+      std::memcpy(&mag, &mag_bits, 4);
+      mag = mag_bits == (0x7fu << 20) ? std::numeric_limits<float>::quiet_NaN() : mag * 0x1p120f;
+      uint32_t bits;
+      std::memcpy(&bits, &mag, 4);
+      bits |= (b & 0x80) << 24;
+      std::memcpy(&mag, &bits, 4);
+      dst[i] = mag * s;
+    }
   }
 }
 
-static inline __attribute__((always_inline)) float dot(const float* a, const float* b, int64_t d) {
-  f8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int64_t i = 0; i < d; i += 8) {
-    f8 x, y;
-    std::memcpy(&x, a + i, 32);
-    std::memcpy(&y, b + i, 32);
-    acc += x * y;
-  }
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+// Where element i of a head's D values sits once a key or value is decoded (and so where q
+// is put and the output read): FP8 in chunks of 32 in the order 4j + k, bf16 in chunks of
+// 16 in the order 2j + k (see load_kv); fp32 in place.
+template <int64_t KIND>
+static inline __attribute__((always_inline)) int64_t lane_order(int64_t i, int64_t d) {
+  const int64_t per = KIND == KIND_FP8 ? 4 : KIND == KIND_BF16 ? 2 : 1;
+  if (per == 1 || d % (8 * per) != 0) return i;
+  int64_t c = i / (8 * per) * (8 * per), e = i % (8 * per);
+  return c + (e % per) * 8 + e / per;
 }
 
+// The cache lines of one head's values of a slot, fetched ahead of their use.
+template <int64_t KIND>
+static inline __attribute__((always_inline)) void prefetch(const Pass& p, const void* pool, int64_t slot, int64_t h) {
+  const int64_t bytes = p.d * (KIND == KIND_F32 ? 4 : KIND == KIND_BF16 ? 2 : 1);
+  const char* at = static_cast<const char*>(pool) + (slot * p.hkv + h) * bytes;
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(at + i);
+}
+
+static inline __attribute__((always_inline)) float hsum(f8 a) {
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+constexpr int64_t KT = 8;     // keys whose scores are computed together (independent sums)
+
+template <int64_t KIND>
 static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r, int64_t h,
-                                                        std::vector<float>& buf) {
+                                                        std::vector<float>& buf, std::vector<int64_t>& slots) {
   const int64_t g_size = p.hq / p.hkv, d = p.d;
   const int64_t seq = p.row_seq[r], prefix = p.prefix[r];
   const int64_t e0 = p.extra_start[r], keys = prefix + p.extra_start[r + 1] - e0;
   const int64_t* table = p.tables + seq * p.table_width;
-  buf.resize(static_cast<size_t>(g_size * (d + keys + d) + d));
+  const int64_t stride = (keys + KT - 1) / KT * KT;   // a score row, padded to whole key tiles
+  buf.resize(static_cast<size_t>(g_size * (d + stride + d) + KT * d));
   float* q = buf.data();                       // [G, D]
-  float* scores = q + g_size * d;              // [G, keys]
-  float* acc = scores + g_size * keys;         // [G, D]
-  float* row = acc + g_size * d;               // [D]: one key or value as fp32
+  float* scores = q + g_size * d;              // [G, stride]
+  float* acc = scores + g_size * stride;       // [G, D]
+  float* tile = acc + g_size * d;              // [KT, D]: keys (or one value) as fp32
   for (int64_t g = 0; g < g_size; ++g) {
     int64_t at = (r * p.hq + h * g_size + g) * d;
     for (int64_t i = 0; i < d; ++i)
-      q[g * d + i] = p.q_bf16 ? workbench_bf16::bf16_to_float(static_cast<const uint16_t*>(p.q)[at + i])
-                              : static_cast<const float*>(p.q)[at + i];
+      q[g * d + lane_order<KIND>(i, d)] = p.q_bf16 ? workbench_bf16::bf16_to_float(static_cast<const uint16_t*>(p.q)[at + i])
+                                                  : static_cast<const float*>(p.q)[at + i];
   }
-  auto slot_of = [&](int64_t t) {
-    int64_t index = t < prefix ? t : p.extra_keys[e0 + t - prefix];
-    return table[index / p.bs] * p.bs + index % p.bs;
-  };
-  for (int64_t t = 0; t < keys; ++t) {
-    load_kv(p, p.k, p.ks, slot_of(t), h, row);
-    for (int64_t g = 0; g < g_size; ++g) scores[g * keys + t] = dot(q + g * d, row, d) * p.scale;
+  slots.resize(static_cast<size_t>(keys));
+  for (int64_t t = 0; t < prefix; ++t) slots[t] = table[t / p.bs] * p.bs + t % p.bs;
+  for (int64_t t = prefix; t < keys; ++t) {
+    int64_t index = p.extra_keys[e0 + t - prefix];
+    slots[t] = table[index / p.bs] * p.bs + index % p.bs;
+  }
+  // Scores: each key's dot product is its own chain of 8-lane sums over D, then a fixed
+  // horizontal sum; KT keys at a time only so that the chains run side by side.
+  for (int64_t t0 = 0; t0 < stride; t0 += KT) {
+    const int64_t n = keys - t0 < KT ? keys - t0 : KT;
+    for (int64_t j = t0 + KT; j < t0 + 2 * KT && j < keys; ++j) prefetch<KIND>(p, p.k, slots[j], h);
+    for (int64_t j = 0; j < n; ++j) load_kv<KIND>(p, p.k, p.ks, slots[t0 + j], h, tile + j * d);
+    for (int64_t j = n; j < KT; ++j) std::memset(tile + j * d, 0, d * 4);
+    for (int64_t g = 0; g < g_size; ++g) {
+      f8 sum[KT];
+      for (int64_t j = 0; j < KT; ++j) sum[j] = splat(0.0f);
+      for (int64_t i = 0; i < d; i += 8) {
+        f8 x;
+        std::memcpy(&x, q + g * d + i, 32);
+        for (int64_t j = 0; j < KT; ++j) {
+          f8 y;
+          std::memcpy(&y, tile + j * d + i, 32);
+          sum[j] += x * y;
+        }
+      }
+      for (int64_t j = 0; j < KT; ++j) scores[g * stride + t0 + j] = j < n ? hsum(sum[j]) * p.scale : 0.0f;
+    }
   }
   for (int64_t g = 0; g < g_size; ++g) {
+    float* sg = scores + g * stride;
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < keys; ++t) m = scores[g * keys + t] > m ? scores[g * keys + t] : m;
-    for (int64_t t = 0; t < keys; ++t) scores[g * keys + t] = std::exp(scores[g * keys + t] - m);
+    for (int64_t t = 0; t < keys; ++t) m = sg[t] > m ? sg[t] : m;
+    for (int64_t t = 0; t < stride; t += 8) {          // the padding lanes are computed, never summed
+      f8 x;
+      std::memcpy(&x, sg + t, 32);
+      x = exp8(x - splat(m));
+      std::memcpy(sg + t, &x, 32);
+    }
   }
   std::memset(acc, 0, g_size * d * 4);
   float total[64] = {0};                       // G <= 64 query heads per KV head
   for (int64_t t = 0; t < keys; ++t) {
-    load_kv(p, p.v, p.vs, slot_of(t), h, row);
+    if (t + KT < keys) prefetch<KIND>(p, p.v, slots[t + KT], h);
+    load_kv<KIND>(p, p.v, p.vs, slots[t], h, tile);
     for (int64_t g = 0; g < g_size; ++g) {
-      float w = scores[g * keys + t];
+      float w = scores[g * stride + t];
       total[g] += w;
-      f8 wv = {w, w, w, w, w, w, w, w};
+      const f8 wv = splat(w);
       for (int64_t i = 0; i < d; i += 8) {
         f8 a, x;
         std::memcpy(&a, acc + g * d + i, 32);
-        std::memcpy(&x, row + i, 32);
+        std::memcpy(&x, tile + i, 32);
         a += wv * x;
         std::memcpy(acc + g * d + i, &a, 32);
       }
@@ -128,21 +228,27 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r,
   for (int64_t g = 0; g < g_size; ++g) {
     int64_t at = (r * p.hq + h * g_size + g) * d;
     for (int64_t i = 0; i < d; ++i) {
-      float o = acc[g * d + i] / total[g];
+      float o = acc[g * d + lane_order<KIND>(i, d)] / total[g];
       if (p.q_bf16) static_cast<uint16_t*>(p.out)[at + i] = workbench_bf16::float_to_bf16(o);
       else static_cast<float*>(p.out)[at + i] = o;
     }
   }
 }
 
-static void run_range(const Pass& p, int64_t begin, int64_t end) {
+static inline __attribute__((always_inline)) void run_tasks(const Pass& p, int64_t begin, int64_t end) {
   thread_local std::vector<float> buf;
-  for (int64_t i = begin; i < end; ++i) task(p, i / p.hkv, i % p.hkv, buf);
+  thread_local std::vector<int64_t> slots;
+  for (int64_t i = begin; i < end; ++i) {
+    if (p.kind == KIND_F32) task<KIND_F32>(p, i / p.hkv, i % p.hkv, buf, slots);
+    else if (p.kind == KIND_BF16) task<KIND_BF16>(p, i / p.hkv, i % p.hkv, buf, slots);
+    else task<KIND_FP8>(p, i / p.hkv, i % p.hkv, buf, slots);
+  }
 }
 
+static void run_range(const Pass& p, int64_t begin, int64_t end) { run_tasks(p, begin, end); }
+
 __attribute__((target("avx2,fma"))) static void run_range_avx2(const Pass& p, int64_t begin, int64_t end) {
-  thread_local std::vector<float> buf;
-  for (int64_t i = begin; i < end; ++i) task(p, i / p.hkv, i % p.hkv, buf);
+  run_tasks(p, begin, end);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

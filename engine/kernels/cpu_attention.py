@@ -82,6 +82,8 @@ def _tried() -> str | None:
 def isa() -> str:
     """The build the kernel runs: AVX2 where the CPU has it and it gave the baseline's bits."""
     if "isa" not in _forced:
+        if _tried() is not None:
+            raise RuntimeError(f"our CPU attention cannot serve here: {_tried()}")
         flags = cpu_features.flags()
         avx2 = all(f in flags for f in NEEDS["avx2"]) and _trial("avx2") is None
         _forced["isa"] = "avx2" if avx2 else "scalar"
