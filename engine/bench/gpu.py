@@ -70,20 +70,8 @@ def _generate_all(eng) -> tuple[list[list[int]], float]:
 
 def _batched(eng, solo: list[list[int]]) -> dict:
     """The prompts at once, through the engine's scheduler: the same tokens as alone?"""
-    from engine import SamplingParams
-    params = SamplingParams(max_tokens=TOKENS, stop_on_eos=False)
-    eng.reset_prefix_cache()
-    ids = [eng.submit([{"role": "user", "content": p}], params) for p in PROMPTS]
-    got = {rid: [] for rid in ids}
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while eng.has_work:
-        for event in eng.step():
-            got[event.request_id].extend(event.token_ids)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    return {"batched_equals_solo": [got[rid] for rid in ids] == solo,
-            "output_tok_s": sum(len(v) for v in got.values()) / seconds}
+    together = _under_load(eng, len(PROMPTS))
+    return {"batched_equals_solo": together["tokens"] == solo, "output_tok_s": together["output_tok_s"]}
 
 
 LOAD_LEVELS = (1, 4, 16)

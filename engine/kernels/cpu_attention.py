@@ -20,14 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import cpu_features
 from engine.errors import first_line
 from engine.kernels import cpu_linear
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 ISAS = {"scalar": 0, "avx2": 1}
 NEEDS = {"scalar": (), "avx2": ("avx2", "fma")}
-_forced: dict[str, str] = {}
+_chosen: dict[str, str] = {}
 
 
 @dataclass
@@ -61,40 +60,23 @@ def rows_of(seqs, positions: torch.Tensor) -> PassRows:
     return PassRows(tables, as_long(row_seq), as_long(prefix), as_long(starts), as_long(extra or [0]))
 
 
-def refusal() -> str | None:
-    """Why the kernel cannot serve here (None: it can). Tests replace this to force the torch path."""
-    return _tried()
-
-
 @functools.cache
-def _tried() -> str | None:
-    try:
-        cpu_linear.load()
-    except Exception as error:      # noqa: BLE001 - a compiler missing or failing is the answer
-        return f"our CPU attention did not build here ({type(error).__name__}: {first_line(error)})"
-    _register_fake()
-    why = _trial("scalar")
-    if why:
-        return f"our CPU attention failed its trial here: {why}"
-    return None
+def refusal() -> str | None:
+    """Why the kernel cannot serve here (None: it built and passed its trials; the AVX2 build
+    where the CPU has it and it gave the baseline build's bits). Tests replace this."""
+    return cpu_linear.tried("our CPU attention", _chosen, NEEDS, _trial, _register_fake)
 
 
 def isa() -> str:
-    """The build the kernel runs: AVX2 where the CPU has it and it gave the baseline's bits."""
-    if "isa" not in _forced:
-        if _tried() is not None:
-            raise RuntimeError(f"our CPU attention cannot serve here: {_tried()}")
-        flags = cpu_features.flags()
-        avx2 = all(f in flags for f in NEEDS["avx2"]) and _trial("avx2") is None
-        _forced["isa"] = "avx2" if avx2 else "scalar"
-    return _forced["isa"]
+    """The build the kernel runs ('avx2' or 'scalar')."""
+    if refusal() is not None:
+        raise RuntimeError(f"our CPU attention cannot serve here: {refusal()}")
+    return _chosen["isa"]
 
 
 def force_isa(name: str | None) -> None:
-    """Run the `name` build (tests: every fallback is forced), or None: choose again."""
-    _forced.pop("isa", None)
-    if name is not None:
-        _forced["isa"] = name
+    """Run the `name` build ('avx2', 'scalar'), or None: the widest that passed."""
+    cpu_linear.force(_chosen, name, refusal)
 
 
 def attend(q: torch.Tensor, cache, rows: PassRows, scale: float) -> torch.Tensor:
@@ -169,6 +151,7 @@ def _trial(isa_name: str) -> str | None:
     return None
 
 
+@functools.cache
 def _register_fake() -> None:
     def fake(q, k, v, k_scale, v_scale, tables, row_seq, prefix, extra_start, extra_keys, scale, kind, isa):
         return torch.empty_like(q)

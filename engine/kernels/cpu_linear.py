@@ -76,12 +76,23 @@ def refusal() -> str | None:
     return choose_isa(_chosen, NEEDS, _trial, "our CPU linear")
 
 
+def tried(what: str, chosen: dict[str, str], needs: dict[str, tuple[str, ...]], trial, register_fake) -> str | None:
+    """Why an op of this library cannot serve here (None: it built and an instruction set
+    passed its trial, kept in `chosen`). Shared by every op the library holds."""
+    try:
+        load()
+        register_fake()
+    except Exception as error:      # noqa: BLE001 - a compiler missing or failing is the answer
+        return f"{what} did not build here ({type(error).__name__}: {first_line(error)})"
+    return choose_isa(chosen, needs, trial, what)
+
+
 def choose_isa(chosen: dict[str, str], needs: dict[str, tuple[str, ...]], trial, what: str) -> str | None:
     """Try each instruction set this CPU offers (`needs`: the flags each one needs) and keep
     the widest that passed `trial`, or the one ISA_ENV asks for, in `chosen`; else say why
     none can serve. Shared by our float and quantized linears."""
     flags = cpu_features.flags()
-    offered = [isa for isa in ISAS if all(f in flags for f in needs[isa])]
+    offered = [isa for isa in ISAS if isa in needs and all(f in flags for f in needs[isa])]
     passed = [isa for isa in offered if trial(isa) is None]
     if "scalar" not in passed:
         return f"{what} failed its trial here: {trial('scalar')}"

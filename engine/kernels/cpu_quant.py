@@ -32,12 +32,7 @@ _chosen: dict[str, str] = {}
 @functools.cache
 def refusal() -> str | None:
     """Why our quantized CPU linear cannot serve here (None: it built and passed its trials)."""
-    try:
-        cpu_linear.load()
-        _register_fake()
-    except Exception as error:      # noqa: BLE001 - a compiler missing or failing is the answer
-        return f"our quantized CPU linear did not build here ({type(error).__name__}: {first_line(error)})"
-    return cpu_linear.choose_isa(_chosen, NEEDS, _trial, "our quantized CPU linear")
+    return cpu_linear.tried("our quantized CPU linear", _chosen, NEEDS, _trial, _register_fake)
 
 
 @functools.cache

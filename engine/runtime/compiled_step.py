@@ -81,7 +81,10 @@ def configure_compiler(cache_dir: Path) -> None:
     sizes that happen to be equal at the first call (rows and logits rows) must not be
     assumed equal ever after. Past dynamo's recompile limit (a graph per model architecture,
     dtype and weight format) it would run the function eagerly without a word, mixing
-    roundings in a reply: it raises instead, and the runner goes eager and says why."""
+    roundings in a reply: it raises instead, and the runner goes eager and says why. Dynamo's
+    garbage collection after each compile is off: the app compiles on its worker thread, and a
+    collection there finalized Qt objects of the GUI thread while the GUI thread waited for the
+    interpreter (a deadlock seen in the app tests)."""
     import torch._dynamo
     import torch._inductor.config as inductor
     import torch.fx.experimental._config as fx_config
@@ -94,6 +97,7 @@ def configure_compiler(cache_dir: Path) -> None:
     fx_config.use_duck_shape = False
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
+    torch._dynamo.config.run_gc_after_compile = False
 
 
 def _forward_of(model):
