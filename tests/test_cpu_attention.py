@@ -103,8 +103,9 @@ def test_a_row_is_the_same_alone_and_a_tree_row_is_its_chain(dtype):
 def test_the_engine_says_which_path_attends(make_tiny_engine):
     compiled, eager = make_tiny_engine(compile="on"), make_tiny_engine(compile="off")
     assert compiled.settings()["paths"]["attention"].startswith(f"ours ({cpu_attention.isa()})")
+    assert (compiled.runner.attention_mode, eager.runner.attention_mode) == ("cpu", "torch")
     assert eager.settings()["paths"]["attention"].startswith("torch (")
     with forced_fallback("attention-refused"):
         refused = make_tiny_engine(compile="on")
         assert refused.settings()["paths"]["attention"] == "torch (our CPU attention refused (forced by a test))"
-        assert refused.runner.cpu_attention is False and refused.runner.compiled is not None
+        assert refused.runner.attention_mode == "torch" and refused.runner.compiled is not None

@@ -27,7 +27,7 @@ from engine.cache.kv_cache import FP8_DTYPE, LayerCache  # noqa: E402
 from engine.kernels import dispatch, paged_attention as pa  # noqa: E402
 from engine.kernels.fp8 import e4m3_decode_div256, e4m3_encode  # noqa: E402
 from engine.kernels.store import store_kv as store_kv_kernel  # noqa: E402
-from engine.layers.attention import AttentionMetadata, attention, causal_mask, paged_attention_ref, store_kv  # noqa: E402
+from engine.layers.attention import SeqSlice, attention, paged_attention_ref, prepare, store_kv  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dispatch.kernels_available("cpu"),
                                 reason="needs TRITON_INTERPRET=1 for Triton kernels on CPU")
@@ -149,8 +149,8 @@ def reference_batch(q, cache, tables, context_lens):
     outs = []
     for b, n in enumerate(context_lens.tolist()):
         positions = torch.arange(n - num_queries, n)
-        meta = AttentionMetadata(positions=positions, slot_mapping=torch.empty(0), block_table=tables[b].long(),
-                                 context_len=n, causal_mask=causal_mask(positions, n))
+        meta = prepare("torch", positions, torch.empty(0), [SeqSlice(0, num_queries, tables[b].long(), n)],
+                       cache.k.shape[1], q.shape[2] // cache.k.shape[2])
         outs.append(paged_attention_ref(q[b], cache, meta, q.shape[-1] ** -0.5))
     return torch.stack(outs)
 
@@ -204,8 +204,8 @@ def run_both(cache_dtype, cached, new, group=4, num_kv_heads=2, head_dim=64, blo
     outs = []
     for use_kernels, c in ((True, cache), (False, ref_cache)):
         positions = torch.arange(cached, ctx)
-        meta = AttentionMetadata(positions=positions, slot_mapping=slots[cached:], block_table=table,
-                                 context_len=ctx, use_kernels=use_kernels, causal_mask=causal_mask(positions, ctx))
+        meta = prepare("kernels" if use_kernels else "torch", positions, slots[cached:], [SeqSlice(0, new, table, ctx)],
+                       block_size, group)
         outs.append(attention(q, k, v, c, meta, head_dim ** -0.5))
     return outs[0], outs[1], cache, ref_cache
 

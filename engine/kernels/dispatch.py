@@ -1,4 +1,4 @@
-"""Entry point for `engine.layers.attention.attention(..., meta.use_kernels=True)`: store the new
+"""Entry point for `engine.layers.attention.attention(...)` in the kernels mode: store the new
 K/V with the store kernel, then attend with the paged-attention kernel.
 
 This module imports without triton; `kernels_available` says whether the kernels can run.
@@ -10,7 +10,7 @@ import torch
 from engine.cache.kv_cache import LayerCache
 from engine.config import MAX_SPEC_TOKENS
 from engine.kernels import interpreting
-from engine.layers.attention_metadata import AttentionMetadata
+from engine.layers.attention_metadata import KernelLaunch
 
 try:
     from engine.kernels.paged_attention import (DECODE_BLOCK_N, DECODE_PARTITION, paged_attention,
@@ -48,7 +48,7 @@ def kernels_in_effect(backend: str, device: torch.device | str) -> tuple[bool, s
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
-              meta: AttentionMetadata, scale: float, tree: tuple | None = None) -> torch.Tensor:
+              meta: KernelLaunch, scale: float, tree: tuple | None = None) -> torch.Tensor:
     """q [N, H_q, D], k/v [N, H_kv, D] of one sequence -> [N, H_q, D]. Same contract as
     `engine.layers.attention.attention`. tree: (bits [N] int64, start [1] int32), see
     paged_attention; meta.positions are then the rows' cache indices (the causal part)."""

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.attention_metadata import AttentionMetadata, SeqSlice, causal_mask  # noqa: F401 (re-exported)
+from engine.layers.attention_metadata import (CPU, KERNELS, MODES, TORCH, AttentionMetadata,  # noqa: F401 (re-exported)
+                                              KernelLaunch, SeqSlice)
 from engine.cache.kv_cache import LayerCache, dequantize_fp8, quantize_fp8
 from engine.kernels import cpu_fp8
 from engine.layers.rotation import hadamard
@@ -70,19 +71,32 @@ def paged_attention_ref(q: torch.Tensor, cache: LayerCache, meta: AttentionMetad
     query rows per sequence (a 1-row matmul takes another kernel), whole KEY_TILE tiles of
     keys, and tiles summed in order. GQA without copying KV heads: a group's G query heads
     are folded into the query axis, so each KV head is read once for all of them."""
-    if meta.plan is None:                 # the same for every layer: built once per pass
-        block_size, group_size = cache.k.shape[1], q.shape[1] // cache.k.shape[2]
-        seqs = meta.sequences()
-        meta.plan = [_Group(group, meta.positions, block_size, group_size) for group in _groups(seqs)]
-        meta.plan += [_TreeGroup(s, meta.positions, block_size, group_size) for s in seqs if s.tree is not None]
     out = torch.empty_like(q)
-    for group in meta.plan:
+    for group in meta.layout:
         if isinstance(group, _TreeGroup):
             out[group.real_rows] = _attend_tree(q, cache, group, scale)
             continue
         result = _attend(q[group.rows], cache, group, scale)                 # [B, R, H_q, D]
         out[group.real_rows] = result.flatten(0, 1)[group.real_flat]
     return out
+
+
+def prepare(mode: str, positions: torch.Tensor, slot_mapping: torch.Tensor, seqs: list[SeqSlice],
+            block_size: int, group_size: int) -> AttentionMetadata:
+    """A pass's metadata with its mode's layout, built once for every layer: the torch path's
+    groups, our CPU kernel's rows, or the Triton kernels' launch per sequence. group_size:
+    query heads per KV head."""
+    if mode not in MODES:
+        raise ValueError(f"unknown attention mode {mode!r}; known: {MODES}")
+    if mode == TORCH:
+        layout = [_Group(group, positions, block_size, group_size) for group in _groups(seqs)]
+        layout += [_TreeGroup(s, positions, block_size, group_size) for s in seqs if s.tree is not None]
+    elif mode == CPU:
+        from engine.kernels import cpu_attention
+        layout = cpu_attention.rows_of(seqs, positions)
+    else:
+        layout = [_launch(positions, slot_mapping, s, block_size, group_size) for s in seqs]
+    return AttentionMetadata(mode=mode, positions=positions, slot_mapping=slot_mapping, seqs=seqs, layout=layout)
 
 
 def _groups(seqs: list[SeqSlice]) -> list[list["_Keys"]]:
@@ -244,53 +258,48 @@ def attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float)
 
 
 def _attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    if meta.use_kernels:
-        if meta.seqs is None:
-            from engine.kernels import dispatch
-            return dispatch.attention(q, k, v, cache, meta, scale)
-        return torch.cat([(_tree_attention if s.tree is not None else _kernel_attention)(
-            q[s.start:s.start + s.count], k[s.start:s.start + s.count], v[s.start:s.start + s.count],
-            cache, meta, s, scale) for s in meta.seqs])
+    if meta.mode == KERNELS:
+        return torch.cat([_kernel_attention(q[s.start:s.start + s.count], k[s.start:s.start + s.count],
+                                            v[s.start:s.start + s.count], cache, launch, scale)
+                          for s, launch in zip(meta.seqs, meta.layout)])
     store_kv(cache, k, v, meta.slot_mapping)
-    if meta.cpu_rows is not None:
+    if meta.mode == CPU:
         from engine.kernels import cpu_attention
-        return cpu_attention.attend(q, cache, meta.cpu_rows, scale)
+        return cpu_attention.attend(q, cache, meta.layout, scale)
     return paged_attention_ref(q, cache, meta, scale)
 
 
-def _kernel_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, s: SeqSlice, scale: float):
+def _kernel_attention(q, k, v, cache: LayerCache, launch: tuple, scale: float) -> torch.Tensor:
+    """One sequence's rows where the Triton kernels run (launch: _launch's). A draft tree's rows
+    are masked by their cache index (the causal part) and a bit per tree key on their path,
+    the keys past the context (TREE_KEYS of them at most; a wider tree takes the torch path)."""
     from engine.kernels import dispatch
-    return dispatch.attention(q, k, v, cache, one_sequence(meta, s), scale)
-
-
-def _tree_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, s: SeqSlice, scale: float):
-    """A draft tree's rows where the Triton kernels run: the kernels mask each row by its
-    cache index (the causal part) and by a bit per tree key on its path, the keys past the
-    context (TREE_KEYS of them at most; a wider tree attends through the torch path)."""
-    from engine.kernels import dispatch
-    if meta.tree_masks is None:
-        meta.tree_masks = {}
-    if s.start not in meta.tree_masks:          # built by the first layer, shared by all
-        meta.tree_masks[s.start] = _tree_launch(meta, s, q.device)
-    one, mask = meta.tree_masks[s.start]
-    if mask is None:
+    one, mask = launch
+    if isinstance(one, AttentionMetadata):                       # a tree too wide for one mask word
         store_kv(cache, k, v, one.slot_mapping)
         return paged_attention_ref(q, cache, one, scale)
     return dispatch.attention(q, k, v, cache, one, scale, tree=mask)
 
 
-def _tree_launch(meta: AttentionMetadata, s: SeqSlice, device) -> tuple:
-    """(metadata, (bits, start)) for the kernels, or (torch-path metadata, None) for a tree
-    wider than one mask word."""
-    tree, rows = s.tree, slice(s.start, s.start + s.count)
+def _launch(positions: torch.Tensor, slot_mapping: torch.Tensor, s: SeqSlice, block_size: int,
+            group_size: int) -> tuple:
+    """(KernelLaunch, tree mask or None) for one sequence of a kernels pass, or (torch-path
+    metadata, None) for a tree wider than one mask word."""
+    rows = slice(s.start, s.start + s.count)
+    tree = s.tree
+    if tree is None:
+        return KernelLaunch(positions=positions[rows], slot_mapping=slot_mapping[rows], block_table=s.block_table,
+                            context_len=s.context_len), None
     if max(tree.indices) - tree.context >= TREE_KEYS:
-        return AttentionMetadata(meta.positions[rows], meta.slot_mapping[rows], s.block_table, s.context_len, False,
-                                 None, seqs=[SeqSlice(0, s.count, s.block_table, s.context_len, tree)]), None
+        alone = SeqSlice(0, s.count, s.block_table, s.context_len, tree)
+        return prepare(TORCH, positions[rows], slot_mapping[rows], [alone], block_size, group_size), None
+    device = positions.device
     bits = torch.tensor([_signed64(sum(1 << (i - tree.context) for i in path)) for path in tree.paths],
                         dtype=torch.int64, device=device)
     index = torch.tensor(tree.indices, dtype=torch.int64, device=device)
     start = torch.tensor([tree.context], dtype=torch.int32, device=device)
-    return AttentionMetadata(index, meta.slot_mapping[rows], s.block_table, s.context_len, True, None), (bits, start)
+    return KernelLaunch(positions=index, slot_mapping=slot_mapping[rows], block_table=s.block_table,
+                        context_len=s.context_len), (bits, start)
 
 
 TREE_KEYS = 64          # tree keys one int64 mask word covers (the kernels' tree mask)
@@ -298,11 +307,3 @@ TREE_KEYS = 64          # tree keys one int64 mask word covers (the kernels' tre
 
 def _signed64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def one_sequence(meta: AttentionMetadata, s: SeqSlice) -> AttentionMetadata:
-    """A batched pass's metadata for one of its sequences (the kernels take one at a time)."""
-    rows = slice(s.start, s.start + s.count)
-    positions = meta.positions[rows]
-    return AttentionMetadata(positions, meta.slot_mapping[rows], s.block_table, s.context_len, meta.use_kernels,
-                             causal_mask(positions, s.context_len))

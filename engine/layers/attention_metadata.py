@@ -2,9 +2,8 @@
 tables and mask. Its own module so the torch path (engine.layers.attention) and the Triton
 dispatch (engine.kernels.dispatch) share it without importing each other.
 
-A pass over one sequence fills the single-sequence fields; a batched pass (the scheduler's
-step over many requests) lists each sequence's rows, table and context in `seqs`, with the
-flattened positions and slots of every row."""
+Every pass, one sequence or many, lists each sequence's rows, table and context in `seqs`,
+with the flattened positions and slots of every row, and says which path attends (`mode`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,24 +36,31 @@ class SeqSlice:
     tree: TreeRows | None = None   # its rows attend as a draft tree (None: causally, in order)
 
 
-@dataclass
-class AttentionMetadata:
-    """The pool as one forward pass over N new tokens sees it."""
-    positions: torch.Tensor        # [N] int64, absolute positions of the new tokens
-    slot_mapping: torch.Tensor     # [N] int64, block_id * block_size + offset for each new token
-    block_table: torch.Tensor      # [num_seq_blocks] int64 (int32 for kernels)
-    context_len: int               # tokens in the cache once the new ones are written
-    use_kernels: bool = False      # Triton on CUDA; False forces the torch reference
-    causal_mask: torch.Tensor | None = None   # [N, T] bool, key j visible to query i; None: all visible
-    seqs: list[SeqSlice] | None = None       # a batched pass; None: one sequence (the fields above)
-    cpu_rows: object | None = None            # our CPU kernel attends (engine.kernels.cpu_attention.PassRows)
-    plan: list | None = None                  # the torch path's per-pass layout, built by its first layer
-    tree_masks: dict | None = None            # the kernels' tree launches by first row, built by the first layer
+# What attends: the torch path (the reference), our CPU kernel (the compiled step on the
+# CPU, engine.kernels.cpu_attention) or the Triton kernels (CUDA, or the interpreter in tests).
+TORCH, CPU, KERNELS = "torch", "cpu", "kernels"
+MODES = (TORCH, CPU, KERNELS)
 
-    def sequences(self) -> list[SeqSlice]:
-        if self.seqs is not None:
-            return self.seqs
-        return [SeqSlice(0, self.positions.shape[0], self.block_table, self.context_len)]
+
+@dataclass(kw_only=True)
+class AttentionMetadata:
+    """The pool as one forward pass over N new tokens sees it: always a list of sequences,
+    built once per pass by engine.layers.attention.prepare (with the mode's layout)."""
+    mode: str                      # one of MODES
+    positions: torch.Tensor        # [N] int64, RoPE positions of the rows (a tree row: context + depth)
+    slot_mapping: torch.Tensor     # [N] int64, block_id * block_size + offset where each row's K/V go
+    seqs: list[SeqSlice]           # each sequence's rows, block table and context
+    layout: object = None          # the mode's per-pass layout, read by every layer
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelLaunch:
+    """One sequence as a Triton kernel launch takes it: its rows' positions (a tree's rows:
+    their cache indices, the causal part of the mask), slots, block table and context."""
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    context_len: int
 
 
 def pass_positions(start: int, n: int, block_table: list[int], block_size: int, device) -> tuple:
@@ -74,11 +80,3 @@ def tree_pass_positions(tree: TreeRows, block_table: list[int], block_size: int,
     index = torch.tensor(tree.indices, dtype=torch.int64, device=device)
     slots = table[index // block_size] * block_size + index % block_size
     return positions, table, slots
-
-
-def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor | None:
-    """[N, T] bool, key j visible to query i iff j <= positions[i]. The new tokens are the
-    last N of the context, so a single one sees every key: None (no mask)."""
-    if positions.numel() == 1:
-        return None
-    return torch.arange(context_len, device=positions.device)[None, :] <= positions[:, None]

@@ -13,7 +13,8 @@ from engine.cache.kv_cache import FP8_DTYPE, KVCache, is_rotated, resolve_kv_dty
 from engine.cache.memory_plan import plan_memory
 from engine.config import EngineConfig
 from engine.errors import first_line
-from engine.layers.attention import AttentionMetadata
+from engine.layers import attention
+from engine.layers.attention import CPU, KERNELS, TORCH, AttentionMetadata
 from engine.layers.attention_metadata import SeqSlice, TreeRows, pass_positions, tree_pass_positions
 from engine.loading.loader import LoadedModel
 from engine.models.llama import rope_identity
@@ -87,21 +88,21 @@ class ModelRunner:
             self.compiled = None
         elif self.compiled is None:
             self.compiled = compiled_step.CompiledStep(self.model, self.device, self.progress)
-        self.cpu_attention, self.attention_state = self._attention_path()
+        self.attention_mode, self.attention_state = self._attention_path()
 
-    def _attention_path(self) -> tuple[bool, str]:
-        """(does our CPU kernel attend?, what attends and why): the Triton kernels where they
-        run; in the compiled step on the CPU our kernel (engine.kernels.cpu_attention); else
-        the torch path (the eager reference)."""
+    def _attention_path(self) -> tuple[str, str]:
+        """(what attends: an attention_metadata mode, and why), the one place it is decided: the
+        Triton kernels where they run; in the compiled step on the CPU our kernel
+        (engine.kernels.cpu_attention); else the torch path (the eager reference)."""
         if self.use_kernels:
-            return False, "Triton kernels"
+            return KERNELS, "Triton kernels"
         if self.compiled is None or self.device.type != "cpu":
-            return False, f"torch ({self.kernels_state})"
+            return TORCH, f"torch ({self.kernels_state})"
         from engine.kernels import cpu_attention
         refused = cpu_attention.refusal()
         if refused:
-            return False, f"torch ({refused})"
-        return True, f"ours ({cpu_attention.isa()}), reads the paged cache as stored"
+            return TORCH, f"torch ({refused})"
+        return CPU, f"ours ({cpu_attention.isa()}), reads the paged cache as stored"
 
     def warm_compiled(self) -> float:
         """Run the compiled step once on a scratch one-token sequence, so that it compiles now
@@ -128,7 +129,7 @@ class ModelRunner:
         self.compile_error = (f"off: the compiled step failed ({type(error).__name__}: {first_line(error)}); "
                               "running eagerly")
         self.compile_state, self.compiled = self.compile_error, None
-        self.cpu_attention, self.attention_state = self._attention_path()
+        self.attention_mode, self.attention_state = self._attention_path()
         self.on_settings_changed()
 
     def release_cache(self) -> None:
@@ -198,12 +199,7 @@ class ModelRunner:
             ids.extend(item.tokens)
             wanted.extend(range(row + n - item.logits_rows, row + n))
             row += n
-        first = slices[0]
-        meta = AttentionMetadata(torch.cat(positions), torch.cat(slots), first.block_table, first.context_len,
-                                 self.use_kernels, None, seqs=slices)
-        if self.cpu_attention:
-            from engine.kernels import cpu_attention
-            meta.cpu_rows = cpu_attention.rows_of(slices, meta.positions)
+        meta = self._prepare(self.attention_mode, torch.cat(positions), torch.cat(slots), slices)
         ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
         rows_t = torch.tensor(wanted, dtype=torch.int64, device=self.device)
         logits, hidden = self._pass(ids_t, meta, rows_t)
@@ -214,13 +210,19 @@ class ModelRunner:
             used += item.logits_rows
         return out
 
+    def _prepare(self, mode: str, positions, slots, slices) -> AttentionMetadata:
+        """The pass's attention metadata and its mode's layout, once for every layer."""
+        attn = self.model.layers[0].self_attn
+        return attention.prepare(mode, positions, slots, slices, self.kv.block_size,
+                                 attn.num_heads // attn.num_kv_heads)
+
     def _pass(self, ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor) -> tuple:
         if self.compiled is not None:
             try:
                 return self.compiled(ids, self.kv, meta, rows)
             except Exception as error:      # compiling, or CUDA graph capture, failed: eager from now on
                 self._compile_failed(error)
-                meta.cpu_rows, meta.plan = None, None
+                meta = self._prepare(self.attention_mode, meta.positions, meta.slot_mapping, meta.seqs)
         return self.model.forward_with_hidden(ids, self.kv, meta, rows)
 
     @torch.inference_mode()

@@ -23,7 +23,8 @@ import time
 import torch
 
 from engine.config import SamplingParams
-from engine.layers.attention_metadata import AttentionMetadata, SeqSlice, TreeRows, causal_mask
+from engine.layers.attention import TORCH, prepare
+from engine.layers.attention_metadata import AttentionMetadata, SeqSlice, TreeRows
 from engine.layers.sampler import probabilities
 from engine.models.eagle_head import EagleHead
 from engine.spec.spec_decode import Proposal, Proposer
@@ -129,8 +130,7 @@ class EagleProposer(Proposer):
         slots = torch.tensor(rows.indices, device=self.device)
         context = max(rows.indices) + 1
         blocks = torch.arange(-(-context // self.block_size), device=self.device)
-        return AttentionMetadata(positions, slots, blocks, context, False, None,
-                                 seqs=[SeqSlice(0, len(rows.indices), blocks, context, rows)])
+        return self._prepared(positions, slots, [SeqSlice(0, len(rows.indices), blocks, context, rows)])
 
     def _pick(self, reduced_logits: torch.Tensor, params: SamplingParams, generator):
         if params.greedy:
@@ -144,7 +144,12 @@ class EagleProposer(Proposer):
         local = torch.arange(start - self.base, start - self.base + n, device=self.device)
         context = start - self.base + n
         blocks = torch.arange(-(-context // self.block_size), device=self.device)
-        return AttentionMetadata(local, local, blocks, context, False, causal_mask(local, context))
+        return self._prepared(local, local, [SeqSlice(0, n, blocks, context)])
+
+    def _prepared(self, positions, slots, seqs) -> AttentionMetadata:
+        """The head's passes take the torch path (its cache is its own, one layer)."""
+        attn = self.head.layers[0].self_attn
+        return prepare(TORCH, positions, slots, seqs, self.block_size, attn.num_heads // attn.num_kv_heads)
 
     def _ensure(self, positions: int) -> None:
         """Room for `positions` head positions (features and cache), grown by copying."""
