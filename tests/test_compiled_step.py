@@ -65,13 +65,14 @@ def test_every_pass_takes_one_graph(make_tiny_engine):
     eng.warm_compiled_step()
     before = compiled_graphs()
     prompt = repeating_prompt(make_tiny_engine(compile="off"))
-    ids = [eng.submit(prompt, GREEDY), eng.submit(list(range(7, 30)), GREEDY)]
+    eng.submit(prompt, GREEDY)
+    eng.submit(list(range(7, 30)), GREEDY)
     while eng.has_work:
         assert all(e.compile_s == 0 for e in eng.step())
     eng.reconfigure(proposer="draft", draft_model="self:1", draft_tree="3:4:10")
     eng.generate_text(prompt, GREEDY)
     assert compiled_graphs() - before <= 1                 # the one-layer draft model's own graph
-    assert len(eng.runner.compiled.row_counts) >= 5 and ids
+    assert len(eng.runner.compiled.row_counts) >= 5
 
 
 def test_compiled_graphs_are_cached_in_the_user_cache_folder(make_tiny_engine):

@@ -5,8 +5,8 @@ dimension. Everything between two attention calls is row-wise (linears, norms, R
 MLP), so a row's result cannot depend on its neighbours. Attention is where rows meet the
 cache and each other: it stays out of the graph as `workbench::paged_attention(q, k, v,
 layer, scale)`, one call per layer, which stores the new K/V and attends over the paged cache
-through engine.layers.attention (the torch path's batch-invariant arithmetic, or the Triton
-kernels on CUDA), reading the pass's pool and metadata from `serving` (per thread: the GUI
+through engine.layers.attention in the pass's mode (our CPU kernel, the torch path, or the
+Triton kernels on CUDA), reading the pass's pool and metadata from `serving` (per thread: the GUI
 process runs the engine on a worker thread). On CUDA the op is tagged cudagraph-unsafe, so
 inductor records CUDA graphs of the pieces between attention calls (graph partitioning).
 

@@ -3,7 +3,8 @@
 vLLM's piecewise compilation at our size. The model's layers are traced once by torch.compile
 with a dynamic token dimension; attention is the op the graph is split at
 (engine.layers.attention_op), one call per layer that stores the new K/V and attends over
-the paged cache with the batch-invariant torch path (or the Triton kernels on CUDA). The
+the paged cache: our CPU kernel on the CPU (engine.kernels.cpu_attention; the torch path
+where it is refused), the Triton kernels on CUDA. The
 pieces between attention calls are row-wise (linears, norms, RoPE, the MLP), so a row's
 result cannot depend on the other rows of the pass, and every pass of every request, of any
 row count, takes this one graph: batch invariance holds compiled against compiled. The eager
