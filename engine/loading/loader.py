@@ -179,7 +179,11 @@ def open_checkpoint(folder: Path, hf_config, dtype: torch.dtype = torch.float32,
     """The folder's weights: its safetensors shards, or the GGUF it was made from (read in `dtype`)."""
     gguf = gguf_of(folder)
     if gguf is None:
-        return Checkpoint.open(folder, allow_pickle)
+        checkpoint = Checkpoint.open(folder, allow_pickle)
+        if hf_config.model_type == "gpt_oss":          # fused experts, seen one per expert
+            from engine.loading.fused_experts import FusedExpertTensors
+            return FusedExpertTensors(checkpoint)
+        return checkpoint
     from engine.loading.gguf_tensors import GGUFCheckpoint, GGUFTensors
     return GGUFCheckpoint(folder, GGUFTensors(gguf, hf_config), dtype)
 
@@ -330,6 +334,8 @@ def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.
     release_freed_memory()      # the read copies of large tensors (a GGUF's embedding, dequantized)
     model.source_fingerprint = stored_fingerprint(model, stored)     # of the weights as stored, before quantizing
     weights = serve_weights(model, weight_dtype, torch.device(device), stored)
+    if getattr(checkpoint, "mxfp4", False):
+        weights.served["MXFP4 experts"] = f"dequantized at load to {str(dtype).removeprefix('torch.')} (no MXFP4 kernel yet)"
     name = "SmolLM2-135M-Instruct (embedded)" if reference in (None, "", DEFAULT_MODEL) else Path(str(reference)).name
     progress("model ready", 1.0)
     identity = identity_of(folder, checkpoint.files) + weights.identity_tag
@@ -347,10 +353,10 @@ def stored_fingerprint(model, quantized) -> str:
     never read in float (served as stored) is dequantized for it from the source, exactly, as
     weight_dtype float loads it (the embedding: only the sampled rows)."""
     from engine.models.eagle_head import fingerprint_of, weights_fingerprint
-    down, embedding = model.layers[-1].mlp.down_proj, model.embed_tokens.weight
+    (down, down_name), embedding = model.fingerprint_down(), model.embed_tokens.weight
     if not down.weight.is_meta and not embedding.is_meta:
         return weights_fingerprint(model)
-    down_row = (quantized.dequantized(f"model.layers.{len(model.layers) - 1}.mlp.down_proj.weight")[:1]
+    down_row = (quantized.dequantized(down_name)[:1]
                 if down.weight.is_meta else down.weight[:1])
     rows = (quantized.dequantized("model.embed_tokens.weight", rows=slice(None, None, 997))
             if embedding.is_meta else embedding[::997])

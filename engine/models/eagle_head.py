@@ -97,7 +97,7 @@ def weights_fingerprint(model: LlamaFamilyModel) -> str:
     stored = getattr(model, "source_fingerprint", None)     # taken before a quantized load
     if stored is not None:
         return stored
-    return fingerprint_of(model.embed_tokens.weight[::997], model.layers[-1].mlp.down_proj.dense_weight()[:1])
+    return fingerprint_of(model.embed_tokens.weight[::997], model.fingerprint_down()[0].dense_weight()[:1])
 
 
 def fingerprint_of(embedding_rows: torch.Tensor, down_row: torch.Tensor) -> str:

@@ -1,6 +1,8 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) built from a transformers config
-and loading transformers' weight names. RMSNorm, RoPE, GQA, SwiGLU; Qwen2 q/k/v bias;
-Qwen3 per-head q/k RMSNorm. Attention goes through the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, gpt-oss) built from a
+transformers config and loading transformers' weight names. RMSNorm, RoPE, GQA, SwiGLU;
+Qwen2 q/k/v bias; Qwen3 per-head q/k RMSNorm; mixture-of-experts feed-forward blocks
+(engine.models.moe); gpt-oss's attention biases, learned sink logits and sliding-window
+layers. Attention goes through the paged KV cache.
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from engine.cache.kv_cache import CacheShape, KVCache
 from engine.errors import UnsupportedModelError
 from engine.layers import attention_op, packed_linear, quantized_linear
 from engine.layers.attention import AttentionMetadata, attention
+from engine.models import moe
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + moe.MOE_MODEL_TYPES
 
 
 class Linear(nn.Module):
@@ -104,17 +108,24 @@ class Embedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32      # gpt-oss: the weight multiplies before the cast back
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same order of operations as transformers (fp32 variance, cast back before the weight).
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight * x32).to(dtype)
         return self.weight * x32.to(dtype)
+
+
+def norm_of(config, dim: int) -> RMSNorm:
+    return RMSNorm(dim, config.rms_norm_eps, weight_in_fp32=config.model_type == "gpt_oss")
 
 
 class Rotary(nn.Module):
@@ -173,24 +184,39 @@ def rope_identity(config) -> str:
     return repr(sorted((k, str(v)) for k, v in _rope_params(config).items()))
 
 
+def layer_window(config, index: int) -> int:
+    """Keys a query of layer `index` sees (0: all): transformers' `sliding_window` where the
+    config's `layer_types` names the layer "sliding_attention" (gpt-oss, Qwen2/3 with
+    use_sliding_window), or on every layer of a Mistral config that sets one."""
+    window = getattr(config, "sliding_window", None) or 0
+    types = getattr(config, "layer_types", None)
+    if types:
+        return int(window) if types[index] == "sliding_attention" else 0
+    return int(window) if config.model_type == "mistral" else 0
+
+
 class Attention(nn.Module):
-    def __init__(self, config, head_dim: int):
+    def __init__(self, config, head_dim: int, index: int = 0):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        attention_bias = bool(getattr(config, "attention_bias", False))
         # q, k and v projections fused into one matmul (one weight read per step).
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.qk_norm = config.model_type == "qwen3"
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=attention_bias or config.model_type == "qwen2")
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=attention_bias)
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.scale = head_dim ** -0.5
-        self.layer_index = 0                 # its place in the stack (the compiled graph's attention op)
+        self.layer_index = index             # its place in the stack (the compiled graph's attention op)
+        self.window = layer_window(config, index)
+        # gpt-oss: one learned logit per query head in every softmax's denominator
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.model_type == "gpt_oss" else None
 
     def forward(self, x, cache, meta: AttentionMetadata | None, rope):
         """cache None: inside the compiled step, attention is its op (engine.layers.attention_op)."""
@@ -222,12 +248,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, head_dim: int):
+    def __init__(self, config, head_dim: int, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(config, head_dim)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, head_dim, index)
+        self.mlp = moe.SparseMoE(config, Linear) if moe.is_sparse_layer(config, index) else MLP(config)
+        self.input_layernorm = norm_of(config, config.hidden_size)
+        self.post_attention_layernorm = norm_of(config, config.hidden_size)
 
     def forward(self, h, cache, meta, rope):
         h = h + self.self_attn(self.input_layernorm(h), cache, meta, rope)
@@ -245,11 +271,9 @@ class LlamaFamilyModel(nn.Module):
         self.max_positions = max_positions or config.max_position_embeddings
         self.rotary = Rotary(config, self.head_dim, self.max_positions)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim)
-                                    for _ in range(config.num_hidden_layers))
-        for i, layer in enumerate(self.layers):
-            layer.self_attn.layer_index = i
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = norm_of(config, config.hidden_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_weights: list[torch.Tensor] = []     # see pack_for_cpu
         self.tie_weights()
@@ -338,17 +362,28 @@ class LlamaFamilyModel(nn.Module):
         module, _, attr = name.rpartition(".")
         prefix = "" if module == "lm_head" else "model."
         owner, _, proj = module.rpartition(".")
+        if proj == "router" and self.config.model_type == "qwen3_moe":
+            module = f"{owner}.gate"                        # Qwen3-MoE names its router `gate`
         if proj not in FUSED_PROJECTIONS:
             return WeightSource(name, ((f"{prefix}{module}.{attr}", shape),))
         parts = tuple((f"{prefix}{owner}.{part}.{attr}", (size, *shape[1:]))
-                      for part, size in zip(FUSED_PROJECTIONS[proj], self._fused_sizes(proj)))
+                      for part, size in zip(FUSED_PROJECTIONS[proj], self._fused_sizes(proj, shape)))
         return WeightSource(name, parts)
 
-    def _fused_sizes(self, proj: str) -> tuple[int, ...]:
-        if proj == "gate_up_proj":
-            return (self.config.intermediate_size,) * 2
+    def _fused_sizes(self, proj: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if proj == "gate_up_proj":                          # a dense MLP's or an expert's
+            return (shape[0] // 2,) * 2
         attn = self.layers[0].self_attn
         return attn.q_size, attn.kv_size, attn.kv_size
+
+    def fingerprint_down(self) -> tuple[Linear, str]:
+        """The down projection the weights fingerprint samples (the last layer's; an MoE
+        layer's first expert's) and its checkpoint name."""
+        i = len(self.layers) - 1
+        mlp = self.layers[i].mlp
+        if isinstance(mlp, moe.SparseMoE):
+            return mlp.experts[0].down_proj, f"model.layers.{i}.mlp.experts.0.down_proj.weight"
+        return mlp.down_proj, f"model.layers.{i}.mlp.down_proj.weight"
 
     def load_weights(self, read: Callable[[str], torch.Tensor], device, dtype: torch.dtype,
                      on_loaded: Callable[["WeightSource"], None] = lambda source: None,
