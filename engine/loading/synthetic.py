@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from engine.models.moe import expert_intermediate, is_sparse_layer, num_experts
+
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -46,8 +48,29 @@ PRESETS: dict[str, dict] = {
                  tie_word_embeddings=False),
 }
 PRESETS["tiny-qwen3"] = {**PRESETS["tiny"], "model_type": "qwen3"}
+# Mixture-of-experts models as workstations run them (config.json of the released checkpoints)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+PRESETS["qwen3-30b-a3b"] = dict(
+    model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+    max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)
+PRESETS["gpt-oss-20b"] = dict(
+    model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+    head_dim=64, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+    sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12, attention_bias=True,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=_GPT_OSS_ROPE, swiglu_limit=7.0,
+    tie_word_embeddings=False)
+PRESETS["tiny-qwen3-moe"] = {**PRESETS["tiny"], "model_type": "qwen3_moe", "moe_intermediate_size": 32,
+                             "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True}
+PRESETS["tiny-gpt-oss"] = {**PRESETS["tiny"], "model_type": "gpt_oss", "intermediate_size": 32,
+                           "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8,
+                           "layer_types": ["sliding_attention", "full_attention"], "attention_bias": True,
+                           "rope_parameters": {**_GPT_OSS_ROPE, "original_max_position_embeddings": 64}}
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}     # model_type -> class
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",       # model_type -> class
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "tokenizer.model", "chat_template.jinja")
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -112,13 +135,38 @@ def _layer_tensors(config, i: int) -> list[TensorSpec]:
              TensorSpec(p + "self_attn.k_proj.weight", (kv_size, h), "normal"),
              TensorSpec(p + "self_attn.v_proj.weight", (kv_size, h), "normal"),
              TensorSpec(p + "self_attn.o_proj.weight", (h, q_size), "normal")]
-    if config.model_type == "qwen3":
+    if config.model_type in ("qwen3", "qwen3_moe"):
         specs += [TensorSpec(p + "self_attn.q_norm.weight", (head_dim,), "ones"),
                   TensorSpec(p + "self_attn.k_norm.weight", (head_dim,), "ones")]
-    return specs + [TensorSpec(p + "post_attention_layernorm.weight", (h,), "ones"),
-                    TensorSpec(p + "mlp.gate_proj.weight", (inter, h), "normal"),
+    if getattr(config, "attention_bias", False):
+        specs += [TensorSpec(p + f"self_attn.{x}_proj.bias", (size,), "normal")
+                  for x, size in (("q", q_size), ("k", kv_size), ("v", kv_size), ("o", h))]
+    if config.model_type == "gpt_oss":
+        specs.append(TensorSpec(p + "self_attn.sinks", (config.num_attention_heads,), "normal"))
+    specs.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), "ones"))
+    if is_sparse_layer(config, i):
+        return specs + _expert_tensors(config, p + "mlp.")
+    return specs + [TensorSpec(p + "mlp.gate_proj.weight", (inter, h), "normal"),
                     TensorSpec(p + "mlp.up_proj.weight", (inter, h), "normal"),
                     TensorSpec(p + "mlp.down_proj.weight", (h, inter), "normal")]
+
+
+def _expert_tensors(config, p: str) -> list[TensorSpec]:
+    """An MoE layer's router and experts as the released checkpoints store them: Qwen3-MoE one
+    tensor per expert and projection, gpt-oss fused ([E, in, out], gate and up interleaved)."""
+    h, e, inter = config.hidden_size, num_experts(config), expert_intermediate(config)
+    if config.model_type == "gpt_oss":
+        return [TensorSpec(p + "router.weight", (e, h), "normal"), TensorSpec(p + "router.bias", (e,), "normal"),
+                TensorSpec(p + "experts.gate_up_proj", (e, h, 2 * inter), "normal"),
+                TensorSpec(p + "experts.gate_up_proj_bias", (e, 2 * inter), "normal"),
+                TensorSpec(p + "experts.down_proj", (e, inter, h), "normal"),
+                TensorSpec(p + "experts.down_proj_bias", (e, h), "normal")]
+    specs = [TensorSpec(p + "gate.weight", (e, h), "normal")]
+    for x in range(e):
+        specs += [TensorSpec(p + f"experts.{x}.gate_proj.weight", (inter, h), "normal"),
+                  TensorSpec(p + f"experts.{x}.up_proj.weight", (inter, h), "normal"),
+                  TensorSpec(p + f"experts.{x}.down_proj.weight", (h, inter), "normal")]
+    return specs
 
 
 def plan_shards(groups: list[list[TensorSpec]], bytes_per_value: int, max_shard_bytes: int) -> list[list[TensorSpec]]:

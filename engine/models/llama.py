@@ -17,10 +17,10 @@ from engine.cache.kv_cache import CacheShape, KVCache
 from engine.errors import UnsupportedModelError
 from engine.layers import attention_op, packed_linear, quantized_linear
 from engine.layers.attention import AttentionMetadata, attention
-from engine.models import moe
+from engine.models.moe import MOE_MODEL_TYPES, SparseMoE, is_sparse_layer
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + moe.MOE_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 
 
 class Linear(nn.Module):
@@ -251,7 +251,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, head_dim: int, index: int = 0):
         super().__init__()
         self.self_attn = Attention(config, head_dim, index)
-        self.mlp = moe.SparseMoE(config, Linear) if moe.is_sparse_layer(config, index) else MLP(config)
+        self.mlp = SparseMoE(config, Linear) if is_sparse_layer(config, index) else MLP(config)
         self.input_layernorm = norm_of(config, config.hidden_size)
         self.post_attention_layernorm = norm_of(config, config.hidden_size)
 
@@ -381,7 +381,7 @@ class LlamaFamilyModel(nn.Module):
         layer's first expert's) and its checkpoint name."""
         i = len(self.layers) - 1
         mlp = self.layers[i].mlp
-        if isinstance(mlp, moe.SparseMoE):
+        if isinstance(mlp, SparseMoE):
             return mlp.experts[0].down_proj, f"model.layers.{i}.mlp.experts.0.down_proj.weight"
         return mlp.down_proj, f"model.layers.{i}.mlp.down_proj.weight"
 
