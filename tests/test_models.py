@@ -24,6 +24,11 @@ ARCHS = {
     "mistral": lambda: _tiny("mistral", head_dim=32),
     "qwen2": lambda: _tiny("qwen2", tie_word_embeddings=False),
     "qwen3": lambda: _tiny("qwen3", head_dim=32),
+    "qwen3_moe": lambda: _tiny("qwen3_moe", head_dim=32, moe_intermediate_size=48, num_experts=8,
+                               num_experts_per_tok=2, norm_topk_prob=True),
+    # a 4-token window on the first layer (the test's 23 tokens pass it), sinks, biases, YaRN
+    "gpt_oss": lambda: _tiny("gpt_oss", head_dim=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+                             layer_types=["sliding_attention", "full_attention"]),
     "llama3-rope": lambda: _tiny("llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
 }
