@@ -1,7 +1,9 @@
 """Our CPU paged attention (engine.kernels.cpu_attention), the compiled step's attention op:
 against a float64 reference in fp32, bf16 and FP8, causal and tree rows, GQA groups and
-block sizes; the AVX2 build gives the baseline build's bits; a row's result is the same
-alone or among others, and a tree row's is its chain's; the engine says which path attends."""
+block sizes, with sliding windows and sinks (keys before a window are never read); the AVX2
+build gives the baseline build's bits; a row's result is the same alone or among others, and
+a tree row's is its chain's; the engine says which path attends. (tests/test_attention_window
+checks every attention path against one dense reference.)"""
 import random
 
 import pytest
@@ -68,6 +70,52 @@ def test_avx2_and_baseline_builds_give_the_same_bits(dtype):
     a = cpu_attention._call(q, cache, rows, 0.125, cpu_attention.ISAS["avx2"])
     b = cpu_attention._call(q, cache, rows, 0.125, cpu_attention.ISAS["scalar"])
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8_DTYPE], ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("window", [1, 3, 17])
+def test_a_window_and_sinks_are_the_reference_arithmetic_on_both_builds(dtype, window):
+    """A row's last `window` keys (a tree row's: its path's last, then the context's) and one
+    sink logit per query head, on each build, the same bits on both."""
+    from engine import cpu_features
+    cache = _cache(dtype, 3, 64, 16)
+    rows = _rows(12, 16)
+    q_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    q = torch.randn(7, 9, 64, generator=torch.Generator().manual_seed(2)).to(q_dtype)
+    sinks = torch.randn(9, generator=torch.Generator().manual_seed(3)) * 2
+    isas = [isa for isa in cpu_attention.ISAS if all(f in cpu_features.flags() for f in cpu_attention.NEEDS[isa])]
+    tolerance = 1e-5 if q_dtype == torch.float32 else 8e-3
+    for row_sinks in (None, sinks):
+        want = reference(q, cache, rows, 0.125, window, row_sinks)
+        got = [cpu_attention._call(q, cache, rows, 0.125, cpu_attention.ISAS[isa], window, row_sinks) for isa in isas]
+        torch.testing.assert_close(got[0].double(), want.double(), atol=tolerance, rtol=tolerance)
+        assert all(torch.equal(g, got[0]) for g in got[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8_DTYPE], ids=["fp32", "bf16", "fp8"])
+def test_keys_before_the_window_are_never_read(dtype):
+    """The kernel starts at the window's first key: NaN in the keys and values before it
+    changes no bit, for a causal row and a tree row whose window reaches back into the context."""
+    cache = _cache(dtype, 3, 64, 16)
+    table = torch.tensor([4, 9, 2, 7])
+    # row 0: position 39, sees 23..39; row 1: context 30 then its path 33, 35, 38: sees 16..29 and its path
+    rows = PassRows(table[None], torch.zeros(2, dtype=torch.int64), torch.tensor([40, 30]), torch.tensor([0, 0, 3]),
+                    torch.tensor([33, 35, 38]))
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 9, 64, generator=gen).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    sinks = torch.randn(9, generator=gen)
+    clean = cpu_attention.attend(q, cache, rows, 0.125, 17, sinks)
+
+    def poison(indices):
+        for pool in (cache.k, cache.v):
+            flat = (pool.view(torch.uint8) if pool.dtype == FP8_DTYPE else pool).flatten(0, 1)
+            for index in indices:
+                flat[table[index // 16] * 16 + index % 16] = 0x7F if pool.dtype == FP8_DTYPE else float("nan")
+    poison(range(16))
+    assert torch.equal(cpu_attention.attend(q, cache, rows, 0.125, 17, sinks), clean)
+    poison(range(16, 23))
+    poisoned = cpu_attention.attend(q, cache, rows, 0.125, 17, sinks)
+    assert torch.equal(poisoned[0], clean[0]) and poisoned[1].isnan().all()     # row 1 reads 16..22
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8_DTYPE], ids=["fp32", "bf16", "fp8"])

@@ -144,14 +144,14 @@ def build_batch(context_lens, num_queries, num_kv_heads, group, head_dim, cache_
     return cache, tables, torch.tensor(context_lens, dtype=torch.int32), q
 
 
-def reference_batch(q, cache, tables, context_lens):
+def reference_batch(q, cache, tables, context_lens, window=0, sinks=None):
     num_queries = q.shape[1]
     outs = []
     for b, n in enumerate(context_lens.tolist()):
         positions = torch.arange(n - num_queries, n)
         meta = prepare("torch", positions, torch.empty(0), [SeqSlice(0, num_queries, tables[b].long(), n)],
                        cache.k.shape[1], q.shape[2] // cache.k.shape[2])
-        outs.append(paged_attention_ref(q[b], cache, meta, q.shape[-1] ** -0.5))
+        outs.append(paged_attention_ref(q[b], cache, meta, q.shape[-1] ** -0.5, window, sinks))
     return torch.stack(outs)
 
 
@@ -170,6 +170,25 @@ def test_decode_attention_matches_reference(group, head_dim, fp8, num_queries, p
                                     partition_size=partition, block_n=16)
     tol = FP8_TOL if fp8 else FP32_TOL
     torch.testing.assert_close(out, reference_batch(q, cache, tables, context_lens), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window,sinks,fp8,partition", [
+    (3, True, False, 16),         # split-K: partitions wholly before every row's window are skipped
+    (17, True, True, 16),         # FP8, a window across partitions, sinks in the merge
+    (20, False, False, 32),       # a window alone
+    (5, True, True, 1024),        # one partition: the sinks join in the first kernel
+])
+def test_decode_attention_with_a_window_and_sinks_matches_reference(window, sinks, fp8, partition):
+    """Sliding windows and attention sinks (tests/test_attention_window.py checks the
+    torch path against a dense reference): a skipped partition must still leave its merge
+    weight zero (outputs start as NaN)."""
+    cache, tables, context_lens, q = build_batch([37, 9, 67], 4, num_kv_heads=2, group=2, head_dim=64,
+                                                 cache_dtype=FP8_DTYPE if fp8 else torch.float32)
+    sink = torch.randn(4, generator=torch.Generator().manual_seed(4)) * 2 if sinks else None
+    out = pa.paged_decode_attention(q, cache, tables, context_lens, 64 ** -0.5, max_context_len=67,
+                                    partition_size=partition, block_n=16, window=window, sinks=sink)
+    tol = FP8_TOL if fp8 else FP32_TOL
+    torch.testing.assert_close(out, reference_batch(q, cache, tables, context_lens, window, sink), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -253,17 +272,21 @@ for arch in (80, 90):
               "v_cache_ptr": "*" + cache, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "slot_ptr": "*i64"},
               dict(IS_FP8=fp8, FP8_MAX=448.0, BLOCK_H=8, BLOCK_D=128), arch, 4)
         for block_m, split in ((16, True), (64, False)):          # decode split-K, prefill
-          for tree in (False, True):                               # a draft tree's mask, or none
+          # a draft tree's mask, a window (its causal and tree forms), both; the prefill shape:
+          # none or both (the other two differ from those in their launch shape only)
+          for tree, window in ((False, False), (True, True)) + (((True, False), (False, True)) if split else ()):
             out = "*fp32" if split else "*" + q
             build(_paged_attn_kernel, {"q_ptr": "*" + q, "k_cache_ptr": "*" + cache, "v_cache_ptr": "*" + cache,
                   "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "block_tables_ptr": "*i64",
                   "positions_ptr": "*i64", "out_ptr": out, "lse_ptr": out, "tree_bits_ptr": "*i64",
-                  "tree_start_ptr": "*i32"},
-                  dict(IS_FP8=fp8, STORE_LSE=split, IS_TREE=tree, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
-                       HEAD_DIM=128, BLOCK_SIZE=16, SLOT_DTYPE=tl.int32, BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=128),
+                  "tree_start_ptr": "*i32", "window_start_ptr": "*i64", "sinks_ptr": "*fp32"},
+                  dict(IS_FP8=fp8, STORE_LSE=split, IS_TREE=tree, HAS_WINDOW=window, SINKS=window and not split,
+                       DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", HEAD_DIM=128, BLOCK_SIZE=16,
+                       SLOT_DTYPE=tl.int32, BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=128),
                   arch, 4 if block_m <= 16 else 8)
-        build(_merge_partitions_kernel, {"part_out_ptr": "*fp32", "lse_ptr": "*fp32", "positions_ptr": "*i64",
-              "out_ptr": "*" + q}, dict(BLOCK_P=64, BLOCK_D=128), arch, 4)
+        for sinks in (False, True):
+            build(_merge_partitions_kernel, {"part_out_ptr": "*fp32", "lse_ptr": "*fp32", "positions_ptr": "*i64",
+                  "out_ptr": "*" + q, "sinks_ptr": "*fp32"}, dict(SINKS=sinks, BLOCK_P=64, BLOCK_D=128), arch, 4)
 print("compiled")
 """
 

@@ -5,6 +5,12 @@
 // cache indices extra_keys[extra_start[r] .. extra_start[r+1]) (a draft tree row: its path).
 // A cache index i lives in slot tables[seq][i / BS] * BS + i % BS of the pool.
 //
+// A row's keys, in that order, hold positions 0, 1, ..: the causal prefix, then a tree row's
+// path by depth (its chain's positions), so the row itself sits at the last. A sliding window
+// of W (0: none) sees the last W of them: the key loop starts there. Attention sinks (gpt-oss:
+// one logit per query head) add exp(sink - m) to the softmax's denominator, m the max over
+// the row's scores and its sink, after the keys' terms.
+//
 // Batch-invariant by construction: one (row, KV head) is one task, run by one thread, over
 // its keys in order. Scores are fp32 dot products over D in 8-lane vectors summed in a fixed
 // order, softmax takes two passes (max, then exp and sums in key order; exp is our own
@@ -62,7 +68,7 @@ struct Pass {
   const void* q; const void* k; const void* v; const float* ks; const float* vs;
   void* out; const int64_t* tables; int64_t table_width;
   const int64_t* row_seq; const int64_t* prefix; const int64_t* extra_start; const int64_t* extra_keys;
-  int64_t hq, hkv, d, bs; float scale; int64_t q_bf16, kind;
+  int64_t hq, hkv, d, bs; float scale; int64_t window; const float* sinks; int64_t q_bf16, kind;
 };
 
 // One head's D values of a pool slot as fp32 (D a multiple of 8). bf16 widens exactly (a
@@ -154,7 +160,9 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r,
                                                         std::vector<float>& buf, std::vector<int64_t>& slots) {
   const int64_t g_size = p.hq / p.hkv, d = p.d;
   const int64_t seq = p.row_seq[r], prefix = p.prefix[r];
-  const int64_t e0 = p.extra_start[r], keys = prefix + p.extra_start[r + 1] - e0;
+  const int64_t e0 = p.extra_start[r], all_keys = prefix + p.extra_start[r + 1] - e0;
+  const int64_t first = p.window > 0 && all_keys > p.window ? all_keys - p.window : 0;   // the window's first key
+  const int64_t keys = all_keys - first;       // the keys attended: all_keys - keys .. all_keys - 1
   const int64_t* table = p.tables + seq * p.table_width;
   const int64_t stride = (keys + KT - 1) / KT * KT;   // a score row, padded to whole key tiles
   buf.resize(static_cast<size_t>(g_size * (d + stride + d) + KT * d));
@@ -169,10 +177,9 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r,
                                                   : static_cast<const float*>(p.q)[at + i];
   }
   slots.resize(static_cast<size_t>(keys));
-  for (int64_t t = 0; t < prefix; ++t) slots[t] = table[t / p.bs] * p.bs + t % p.bs;
-  for (int64_t t = prefix; t < keys; ++t) {
-    int64_t index = p.extra_keys[e0 + t - prefix];
-    slots[t] = table[index / p.bs] * p.bs + index % p.bs;
+  for (int64_t t = first; t < all_keys; ++t) {
+    int64_t index = t < prefix ? t : p.extra_keys[e0 + t - prefix];
+    slots[t - first] = table[index / p.bs] * p.bs + index % p.bs;
   }
   // Scores: each key's dot product is its own chain of 8-lane sums over D, then a fixed
   // horizontal sum; KT keys at a time only so that the chains run side by side.
@@ -196,10 +203,16 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r,
       for (int64_t j = 0; j < KT; ++j) scores[g * stride + t0 + j] = j < n ? hsum(sum[j]) * p.scale : 0.0f;
     }
   }
+  float sink_term[64] = {0};                   // G <= 64 query heads per KV head
   for (int64_t g = 0; g < g_size; ++g) {
     float* sg = scores + g * stride;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < keys; ++t) m = sg[t] > m ? sg[t] : m;
+    if (p.sinks) {
+      const float sink = p.sinks[h * g_size + g];
+      m = sink > m ? sink : m;
+      sink_term[g] = exp8(splat(sink - m))[0];
+    }
     for (int64_t t = 0; t < stride; t += 8) {          // the padding lanes are computed, never summed
       f8 x;
       std::memcpy(&x, sg + t, 32);
@@ -208,7 +221,7 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r,
     }
   }
   std::memset(acc, 0, g_size * d * 4);
-  float total[64] = {0};                       // G <= 64 query heads per KV head
+  float total[64] = {0};
   for (int64_t t = 0; t < keys; ++t) {
     if (t + KT < keys) prefetch<KIND>(p, p.v, slots[t + KT], h);
     load_kv<KIND>(p, p.v, p.vs, slots[t], h, tile);
@@ -225,6 +238,8 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r,
       }
     }
   }
+  if (p.sinks)
+    for (int64_t g = 0; g < g_size; ++g) total[g] += sink_term[g];
   for (int64_t g = 0; g < g_size; ++g) {
     int64_t at = (r * p.hq + h * g_size + g) * d;
     for (int64_t i = 0; i < d; ++i) {
@@ -255,13 +270,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                            const at::Tensor& tables, const at::Tensor& row_seq, const at::Tensor& prefix,
                            const at::Tensor& extra_start, const at::Tensor& extra_keys, double scale,
-                           int64_t kind, int64_t isa) {
+                           int64_t window, const c10::optional<at::Tensor>& sinks, int64_t kind, int64_t isa) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [N, H_q, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be fp32 or bf16");
   TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous(), "pools must be contiguous [blocks, BS, H_kv, D]");
   const int64_t n = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(2);
   TORCH_CHECK(d % 8 == 0 && hq % hkv == 0 && hq / hkv <= 64, "head_dim must be a multiple of 8, G <= 64");
   TORCH_CHECK(kind != KIND_FP8 || (k_scale.has_value() && v_scale.has_value()), "an FP8 pool needs its scales");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                                     sinks->numel() == hq), "sinks must be contiguous fp32 [H_q]");
   auto out = at::empty_like(q);
   Pass p{q.data_ptr(), k.data_ptr(), v.data_ptr(),
          kind == KIND_FP8 ? k_scale->data_ptr<float>() : nullptr,
@@ -269,6 +287,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
          out.data_ptr(), tables.data_ptr<int64_t>(), tables.size(1),
          row_seq.data_ptr<int64_t>(), prefix.data_ptr<int64_t>(), extra_start.data_ptr<int64_t>(),
          extra_keys.data_ptr<int64_t>(), hq, hkv, d, k.size(1), static_cast<float>(scale),
+         window, sinks.has_value() ? sinks->data_ptr<float>() : nullptr,
          q.scalar_type() == at::kBFloat16, kind};
   at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
     if (isa >= 1) run_range_avx2(p, begin, end);
@@ -281,7 +300,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, Tensor tables, "
-        "Tensor row_seq, Tensor prefix, Tensor extra_start, Tensor extra_keys, float scale, int kind, int isa) -> Tensor");
+        "Tensor row_seq, Tensor prefix, Tensor extra_start, Tensor extra_keys, float scale, int window, Tensor? sinks, "
+        "int kind, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {

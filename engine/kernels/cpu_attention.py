@@ -10,8 +10,12 @@ a bf16 copy there) and its ~25 small ops a layer.
 
 The pass's rows are described once per pass (`rows_of`, on the host): for each row its
 sequence, how many of the sequence's first cache indices it sees, and the extra indices a
-tree row sees after them (its path). It is built into the same library as our CPU linear
-(engine.kernels.cpu_linear) and tried before it serves (`refusal`).
+tree row sees after them (its path). Those keys hold positions 0, 1, .. in that order (a
+tree row's path at its chain's positions), so a sliding window of W (per layer, a kernel
+argument) is the row's last W keys: the kernel starts there and never reads the others.
+Attention sinks (gpt-oss) are one logit per query head in every row's softmax denominator.
+It is built into the same library as our CPU linear (engine.kernels.cpu_linear) and tried
+before it serves (`refusal`).
 """
 from __future__ import annotations
 
@@ -79,21 +83,29 @@ def force_isa(name: str | None) -> None:
     cpu_linear.force(_chosen, name, refusal)
 
 
-def attend(q: torch.Tensor, cache, rows: PassRows, scale: float) -> torch.Tensor:
-    """q [N, H_q, D] (fp32 or bf16) -> [N, H_q, D]: each row over its keys in `cache` (one layer)."""
-    return _call(q, cache, rows, scale, ISAS[isa()])
+def attend(q: torch.Tensor, cache, rows: PassRows, scale: float, window: int = 0,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, H_q, D] (fp32 or bf16) -> [N, H_q, D]: each row over its keys in `cache` (one layer),
+    the last `window` of them (0: all), with `sinks` [H_q] in the softmax's denominators."""
+    return _call(q, cache, rows, scale, ISAS[isa()], window, sinks)
 
 
-def _call(q, cache, rows: PassRows, scale: float, isa_code: int) -> torch.Tensor:
+def _call(q, cache, rows: PassRows, scale: float, isa_code: int, window: int = 0,
+          sinks: torch.Tensor | None = None) -> torch.Tensor:
     kind = KINDS[cache.k.dtype]
     k, v = (cache.k.view(torch.uint8), cache.v.view(torch.uint8)) if kind == 2 else (cache.k, cache.v)
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
     return torch.ops.workbench_cpu.paged_attention(
         q.contiguous(), k, v, cache.k_scale, cache.v_scale, rows.tables, rows.row_seq, rows.prefix,
-        rows.extra_start, rows.extra_keys, float(scale), kind, isa_code)
+        rows.extra_start, rows.extra_keys, float(scale), int(window), sinks, kind, isa_code)
 
 
-def reference(q: torch.Tensor, cache, rows: PassRows, scale: float) -> torch.Tensor:
-    """The kernel's arithmetic in float64 torch, row by row (its trial, and the tests')."""
+def reference(q: torch.Tensor, cache, rows: PassRows, scale: float, window: int = 0,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's arithmetic in float64 torch, row by row (its trial, and the tests'): a
+    row's last `window` keys (0: all), and `sinks` [H_q] as one more logit per head whose
+    column is dropped after the softmax."""
     from engine.cache.kv_cache import dequantize_fp8
     bs = cache.k.shape[1]
     num_kv_heads = cache.k.shape[2]
@@ -109,18 +121,23 @@ def reference(q: torch.Tensor, cache, rows: PassRows, scale: float) -> torch.Ten
     for r in range(q.shape[0]):
         e0, e1 = rows.extra_start[r].item(), rows.extra_start[r + 1].item()
         index = list(range(rows.prefix[r].item())) + rows.extra_keys[e0:e1].tolist()
+        index = index[-window:] if window > 0 else index
         table = rows.tables[rows.row_seq[r]]
         slots = torch.tensor([table[i // bs].item() * bs + i % bs for i in index], dtype=torch.int64)
         k, v = k_all[slots], v_all[slots]                                    # [T, H_kv, D]
         qr = q[r].double().view(num_kv_heads, group, -1)
         scores = torch.einsum("hgd,thd->hgt", qr, k) * scale
-        out[r] = torch.einsum("hgt,thd->hgd", scores.softmax(-1), v).reshape(q.shape[1], -1)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double().view(num_kv_heads, group, 1)], -1)
+        weights = scores.softmax(-1)[..., :len(index)]
+        out[r] = torch.einsum("hgt,thd->hgd", weights, v).reshape(q.shape[1], -1)
     return out.to(q.dtype)
 
 
 def _trial(isa_name: str) -> str | None:
     """None when the `isa_name` build agrees with the float64 reference on a small pass of
-    causal and tree rows, in fp32, bf16 and FP8, and (AVX2) gives the baseline build's bits."""
+    causal and tree rows, in fp32, bf16 and FP8, with and without a window and sinks, and
+    (AVX2) gives the baseline build's bits."""
     from engine.cache.kv_cache import CacheShape, KVCache, quantize_fp8
     gen = torch.Generator().manual_seed(0)
     for dtype in KINDS:
@@ -137,22 +154,25 @@ def _trial(isa_name: str) -> str | None:
         q = torch.randn(5, 4, 16, generator=gen).to(q_dtype)
         rows = PassRows(torch.tensor([[0, 1, 2, 3, 4], [5, 4, 3, 2, 1]]), torch.tensor([0, 0, 0, 1, 1]),
                         torch.tensor([3, 9, 17, 6, 6]), torch.tensor([0, 0, 0, 0, 2, 3]), torch.tensor([7, 9, 8]))
-        try:
-            got = _call(q, cache, rows, 0.25, ISAS[isa_name])
-            base = _call(q, cache, rows, 0.25, ISAS["scalar"])
-        except RuntimeError as error:
-            return first_line(error)
-        want = reference(q, cache, rows, 0.25)
-        tolerance = 1e-5 if q_dtype == torch.float32 else 1e-2
-        if not torch.allclose(got.double(), want.double(), atol=tolerance, rtol=tolerance):
-            return f"wrong results in {str(dtype).removeprefix('torch.')}"
-        if not torch.equal(got, base):
-            return f"the {isa_name} build's bits differ from the baseline build's"
+        for window, sinks in ((0, None), (4, torch.randn(4, generator=gen))):
+            try:
+                got = _call(q, cache, rows, 0.25, ISAS[isa_name], window, sinks)
+                base = _call(q, cache, rows, 0.25, ISAS["scalar"], window, sinks)
+            except RuntimeError as error:
+                return first_line(error)
+            want = reference(q, cache, rows, 0.25, window, sinks)
+            tolerance = 1e-5 if q_dtype == torch.float32 else 1e-2
+            if not torch.allclose(got.double(), want.double(), atol=tolerance, rtol=tolerance):
+                where = " with a window and sinks" if window else ""
+                return f"wrong results in {str(dtype).removeprefix('torch.')}{where}"
+            if not torch.equal(got, base):
+                return f"the {isa_name} build's bits differ from the baseline build's"
     return None
 
 
 @functools.cache
 def _register_fake() -> None:
-    def fake(q, k, v, k_scale, v_scale, tables, row_seq, prefix, extra_start, extra_keys, scale, kind, isa):
+    def fake(q, k, v, k_scale, v_scale, tables, row_seq, prefix, extra_start, extra_keys, scale, window, sinks,
+             kind, isa):
         return torch.empty_like(q)
     torch.library.register_fake("workbench_cpu::paged_attention", fake)

@@ -48,10 +48,12 @@ def kernels_in_effect(backend: str, device: torch.device | str) -> tuple[bool, s
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
-              meta: KernelLaunch, scale: float, tree: tuple | None = None) -> torch.Tensor:
+              meta: KernelLaunch, scale: float, tree: tuple | None = None, window: int = 0,
+              sinks: torch.Tensor | None = None, window_start: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H_q, D], k/v [N, H_kv, D] of one sequence -> [N, H_q, D]. Same contract as
-    `engine.layers.attention.attention`. tree: (bits [N] int64, start [1] int32), see
-    paged_attention; meta.positions are then the rows' cache indices (the causal part)."""
+    `engine.layers.attention.attention` (window, sinks too). tree: (bits [N] int64, start [1]
+    int32), see paged_attention; meta.positions are then the rows' cache indices (the causal
+    part), and under a window window_start [N] int64 is each row's first cache index seen."""
     if _IMPORT_ERROR is not None:
         raise RuntimeError("Triton kernels were requested but triton failed to import "
                            f"({_IMPORT_ERROR}); install triton or turn kernels off.") from _IMPORT_ERROR
@@ -62,6 +64,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCac
     if num_tokens <= MAX_DECODE_TOKENS:
         batched_tree = None if tree is None else (tree[0][None], tree[1])
         out = paged_attention(q[None], cache, meta.block_table[None], meta.positions[None],
-                              meta.context_len, scale, DECODE_PARTITION, DECODE_BLOCK_N, batched_tree)
+                              meta.context_len, scale, DECODE_PARTITION, DECODE_BLOCK_N, batched_tree, window, sinks,
+                              None if window_start is None else window_start[None])
         return out[0]                                                            # [N, H_q, D]
-    return paged_prefill_attention(q, cache, meta.block_table, meta.positions, meta.context_len, scale, tree=tree)
+    return paged_prefill_attention(q, cache, meta.block_table, meta.positions, meta.context_len, scale, tree=tree,
+                                   window=window, sinks=sinks, window_start=window_start)

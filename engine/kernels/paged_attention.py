@@ -14,6 +14,13 @@ output with its log-sum-exp; a second kernel merges the partitions. With one par
 the first kernel writes the final output directly.
 
 Softmax runs online in float32, in base 2 (exp2) with log2(e) folded into the scale.
+
+A sliding window (per layer: `window`, 0 for none) masks the keys at positions <= a row's
+position - window; the tiles wholly before every row's window are not read (a tile a row
+does not see leaves its sums exactly as they were, so skipping it changes no bit). A tree's
+rows, whose cache indices are not their positions, are given their first cache index in the
+window (`window_start`). Attention sinks (gpt-oss, one logit per query head) add exp(sink)
+to the denominator: in the first kernel with one partition, else in the merge.
 """
 import math
 
@@ -55,11 +62,12 @@ def _load_scale(scale_ptr, slot, kvh, tok_ok, stride_ss):
 @triton.jit
 def _paged_attn_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, positions_ptr,
-        out_ptr, lse_ptr, tree_bits_ptr, tree_start_ptr,
-        stride_qb, stride_qq, stride_qh, stride_bt, stride_pb, stride_cs, stride_ch, stride_ss, stride_tb,
+        out_ptr, lse_ptr, tree_bits_ptr, tree_start_ptr, window_start_ptr, sinks_ptr,
+        stride_qb, stride_qq, stride_qh, stride_bt, stride_pb, stride_cs, stride_ch, stride_ss, stride_tb, stride_wb,
         stride_ob, stride_op, stride_oq, stride_oh, stride_lb, stride_lp, stride_lq,
-        qk_scale_log2, num_queries, group, num_row_chunks, partition_size,
-        IS_FP8: tl.constexpr, STORE_LSE: tl.constexpr, IS_TREE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        qk_scale_log2, num_queries, group, num_row_chunks, partition_size, window,
+        IS_FP8: tl.constexpr, STORE_LSE: tl.constexpr, IS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        SINKS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLOT_DTYPE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     seq = tl.program_id(0)
@@ -76,17 +84,27 @@ def _paged_attn_kernel(
     if IS_TREE:   # a draft tree: keys from tree_start on are seen only along the row's path (bit i: key tree_start + i)
         tree_start = tl.load(tree_start_ptr + seq).to(tl.int32)
         tree_bits = tl.load(tree_bits_ptr + seq * stride_tb + qtok, mask=row_ok, other=0)            # [M] int64
+    if HAS_WINDOW:   # the first cache index each row sees
+        if IS_TREE:
+            lo = tl.load(window_start_ptr + seq * stride_wb + qtok, mask=row_ok, other=0).to(tl.int32)
+        else:
+            lo = pos - window + 1
 
-    # Keys this program reads: its partition, cut at the chunk's last query position.
+    # Keys this program reads: its partition, cut at the chunk's last query position (and
+    # under a window, from the first tile any of its rows sees).
     start = part * partition_size
     end = tl.minimum(start + partition_size, tl.max(pos, axis=0) + 1)
+    first_tile = start
+    if HAS_WINDOW:
+        lo_min = tl.min(tl.where(row_ok, lo, end), axis=0)
+        first_tile = start + tl.maximum(lo_min - start, 0) // BLOCK_N * BLOCK_N
     if start < end:
         q = tl.load(q_ptr + seq * stride_qb + qtok[:, None] * stride_qq + head[:, None] * stride_qh
                     + dims[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)  # [M, D]
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)   # running max of scores (log2 units)
         l_i = tl.zeros([BLOCK_M], tl.float32)                 # running sum of exp2(score - m_i)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for tile in range(start, end, BLOCK_N):
+        for tile in range(first_tile, end, BLOCK_N):
             toks = tile + tl.arange(0, BLOCK_N)
             tok_ok = toks < end
             block = tl.load(block_tables_ptr + seq * stride_bt + toks // BLOCK_SIZE, mask=tok_ok, other=0)
@@ -103,6 +121,8 @@ def _paged_attn_kernel(
                 shift = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)
                 on_path = ((tree_bits[:, None] >> shift[None, :]) & 1) != 0
                 seen = seen & ((rel[None, :] < 0) | on_path)
+            if HAS_WINDOW:
+                seen = seen & (toks[None, :] >= lo[:, None])
             s = tl.where(seen, s, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -118,6 +138,12 @@ def _paged_attn_kernel(
                 p = p * _load_scale(v_scale_ptr, slot, kvh, tok_ok, stride_ss)[None, :]
             acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
 
+        if SINKS:   # one partition: the sink's term joins the denominator here
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634   # log2 units
+            m_s = tl.maximum(m_i, sink)
+            alpha = tl.math.exp2(m_i - m_s)
+            l_i = l_i * alpha + tl.math.exp2(sink - m_s)
+            acc = acc * alpha[:, None]
         l_i = tl.where(l_i == 0.0, 1.0, l_i)   # rows without keys (masked rows): m_i = -inf, acc = 0
         out = acc / l_i[:, None]
         o_ptrs = (out_ptr + seq * stride_ob + part * stride_op + qtok[:, None] * stride_oq
@@ -129,12 +155,13 @@ def _paged_attn_kernel(
 
 
 @triton.jit
-def _merge_partitions_kernel(part_out_ptr, lse_ptr, positions_ptr, out_ptr,
+def _merge_partitions_kernel(part_out_ptr, lse_ptr, positions_ptr, out_ptr, sinks_ptr,
                              stride_pb, stride_tb, stride_tp, stride_tq, stride_th,
                              stride_lb, stride_lp, stride_lq, stride_ob, stride_oq, stride_oh, head_dim,
-                             partition_size, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                             partition_size, SINKS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     """out = sum_p w_p * out_p / sum_p w_p with w_p = 2^(lse_p - max lse), over the partitions
-    holding at least one key this query token sees."""
+    up to this query token's (one before its window has lse -inf: w_p = 0). With sinks, the
+    head's sink is one more term of the denominator (and of the max)."""
     seq, qtok, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_parts = tl.load(positions_ptr + seq * stride_pb + qtok) // partition_size + 1
     parts = tl.arange(0, BLOCK_P)
@@ -142,11 +169,18 @@ def _merge_partitions_kernel(part_out_ptr, lse_ptr, positions_ptr, out_ptr,
     dims = tl.arange(0, BLOCK_D)
     lse = tl.load(lse_ptr + seq * stride_lb + parts * stride_lp + qtok * stride_lq + head,
                   mask=part_ok, other=float("-inf"))                                   # [P]
-    w = tl.where(part_ok, tl.math.exp2(lse - tl.max(lse, axis=0)), 0.0)
+    m = tl.max(lse, axis=0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634                           # log2 units
+        m = tl.maximum(m, sink)
+    w = tl.where(part_ok, tl.math.exp2(lse - m), 0.0)
     part_out = tl.load(part_out_ptr + seq * stride_tb + parts[:, None] * stride_tp + qtok * stride_tq
                        + head * stride_th + dims[None, :],
                        mask=part_ok[:, None] & (dims[None, :] < head_dim), other=0.0)  # [P, D]
-    out = tl.sum(w[:, None] * part_out, axis=0) / tl.sum(w, axis=0)
+    total = tl.sum(w, axis=0)
+    if SINKS:
+        total = total + tl.math.exp2(sink - m)
+    out = tl.sum(w[:, None] * part_out, axis=0) / total
     tl.store(out_ptr + seq * stride_ob + qtok * stride_oq + head * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
@@ -158,12 +192,16 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 def paged_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor, positions: torch.Tensor,
                     max_context_len: int, scale: float, partition_size: int, block_n: int,
-                    tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    tree: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0,
+                    sinks: torch.Tensor | None = None, window_start: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Q, H_q, D], block_tables [B, max_blocks], positions [B, Q] (query token i of
     sequence b sees keys at positions <= positions[b, i]; its keys must be in the cache)
     -> [B, Q, H_q, D]. `partition_size` must be a multiple of `block_n`.
     tree: (bits [B, Q] int64, start [B] int32): a draft tree's mask on top of that: a key at
-    start + i (0 <= i < 64) is seen only where bit i of the query's bits is set."""
+    start + i (0 <= i < 64) is seen only where bit i of the query's bits is set.
+    window > 0: a query sees only the keys at positions > positions[b, i] - window; a tree's
+    queries (positions: cache indices) those at cache indices >= window_start [B, Q] int64.
+    sinks [H_q] (fp32 or the model dtype): one more logit per head in each softmax's denominator."""
     batch, num_queries, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = cache.k.shape
     group = num_q_heads // num_kv_heads
@@ -191,13 +229,20 @@ def paged_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tens
                           device=q.device)
         lse = _empty(batch, num_parts, num_queries, num_q_heads, dtype=torch.float32, device=q.device)
     tree_bits, tree_start = tree if tree is not None else (positions, positions)     # unused without a tree
+    assert window >= 0 and (tree is None or window == 0 or window_start is not None), \
+        "a tree's rows under a window need their window_start"
+    window_start = window_start if tree is not None and window else positions       # unused unless both
+    has_sinks = sinks is not None
+    sinks = sinks.detach().to(torch.float32).contiguous() if has_sinks else positions   # unused without
     _paged_attn_kernel[(batch, num_kv_heads * row_chunks, num_parts)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, positions, part_out, lse, tree_bits, tree_start,
+        window_start, sinks,
         q.stride(0), q.stride(1), q.stride(2), block_tables.stride(0), positions.stride(0),
-        cache.k.stride(1), cache.k.stride(2), stride_ss, tree_bits.stride(0),
+        cache.k.stride(1), cache.k.stride(2), stride_ss, tree_bits.stride(0), window_start.stride(0),
         *part_out.stride()[:4], *lse.stride()[:3],
-        scale * math.log2(math.e), num_queries, group, row_chunks, partition_size,
-        IS_FP8=is_fp8, STORE_LSE=num_parts > 1, IS_TREE=tree is not None, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        scale * math.log2(math.e), num_queries, group, row_chunks, partition_size, window,
+        IS_FP8=is_fp8, STORE_LSE=num_parts > 1, IS_TREE=tree is not None, HAS_WINDOW=window > 0,
+        SINKS=has_sinks and num_parts == 1, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         # 32-bit slot offsets save registers; 64-bit only where the cache needs them
         SLOT_DTYPE=tl.int64 if cache.k.numel() >= 2**31 else tl.int32,
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",  # fp32: no TF32
@@ -205,38 +250,43 @@ def paged_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tens
         BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4 if block_m <= 16 else 8)
     if num_parts > 1:
         _merge_partitions_kernel[(batch, num_queries, num_q_heads)](
-            part_out, lse, positions, out, positions.stride(0), *part_out.stride()[:4],
-            *lse.stride()[:3], *out.stride()[:3], head_dim, partition_size,
+            part_out, lse, positions, out, sinks, positions.stride(0), *part_out.stride()[:4],
+            *lse.stride()[:3], *out.stride()[:3], head_dim, partition_size, SINKS=has_sinks,
             BLOCK_P=triton.next_power_of_2(num_parts), BLOCK_D=triton.next_power_of_2(head_dim))
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, max_context_len: int | None = None,
-                           partition_size: int = DECODE_PARTITION,
-                           block_n: int = DECODE_BLOCK_N) -> torch.Tensor:
+                           partition_size: int = DECODE_PARTITION, block_n: int = DECODE_BLOCK_N,
+                           window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode / verification for a batch: q [B, Q, H_q, D] holds each sequence's last Q
     tokens (positions context_len-Q .. context_len-1, causal among them), block_tables
-    [B, max_blocks] int32, context_lens [B] int32 -> [B, Q, H_q, D].
+    [B, max_blocks] int32, context_lens [B] int32 -> [B, Q, H_q, D]. window, sinks: see
+    paged_attention.
 
     `max_context_len` sizes the split-K grid; pass it to avoid a device sync."""
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     offsets = torch.arange(q.shape[1], device=q.device, dtype=context_lens.dtype)
     positions = context_lens[:, None] - q.shape[1] + offsets                    # [B, Q]
-    return paged_attention(q, cache, block_tables, positions, max_context_len, scale, partition_size, block_n)
+    return paged_attention(q, cache, block_tables, positions, max_context_len, scale, partition_size, block_n,
+                           window=window, sinks=sinks)
 
 
 def paged_prefill_attention(q: torch.Tensor, cache: LayerCache, block_table: torch.Tensor,
                             positions: torch.Tensor, context_len: int, scale: float,
-                            block_n: int = PREFILL_BLOCK_N, tree: tuple | None = None) -> torch.Tensor:
+                            block_n: int = PREFILL_BLOCK_N, tree: tuple | None = None, window: int = 0,
+                            sinks: torch.Tensor | None = None,
+                            window_start: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's prefill over paged KV: q [N, H_q, D] for the uncached tokens at
     `positions` [N]; keys are everything in the cache up to each position (prefix-cache
     hits included) -> [N, H_q, D]. Query rows give the parallelism, so no split-K: one
-    partition (its size is a runtime argument, so no recompile per prompt length)."""
+    partition (its size is a runtime argument, so no recompile per prompt length).
+    tree, window, sinks, window_start [N]: see paged_attention."""
     partition = triton.cdiv(context_len, block_n) * block_n
     if tree is not None:
         tree = (tree[0][None], tree[1])
     out = paged_attention(q[None], cache, block_table[None], positions[None], context_len, scale,
-                          partition, block_n, tree)
+                          partition, block_n, tree, window, sinks, None if window_start is None else window_start[None])
     return out[0]

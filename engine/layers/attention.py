@@ -5,9 +5,10 @@ process runs the engine on a worker thread while other threads exist.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.layers.attention_metadata import (CPU, KERNELS, MODES, TORCH, AttentionMetadata,  # noqa: F401 (re-exported)
-                                              KernelLaunch, SeqSlice)
+                                              KernelLaunch, SeqSlice, TreeRows)
 from engine.cache.kv_cache import LayerCache, dequantize_fp8, quantize_fp8
 from engine.kernels import cpu_fp8
 from engine.layers.rotation import hadamard
@@ -61,9 +62,12 @@ KEY_TILE = 64
 SHORT_ROWS = 32
 
 
-def paged_attention_ref(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention_ref(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float,
+                        window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H_q, D] -> [N, H_q, D]: each sequence's rows attend over its cached keys, a row
-    seeing the keys at positions <= its own.
+    seeing the keys at positions <= its own, and with a sliding window (0: none) only those
+    at positions > its own - window. sinks [H_q] (gpt-oss): one more logit per query head in
+    every row's softmax, whose column is then dropped (it only adds to the denominator).
 
     Batch-invariant: a row's result depends only on its query, its position and its
     sequence's keys, never on the other rows of the pass, the padding, or where a prefill
@@ -74,9 +78,9 @@ def paged_attention_ref(q: torch.Tensor, cache: LayerCache, meta: AttentionMetad
     out = torch.empty_like(q)
     for group in meta.layout:
         if isinstance(group, _TreeGroup):
-            out[group.real_rows] = _attend_tree(q, cache, group, scale)
+            out[group.real_rows] = _attend_tree(q, cache, group, scale, window, sinks)
             continue
-        result = _attend(q[group.rows], cache, group, scale)                 # [B, R, H_q, D]
+        result = _attend(q[group.rows], cache, group, scale, window, sinks)  # [B, R, H_q, D]
         out[group.real_rows] = result.flatten(0, 1)[group.real_flat]
     return out
 
@@ -133,6 +137,15 @@ class _TreeGroup:
                    for r, path in enumerate(tree.paths)]
         self.tail = _Group(entries, positions - self.shared, block_size, group_size)
         self.table = s.block_table[:self.shared // block_size]
+        self.positions = positions[self.real_rows]
+        self._early: dict[int, torch.Tensor] = {}
+
+    def early(self, window: int) -> torch.Tensor:
+        """[R, 1, 1, shared]: the shared keys before each row's window (its tail's: tail.mask)."""
+        if window not in self._early:
+            keys = torch.arange(self.shared, device=self.positions.device)
+            self._early[window] = (keys <= self.positions[:, None] - window)[:, None, None, :]
+        return self._early[window]
 
 
 class _Group:
@@ -169,8 +182,22 @@ class _Group:
         # never written): their keys are masked, and their values must be zeros (0 * NaN).
         self.unwritten = (torch.arange(self.keys, device=device) >= contexts[:, None])[:, :, None, None]
         b = len(entries)
-        hidden = torch.arange(self.keys, device=device) > positions[self.rows][:, None, :, None]   # [B, 1, R, T]
+        self.row_positions = positions[self.rows]                                                # [B, R]
+        hidden = torch.arange(self.keys, device=device) > self.row_positions[:, None, :, None]   # [B, 1, R, T]
         self.hidden = hidden.expand(b, group_size, width, self.keys).reshape(b, 1, group_size * width, self.keys)
+        self._masks = {0: self.hidden}
+
+    def mask(self, window: int) -> torch.Tensor:
+        """[B, 1, G*R, T]: the keys each row does not see (later ones; with a window, also those
+        at positions <= its own - window), built once per pass for each window its layers use.
+        Key t of the group sits at position t (a tree's tail: counted from its first key)."""
+        if window not in self._masks:
+            b, width = self.rows.shape
+            g = self.hidden.shape[2] // width
+            early = torch.arange(self.keys, device=self.rows.device) <= (self.row_positions - window)[:, None, :, None]
+            early = early.expand(b, g, width, self.keys).reshape(b, 1, g * width, self.keys)
+            self._masks[window] = self.hidden | early
+        return self._masks[window]
 
 
 def _gather(cache: LayerCache, group: _Group, dtype: torch.dtype):
@@ -188,7 +215,28 @@ def _gather(cache: LayerCache, group: _Group, dtype: torch.dtype):
     return read(cache.k, cache.k_scale), read(cache.v, cache.v_scale).masked_fill(group.unwritten, 0)
 
 
-def _attend_tree(q: torch.Tensor, cache: LayerCache, group: _TreeGroup, scale: float) -> torch.Tensor:
+def _sink_logits(sinks: torch.Tensor | None, num_kv_heads: int, g: int, r: int) -> torch.Tensor | None:
+    """sinks [H_q] as the grouped query axis lays them out: [1, H_kv, G*R, 1] fp32."""
+    if sinks is None:
+        return None
+    return sinks.detach().float().view(num_kv_heads, g, 1).expand(num_kv_heads, g, r).reshape(1, num_kv_heads, g * r, 1)
+
+
+def _softmax_terms(scores: torch.Tensor, sink: torch.Tensor | None) -> tuple:
+    """Masked fp32 scores [..., T] -> (exp(scores - m) unnormalised, the sink's exp(sink - m)
+    to add to the denominator [...] or None), m the row's max over its scores and its sink.
+    The sink's exp is taken at the start of a tile of otherwise -inf logits, as the keys' are
+    taken (whole tiles), so its bits do not depend on how many rows the pass has."""
+    m = scores.amax(-1, keepdim=True)
+    if sink is None:
+        return torch.exp(scores - m), None
+    m = torch.maximum(m, sink)
+    term = torch.exp(F.pad(sink - m, (0, KEY_TILE - 1), value=float("-inf"))).sum(-1)
+    return torch.exp(scores - m), term
+
+
+def _attend_tree(q: torch.Tensor, cache: LayerCache, group: _TreeGroup, scale: float, window: int = 0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A tree's rows of q [N, H_q, D] -> [R, H_q, D]: _attend's arithmetic, each row over the
     shared tiles and its own tail tiles, with every tile's products and sums taken as _attend
     takes them for a chain, so each row's numbers are its chain's."""
@@ -200,7 +248,7 @@ def _attend_tree(q: torch.Tensor, cache: LayerCache, group: _TreeGroup, scale: f
     g = num_q_heads // num_kv_heads
     qg = qt.view(r, w, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(r, num_kv_heads, g * w, head_dim)
     scores = torch.matmul(qg, k_t.permute(0, 2, 3, 1)) * scale              # [R, H_kv, G*W, Tt]
-    scores = scores.float().masked_fill(tail.hidden, float("-inf"))
+    scores = scores.float().masked_fill(tail.mask(window), float("-inf"))
     shared = group.shared
     if shared:
         k_s, v_s = gather_kv(cache, group.table, shared, q.dtype)            # [S, H_kv, D]
@@ -210,12 +258,16 @@ def _attend_tree(q: torch.Tensor, cache: LayerCache, group: _TreeGroup, scale: f
         s_s = (torch.matmul(q_s, k_s.permute(1, 2, 0)) * scale).float()      # [H_kv, G*R, S]
         s_s = s_s.view(num_kv_heads, g, r, shared).permute(2, 0, 1, 3)[:, :, :, None].expand(
             r, num_kv_heads, g, w, shared).reshape(r, num_kv_heads, g * w, shared)
+        if window:
+            s_s = s_s.masked_fill(group.early(window), float("-inf"))
         scores = torch.cat([s_s, scores], -1)
     keys = scores.shape[-1]
     tiles, shared_tiles = keys // KEY_TILE, shared // KEY_TILE
-    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    weights, sink_term = _softmax_terms(scores, _sink_logits(sinks, num_kv_heads, g, w))
     tiled = weights.view(r, num_kv_heads, g * w, tiles, KEY_TILE)
     total = tiled.sum(-1).cumsum(-1)[..., -1]                                # [R, H_kv, G*W]
+    if sink_term is not None:
+        total = total + sink_term
     v_tiles = v_t.permute(0, 2, 1, 3).reshape(r, num_kv_heads, tiles - shared_tiles, KEY_TILE, head_dim)
     parts = torch.matmul(tiled[:, :, :, shared_tiles:].transpose(2, 3).to(v_t.dtype), v_tiles)  # [R, H_kv, Tt/64, G*W, D]
     if shared:
@@ -228,7 +280,8 @@ def _attend_tree(q: torch.Tensor, cache: LayerCache, group: _TreeGroup, scale: f
     return out.view(r, num_kv_heads, g, w, head_dim)[:, :, :, 0].reshape(r, num_q_heads, head_dim)
 
 
-def _attend(q: torch.Tensor, cache: LayerCache, group: _Group, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, cache: LayerCache, group: _Group, scale: float, window: int = 0,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, R, H_q, D] -> [B, R, H_q, D] (see paged_attention_ref)."""
     b, r, num_q_heads, head_dim = q.shape
     k, v = _gather(cache, group, q.dtype)                                    # [B, T, H_kv, D]
@@ -236,54 +289,68 @@ def _attend(q: torch.Tensor, cache: LayerCache, group: _Group, scale: float) -> 
     g, tiles = num_q_heads // num_kv_heads, keys // KEY_TILE
     qg = q.view(b, r, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(b, num_kv_heads, g * r, head_dim)
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale                 # [B, H_kv, G*R, T]
-    scores = scores.float().masked_fill(group.hidden, float("-inf"))
-    weights = torch.exp(scores - scores.amax(-1, keepdim=True))             # fp32, unnormalised
+    scores = scores.float().masked_fill(group.mask(window), float("-inf"))
+    weights, sink_term = _softmax_terms(scores, _sink_logits(sinks, num_kv_heads, g, r))   # fp32, unnormalised
     tiled = weights.view(b, num_kv_heads, g * r, tiles, KEY_TILE)
     total = tiled.sum(-1).cumsum(-1)[..., -1]                                # [B, H_kv, G*R]
+    if sink_term is not None:
+        total = total + sink_term
     v_tiles = v.permute(0, 2, 1, 3).reshape(b, num_kv_heads, tiles, KEY_TILE, head_dim)
     parts = torch.matmul(tiled.transpose(2, 3).to(v.dtype), v_tiles)        # [B, H_kv, tiles, G*R, D]
     out = (parts.float().cumsum(2)[:, :, -1] / total[..., None]).to(q.dtype)   # [B, H_kv, G*R, D]
     return out.view(b, num_kv_heads, g, r, head_dim).permute(0, 3, 1, 2, 4).reshape(b, r, num_q_heads, head_dim)
 
 
-def attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, window: int = 0,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Store the new k, v then attend over the sequence's cached keys, reading them back
     from the cache (so an FP8 cache affects every token's attention, prefill included).
+    window: the layer's sliding window (a row sees the keys at positions p - window < j <= p;
+    0: all up to p; the cache keeps every block, the window is a mask). sinks [H_q] or None:
+    the layer's attention sinks (see paged_attention_ref). Every mode computes the same.
     A rotated cache gets H·q, H·k, H·v and gives H·out back (engine.layers.rotation)."""
+    if window < 0:
+        raise ValueError(f"a sliding window must be >= 0 (0: full attention), got {window}")
     if cache.rotated:
         q, k, v = (hadamard(x).to(x.dtype) for x in (q, k, v))
-        out = _attention(q, k, v, cache, meta, scale)
+        out = _attention(q, k, v, cache, meta, scale, window, sinks)
         return hadamard(out).to(out.dtype)
-    return _attention(q, k, v, cache, meta, scale)
+    return _attention(q, k, v, cache, meta, scale, window, sinks)
 
 
-def _attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, window: int,
+               sinks: torch.Tensor | None) -> torch.Tensor:
     if meta.mode == KERNELS:
         return torch.cat([_kernel_attention(q[s.start:s.start + s.count], k[s.start:s.start + s.count],
-                                            v[s.start:s.start + s.count], cache, launch, scale)
+                                            v[s.start:s.start + s.count], cache, launch, scale, window, sinks)
                           for s, launch in zip(meta.seqs, meta.layout)])
     store_kv(cache, k, v, meta.slot_mapping)
     if meta.mode == CPU:
         from engine.kernels import cpu_attention
-        return cpu_attention.attend(q, cache, meta.layout, scale)
-    return paged_attention_ref(q, cache, meta, scale)
+        return cpu_attention.attend(q, cache, meta.layout, scale, window, sinks)
+    return paged_attention_ref(q, cache, meta, scale, window, sinks)
 
 
-def _kernel_attention(q, k, v, cache: LayerCache, launch: tuple, scale: float) -> torch.Tensor:
+def _kernel_attention(q, k, v, cache: LayerCache, launch: tuple, scale: float, window: int,
+                      sinks: torch.Tensor | None) -> torch.Tensor:
     """One sequence's rows where the Triton kernels run (launch: _launch's). A draft tree's rows
     are masked by their cache index (the causal part) and a bit per tree key on their path,
-    the keys past the context (TREE_KEYS of them at most; a wider tree takes the torch path)."""
+    the keys past the context (TREE_KEYS of them at most; a wider tree takes the torch path);
+    under a window, by the first cache index each one sees as well (_TreeMask.window_start)."""
     from engine.kernels import dispatch
     one, mask = launch
     if isinstance(one, AttentionMetadata):                       # a tree too wide for one mask word
         store_kv(cache, k, v, one.slot_mapping)
-        return paged_attention_ref(q, cache, one, scale)
-    return dispatch.attention(q, k, v, cache, one, scale, tree=mask)
+        return paged_attention_ref(q, cache, one, scale, window, sinks)
+    if mask is None:
+        return dispatch.attention(q, k, v, cache, one, scale, window=window, sinks=sinks)
+    return dispatch.attention(q, k, v, cache, one, scale, tree=(mask.bits, mask.start), window=window, sinks=sinks,
+                              window_start=mask.window_start(window) if window else None)
 
 
 def _launch(positions: torch.Tensor, slot_mapping: torch.Tensor, s: SeqSlice, block_size: int,
             group_size: int) -> tuple:
-    """(KernelLaunch, tree mask or None) for one sequence of a kernels pass, or (torch-path
+    """(KernelLaunch, _TreeMask or None) for one sequence of a kernels pass, or (torch-path
     metadata, None) for a tree wider than one mask word."""
     rows = slice(s.start, s.start + s.count)
     tree = s.tree
@@ -293,16 +360,40 @@ def _launch(positions: torch.Tensor, slot_mapping: torch.Tensor, s: SeqSlice, bl
     if max(tree.indices) - tree.context >= TREE_KEYS:
         alone = SeqSlice(0, s.count, s.block_table, s.context_len, tree)
         return prepare(TORCH, positions[rows], slot_mapping[rows], [alone], block_size, group_size), None
-    device = positions.device
-    bits = torch.tensor([_signed64(sum(1 << (i - tree.context) for i in path)) for path in tree.paths],
-                        dtype=torch.int64, device=device)
-    index = torch.tensor(tree.indices, dtype=torch.int64, device=device)
-    start = torch.tensor([tree.context], dtype=torch.int32, device=device)
+    index = torch.tensor(tree.indices, dtype=torch.int64, device=positions.device)
     return KernelLaunch(positions=index, slot_mapping=slot_mapping[rows], block_table=s.block_table,
-                        context_len=s.context_len), (bits, start)
+                        context_len=s.context_len), _TreeMask(tree, positions.device)
 
 
 TREE_KEYS = 64          # tree keys one int64 mask word covers (the kernels' tree mask)
+
+
+class _TreeMask:
+    """A draft tree's mask in the Triton kernels: `bits` [R] int64 (the key at cache index
+    start + i is seen where bit i of the row's bits is set) and `start` [1] int32, and for
+    each window its layers use, the first cache index each row sees (window_start)."""
+
+    def __init__(self, tree: TreeRows, device):
+        self.tree, self.device = tree, device
+        self.bits = torch.tensor([_signed64(sum(1 << (i - tree.context) for i in path)) for path in tree.paths],
+                                 dtype=torch.int64, device=device)
+        self.start = torch.tensor([tree.context], dtype=torch.int32, device=device)
+        self._window_starts: dict[int, torch.Tensor] = {}
+
+    def window_start(self, window: int) -> torch.Tensor:
+        """[R] int64. A row sits at position context + len(path) - 1, a context key i at i, a key
+        of its path at context + its depth; paths run root first in increasing cache index, so
+        the window's keys are the cache indices from this one on (among those the bits allow)."""
+        if window not in self._window_starts:
+            firsts = [_first_in_window(self.tree.context, path, window) for path in self.tree.paths]
+            self._window_starts[window] = torch.tensor(firsts, dtype=torch.int64, device=self.device)
+        return self._window_starts[window]
+
+
+def _first_in_window(context: int, path: list[int], window: int) -> int:
+    assert all(a < b for a, b in zip(path, path[1:])), "a tree row's path must run root first, by cache index"
+    dropped = len(path) - window                 # its path's keys before the window (if > 0)
+    return path[dropped] if dropped > 0 else context + dropped
 
 
 def _signed64(x: int) -> int:

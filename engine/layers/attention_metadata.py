@@ -16,7 +16,9 @@ class TreeRows:
     """Rows of a pass that attend as a draft tree (engine.spec.tree): row r is stored at cache
     index indices[r] and sees the keys at indices 0..context-1, then those in paths[r] (its
     chain of ancestors, ending with itself), as if that chain had been fed alone. Its
-    position (RoPE and mask) is context + len(paths[r]) - 1."""
+    position (RoPE and mask) is context + len(paths[r]) - 1, and the key paths[r][d] sits at
+    position context + d (a sliding window counts positions). A path runs root first, in
+    increasing cache index (an ancestor is stored before its descendants)."""
     context: int
     indices: list[int]
     paths: list[list[int]]

@@ -4,7 +4,8 @@ The compiled step (engine.runtime.compiled_step) traces the whole pass with a dy
 dimension. Everything between two attention calls is row-wise (linears, norms, RoPE, the
 MLP), so a row's result cannot depend on its neighbours. Attention is where rows meet the
 cache and each other: it stays out of the graph as `workbench::paged_attention(q, k, v,
-layer, scale)`, one call per layer, which stores the new K/V and attends over the paged cache
+layer, scale, window, sinks)` (the layer's sliding window, 0 for none, and its attention
+sinks or None), one call per layer, which stores the new K/V and attends over the paged cache
 through engine.layers.attention in the pass's mode (our CPU kernel, the torch path, or the
 Triton kernels on CUDA), reading the pass's pool and metadata from `serving` (per thread: the GUI
 process runs the engine on a worker thread). On CUDA the op is tagged cudagraph-unsafe, so
@@ -37,24 +38,26 @@ def serving(kv, meta: AttentionMetadata):
         _pass.current = before
 
 
-def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
     current = getattr(_pass, "current", None)
     if current is None:
         raise RuntimeError("workbench::paged_attention ran outside attention_op.serving (no pass to attend in)")
     kv, meta = current
     n = meta.positions.shape[0]
-    out = attention(q[:n], k[:n], v[:n], kv.layer(layer), meta, scale)
+    out = attention(q[:n], k[:n], v[:n], kv.layer(layer), meta, scale, window, sinks)
     if q.shape[0] > n:                                   # padding rows repeat the last real one
         out = torch.cat([out, out[-1:].expand(q.shape[0] - n, *out.shape[1:])])
     return out
 
 
-def _paged_attention_shape(q, k, v, layer, scale):
+def _paged_attention_shape(q, k, v, layer, scale, window, sinks):
     return torch.empty_like(q)
 
 
 _LIBRARY = torch.library.Library("workbench", "FRAGMENT")
-_LIBRARY.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor",
+_LIBRARY.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int window, Tensor? sinks) "
+                "-> Tensor",
                 tags=(torch.Tag.cudagraph_unsafe,))
 for _key in ("CPU", "CUDA"):
     _LIBRARY.impl("paged_attention", _paged_attention, _key)
