@@ -83,6 +83,19 @@ def test_a_dequantized_read_in_bf16_is_the_oracle_rounded(blocks_file):
     assert torch.equal(tensors.dequantized(name, torch.bfloat16), torch.from_numpy(expected[name]).to(torch.bfloat16))
 
 
+def test_our_k_quant_packers_round_to_nearest():
+    """The k-quant blocks packed here, decoded by the oracle: each super-block's error within
+    its kind's resolution (Q5_K's fifth bit halves Q4_K's; a misplaced high bit would not)."""
+    w = np.random.default_rng(1).standard_normal((16, 512), dtype=np.float32) * 0.02
+    errors = {}
+    for kind, width in (("Q4_K", 144), ("Q5_K", 176), ("Q6_K", 210)):
+        blocks = quantize(w, kind)
+        assert blocks.shape == (16, 2 * width) and blocks.dtype == np.uint8
+        back = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])
+        errors[kind] = float(np.abs(back - w).max() / np.abs(w).max())
+    assert errors["Q4_K"] < 0.08 and errors["Q5_K"] < 0.6 * errors["Q4_K"] and errors["Q6_K"] < 0.04, errors
+
+
 def test_the_q4_k_m_recipe_is_llama_cpps():
     """Qwen3-1.7B's 28 layers: attn_v and ffn_down in Q6_K in the first and last eighth and
     every third layer between; the tied embedding (the head) in Q6_K; the rest Q4_K."""

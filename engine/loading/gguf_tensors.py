@@ -24,15 +24,29 @@ Block layouts (ggml-common.h), forms given to the kernels:
   Q6_K  super-block of 256: ql 128 bytes (low 4 bits), qh 64 bytes (high 2 bits), int8
         scales[16], fp16 d; w = d*sc * (q - 32)               int8 groups of 16: q - 32 in
         -32..31, scale d*sc.
+  MXFP4 block of 32: E8M0 exponent byte e, 16 bytes of E2M1 codes (byte j: value j in its
+        low nibble, value j + 16 in its high one); w = fp4 * 2^(e - 127). No kernel takes
+        it: dequantized as read (gpt-oss's experts), exactly (a 4-bit float times a power of two).
 Every product above is exact in float32 (an fp16 times a 6- or 8-bit integer), so the
 kernel's form gives the same float32 weights as `gguf.quants.dequantize` (Q4_K's zero is one
 float32 subtraction, exact while d*sc and dmin*m are within 2^7 of each other, as
 llama.cpp's quantizer makes them).
+
+Mixture-of-experts files (qwen3moe, gpt-oss) stack each layer's experts into one 3-D tensor
+per projection, `blk.N.ffn_{gate,up,down}_exps` ([E, out, in] in torch's order; gpt-oss's
+biases [E, out]). Seen as its rows [E*out, in], expert e's weight is the contiguous slab of
+rows e*out .. (e+1)*out: each is presented as its own tensor under the per-expert name the
+model's weight sources use (`model.layers.N.mlp.experts.E.gate_proj.weight`), with the
+stacked tensor's type, so a Q4_K expert is served as stored as one linear and an MXFP4 one
+is read (and dequantized) one expert at a time. Neither architecture's q/k rows are permuted
+(llama.cpp permutes only Llama's).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from functools import cached_property
@@ -40,6 +54,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from engine.errors import CheckpointError
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")           # served as int4 as stored (groups of 32)
 INT8_GROUP_TYPES = {"Q8_0": 32, "Q6_K": 16}     # served as int8 groups as stored: type -> group
@@ -50,8 +66,13 @@ READ_BYTES = 16 * 2**20         # stored bytes decoded per slice of rows
 GLOBAL_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 LAYER_NAMES = ("input_layernorm.weight", "post_attention_layernorm.weight",
                *(f"self_attn.{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")),
-               "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+               "self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.sinks",
                *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
+# the router (ffn_gate_inp in the file) under the names the model type gives it
+ROUTER_NAMES = {"qwen3_moe": ("mlp.gate.weight",), "gpt_oss": ("mlp.router.weight", "mlp.router.bias")}
+EXPERT_NAMES = tuple(f"{p}_proj.{w}" for p in ("gate", "up", "down") for w in ("weight", "bias"))
+_EXPERT = re.compile(r"^(?P<experts>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)"
+                     r"\.(?P<proj>(gate|up|down)_proj\.(weight|bias))$")
 
 
 class GGUFTensors:
@@ -65,15 +86,41 @@ class GGUFTensors:
         self.names = gguf.get_tensor_name_map(arch, hf_config.num_hidden_layers)
         self.by_name = {t.name: t for t in tensors}
         self.hf_config = hf_config
+        self.num_experts = int(self.metadata.get(f"{self.arch}.expert_count", 0))
+        self._resolved: dict[str, StoredTensor | None] = {}
+        check_stored(self.path, tensors, self.num_experts, f"{self.arch}.expert_count")
 
-    def _tensor(self, hf_name: str):
+    def _tensor(self, hf_name: str) -> "StoredTensor | None":
+        if hf_name not in self._resolved:
+            expert = _EXPERT.match(hf_name)
+            self._resolved[hf_name] = self._expert_slab(expert) if expert else self._stored(hf_name)
+        return self._resolved[hf_name]
+
+    def _stored(self, hf_name: str) -> "StoredTensor | None":
         name = self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        return None if name is None else self.by_name.get(name)
+        if name is None:
+            return None
+        # gpt-oss's sinks have no suffix in transformers; llama.cpp names them attn_sinks.weight
+        return self.by_name.get(name) or self.by_name.get(name + ".weight")
+
+    def _expert_slab(self, match) -> "StoredTensor | None":
+        """Expert e's rows of its layer's stacked tensor (`ffn_gate_exps.weight` [E, out, in],
+        `ffn_gate_exps.bias` [E, out]): the contiguous e-th of its bytes, as a tensor of its own."""
+        stacked = self._stored(f"{match['experts']}.{match['proj']}")
+        e = int(match["e"])
+        if stacked is None or len(stacked.shape) < 2 or e >= stacked.shape[-1]:
+            return None
+        share = stacked.n_bytes // stacked.shape[-1]
+        return dataclasses.replace(stacked, shape=stacked.shape[:-1], n_bytes=share,
+                                   data_offset=stacked.data_offset + e * share)
 
     def hf_names(self) -> list[str]:
-        """transformers' names of the tensors the file holds (of those a Llama-family model has)."""
+        """transformers' names of the tensors the file holds (of those a Llama-family model has;
+        a mixture-of-experts file's per expert)."""
         layers = range(self.hf_config.num_hidden_layers)
-        candidates = [*GLOBAL_NAMES, *(f"model.layers.{i}.{n}" for i in layers for n in LAYER_NAMES)]
+        moe = [*ROUTER_NAMES.get(getattr(self.hf_config, "model_type", None), ()),
+               *(f"mlp.experts.{e}.{n}" for e in range(self.num_experts) for n in EXPERT_NAMES)]
+        candidates = [*GLOBAL_NAMES, *(f"model.layers.{i}.{n}" for i in layers for n in (*LAYER_NAMES, *moe))]
         return [n for n in candidates if self._tensor(n) is not None]
 
     def type_of(self, hf_name: str) -> str | None:
@@ -118,6 +165,8 @@ class GGUFTensors:
         qtype = t.tensor_type
         if t.tensor_type.name in FLOAT_TYPES:
             decode = lambda raw: (raw.reshape(raw.shape[0], -1).view(FLOAT_TYPES[qtype.name]),)   # noqa: E731
+        elif t.tensor_type.name in _FLOAT_DECODERS:
+            decode = lambda raw: (_FLOAT_DECODERS[qtype.name](raw),)                               # noqa: E731
         else:
             decode = lambda raw: (self._gguf.quants.dequantize(raw.reshape(raw.shape[0], -1), qtype),)  # noqa: E731
         (values,) = self._decoded(hf_name, decode, dtype, rows=rows)
@@ -225,8 +274,20 @@ def _q6_k(raw: np.ndarray):
     return _rows(q), _rows(scale)
 
 
+# E2M1's 16 values, doubled (ggml's kvalues_mxfp4): with ggml's scale 2^(e - 128), exact
+_FP4_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+
+
+def _mxfp4(raw: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks -> float32 values [rows, blocks * 32], as gguf.quants (ggml) decodes them."""
+    codes = raw[..., 1:]
+    values = _FP4_DOUBLED[np.concatenate([codes & 0x0F, codes >> 4], axis=-1)]      # [rows, blocks, 32]
+    return _rows(np.ldexp(values, raw[..., :1].astype(np.int32) - 128))
+
+
 _INT4_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
 _INT8_DECODERS = {"Q8_0": _q8_0, "Q6_K": _q6_k}
+_FLOAT_DECODERS = {"MXFP4": _mxfp4}     # decoded here, faster than gguf.quants (the same values)
 
 
 # ---- the header ---------------------------------------------------------------------------
@@ -275,6 +336,21 @@ def read_header(path: Path) -> tuple[dict, list[StoredTensor]]:
     return metadata, tensors
 
 
+def check_stored(path: Path, tensors: list[StoredTensor], num_experts: int, experts_key: str) -> None:
+    """Every tensor's bytes are in the file, and every stacked expert tensor holds the number
+    of experts the metadata says; else a CheckpointError naming the tensor."""
+    size = path.stat().st_size
+    for t in tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise CheckpointError(f"{path} is truncated: tensor {t.name} ({t.tensor_type.name}) ends at byte "
+                                  f"{t.data_offset + t.n_bytes} but the file has {size} bytes; download or copy "
+                                  "it again")
+        if "_exps." in t.name and (len(t.shape) < 2 or t.shape[-1] != num_experts):
+            raise CheckpointError(f"{path}: tensor {t.name} has shape {list(t.shape)} (GGUF's order: experts last) "
+                                  f"but {experts_key} is {num_experts}; the file is corrupt: download or convert "
+                                  "it again")
+
+
 def _string(data, at: int) -> tuple[str, int]:
     (n,) = struct.unpack_from("<Q", data, at)
     return bytes(data[at + 8:at + 8 + n]).decode("utf-8", errors="replace"), at + 8 + n
@@ -309,6 +385,8 @@ class GGUFCheckpoint:
     def __init__(self, folder: Path, tensors: GGUFTensors, dtype: torch.dtype):
         self.folder, self.source, self.dtype = Path(folder), tensors, dtype
         self.tensors = {name: tensors.shape(name) for name in tensors.hf_names()}
+        # gpt-oss's experts: no kernel takes MXFP4, so they are dequantized as read (the loader says so)
+        self.mxfp4 = any(tensors.type_of(name) == "MXFP4" for name in self.tensors)
 
     @property
     def files(self) -> list[Path]:

@@ -120,7 +120,7 @@ def check_gguf(path: Path) -> None:
                               "choose a .gguf model file or a Hugging Face model folder")
 
 
-GGUF_FOLDER_VERSION = 2       # 2: config and tokenizer only; the weights stay in the GGUF
+GGUF_FOLDER_VERSION = 3       # 2: config and tokenizer only, the weights stay in the GGUF; 3: MoE configs mapped by us
 
 
 def convert_gguf(gguf: Path, progress: Progress = no_progress) -> Path:
@@ -155,12 +155,85 @@ def convert_gguf(gguf: Path, progress: Progress = no_progress) -> Path:
 
 
 def _read_gguf(gguf: Path):
-    """(config, tokenizer) from the GGUF's metadata, as transformers reads them (no tensors)."""
+    """(config, tokenizer) from the GGUF's metadata, as transformers reads them (no tensors); a
+    mixture-of-experts file's config as we map it (gguf_moe_config: transformers' GGUF reader
+    misses Qwen3-MoE's expert size and fails on gpt-oss's rope keys)."""
     from transformers import AutoConfig, AutoTokenizer
+    from engine.loading.gguf_tensors import read_header
+    metadata, tensors = read_header(gguf)
+    if metadata.get("general.architecture") in GGUF_MOE_ARCHES:
+        config = gguf_moe_config(metadata, {t.name: t.shape for t in tensors})
+        return config, _gguf_tokenizer(gguf, config.model_type)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     return config, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+GGUF_MOE_ARCHES = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}      # llama.cpp's arch -> model_type
+GPT_OSS_SWIGLU_LIMIT = 7.0      # llama.cpp's openai-moe graph fixes it (and alpha 1.702); no key holds it
+
+
+def gguf_moe_config(metadata: dict, shapes: dict[str, tuple[int, ...]]):
+    """A Qwen3MoeConfig / GptOssConfig from a llama.cpp file's keys (convert_hf_to_gguf.py's):
+    the fields our model and transformers' need. llama.cpp's graphs fix what no key says:
+    every Qwen3-MoE layer has experts and renormalises its top-k; gpt-oss's layers alternate
+    sliding / full attention from layer 0 and its SwiGLU is clamped at 7."""
+    from transformers import AutoConfig
+    arch = metadata["general.architecture"]
+    model_type = GGUF_MOE_ARCHES[arch]
+
+    def key(name, default=None):
+        return metadata.get(f"{arch}.{name}", default)
+    heads, hidden, layers = key("attention.head_count"), key("embedding_length"), key("block_count")
+    fields = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=key("attention.head_count_kv", heads),
+                  head_dim=key("attention.key_length", hidden // heads), max_position_embeddings=key("context_length"),
+                  rms_norm_eps=key("attention.layer_norm_rms_epsilon"), vocab_size=shapes["token_embd.weight"][1],
+                  num_experts_per_tok=key("expert_used_count"), tie_word_embeddings="output.weight" not in shapes,
+                  rope_parameters=_gguf_rope(metadata, arch, model_type))
+    fields.update({name: metadata[f"tokenizer.ggml.{k}"] for name, k in _GGUF_TOKEN_IDS.items()
+                   if f"tokenizer.ggml.{k}" in metadata})
+    if model_type == "qwen3_moe":
+        fields.update(num_experts=key("expert_count"), moe_intermediate_size=key("expert_feed_forward_length"),
+                      intermediate_size=key("feed_forward_length"), norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[])
+    else:
+        fields.update(num_local_experts=key("expert_count"), sliding_window=key("attention.sliding_window"),
+                      intermediate_size=key("expert_feed_forward_length", key("feed_forward_length")),
+                      layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                      attention_bias="blk.0.attn_q.bias" in shapes, swiglu_limit=GPT_OSS_SWIGLU_LIMIT)
+    architecture = {"qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}[model_type]
+    return AutoConfig.for_model(model_type, architectures=[architecture], **fields)
+
+
+_GGUF_TOKEN_IDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
+
+
+def _gguf_rope(metadata: dict, arch: str, model_type: str) -> dict:
+    """transformers' rope_parameters from llama.cpp's rope keys (YaRN: factor, original
+    context, betas). gpt-oss's YaRN is not truncated (its config.json's "truncate": false;
+    llama.cpp's corr-dims do truncate, which transformers' reference does not)."""
+    theta = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
+    if metadata.get(f"{arch}.rope.scaling.type") != "yarn":
+        return {"rope_type": "default", "rope_theta": theta}
+    rope = {"rope_type": "yarn", "rope_theta": theta, "factor": float(metadata[f"{arch}.rope.scaling.factor"]),
+            "original_max_position_embeddings": int(metadata[f"{arch}.rope.scaling.original_context_length"])}
+    for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"),
+                         ("attention_factor", "yarn_attn_factor")):
+        if f"{arch}.rope.scaling.{theirs}" in metadata:
+            rope[ours] = float(metadata[f"{arch}.rope.scaling.{theirs}"])
+    if model_type == "gpt_oss":
+        rope["truncate"] = False
+    return rope
+
+
+def _gguf_tokenizer(gguf: Path, model_type: str):
+    """The file's tokenizer, built by the class AutoTokenizer picks for the model type (its
+    GGUF path would read the config through transformers' GGUF reader again)."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+    cls = tokenizer_class_from_name(TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend")
+    return cls.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 def gguf_of(folder: Path) -> Path | None:

@@ -1,5 +1,5 @@
 """Random-weight GGUF files of real shapes, quantized as llama.cpp's recipes quantize them
-(Q4_K_M), for tests and `bench load`.
+(Q4_K_M, MXFP4_MOE), for tests and `bench load`.
 
 `write_gguf(path, "qwen3-1.7b", "Q4_K_M")` writes a GGUF with the architecture's metadata,
 the embedded default model's tokenizer (its vocabulary padded by the embedding's extra
@@ -11,11 +11,25 @@ Memory stays small at any size: each tensor is generated and quantized a slice o
 a time, and written as its stored bytes, after a header computed from the shapes (no float
 model is ever held; the most held is one tensor's stored bytes).
 
-Q4_K_M (llama.cpp, src/llama-quant.cpp, llama_tensor_get_type): Q4_K everywhere, except
+Mixture-of-experts models are written in llama.cpp's layout (convert_hf_to_gguf.py): each
+layer's experts stacked into one 3-D tensor per projection, `blk.N.ffn_{gate,up,down}_exps`
+([E, out, in] in torch's order; gpt-oss's fused, interleaved gate_up split into gate and up),
+the router as `ffn_gate_inp`, gpt-oss's expert biases as `ffn_*_exps.bias` [E, out] and its
+sinks as `attn_sinks.weight`. Neither architecture has its q/k rows permuted (only
+llama.cpp's LlamaModel permutes them).
+
+Which tensors a recipe quantizes (llama.cpp, tensor_allows_quantization): weights of two or
+three dimensions, never a norm, the router (`ffn_gate_inp`) or a bias: those stay F32, as
+convert_hf_to_gguf.py writes them.
+Q4_K_M (src/llama-quant.cpp, llama_tensor_get_type): Q4_K everywhere, except
   - `output` (or `token_embd` when the head is tied to it): Q6_K;
-  - `attn_v` and `ffn_down` of the layers `use_more_bits` picks: Q6_K;
+  - `attn_v` and `ffn_down` (`ffn_down_exps` too) of the layers `use_more_bits` picks: Q6_K;
+  - in a model of exactly 8 experts, `attn_k` and `attn_v` Q8_0 and `attn_output` Q5_K;
   - a tensor whose rows are not whole 256-value super-blocks falls back (Q4_K -> Q5_0,
-    Q6_K -> Q8_0); norms stay F32.
+    Q5_K -> Q5_1, Q6_K -> Q8_0).
+MXFP4_MOE (what ggml-org's gpt-oss GGUFs are): the 3-D expert weights MXFP4 (ggml's block of
+32: one E8M0 exponent byte, then 16 bytes whose low nibbles hold values 0-15 and high
+nibbles 16-31, gguf.quants' quantizer), every other quantized weight Q8_0.
 """
 from __future__ import annotations
 
@@ -24,14 +38,22 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.loading.synthetic import make_config, tensor_groups
+from engine.loading.synthetic import TensorSpec, make_config, tensor_groups
+from engine.models.moe import MOE_MODEL_TYPES, expert_intermediate, num_experts
 
 QK_K = 256
 SLICE_VALUES = 2**22             # values generated and quantized at a time
-FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}     # llama.cpp's, for rows not whole super-blocks
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}   # llama.cpp's, for rows not whole super-blocks
 # llama_ftype: general.file_type of a recipe
-FILE_TYPES = {"Q4_K_M": 15, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}
-SYNTHETIC_GGUF_PRESETS = {"qwen3-1.7b-q4_k_m": ("qwen3-1.7b", "Q4_K_M")}
+FILE_TYPES = {"Q4_K_M": 15, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "MXFP4_MOE": 38}
+# Qwen3-MoE at reduced size with rows of whole super-blocks (so the experts are Q4_K, as in
+# Qwen3-30B-A3B's Q4_K_M) and tiny-qwen3-moe's 8 experts (so llama.cpp's 8-expert rules apply)
+TINY_QWEN3_MOE_Q4_K = {"preset": "tiny-qwen3-moe", "hidden_size": 256, "moe_intermediate_size": 256,
+                       "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+SYNTHETIC_GGUF_PRESETS = {"qwen3-1.7b-q4_k_m": ("qwen3-1.7b", "Q4_K_M"),
+                          "tiny-qwen3-moe-q4_k_m": (TINY_QWEN3_MOE_Q4_K, "Q4_K_M"),
+                          "tiny-gpt-oss-mxfp4": ("tiny-gpt-oss", "MXFP4_MOE")}
+ROUTERS = ("mlp.gate.weight", "mlp.router.weight")      # llama.cpp's ffn_gate_inp: never quantized
 
 
 # ---- the recipe -------------------------------------------------------------------------
@@ -41,17 +63,61 @@ def use_more_bits(layer: int, layers: int) -> bool:
 
 
 def recipe_type(hf_name: str, shape: tuple[int, ...], config, recipe: str = "Q4_K_M") -> str:
-    """The stored type `recipe` gives a tensor (transformers' name and shape)."""
-    if len(shape) == 1:
+    """The stored type `recipe` gives a tensor (transformers' name, or llama.cpp's stacked expert
+    name `model.layers.N.mlp.experts.down_proj.weight`, and its shape)."""
+    if len(shape) == 1 or not hf_name.endswith(".weight") or hf_name.endswith(ROUTERS):
         return "F32"
+    if recipe == "MXFP4_MOE":
+        return "MXFP4" if len(shape) == 3 else "Q8_0"
     if recipe != "Q4_K_M":
         return recipe
     layers, kind = config.num_hidden_layers, "Q4_K"
+    eight_experts = _num_experts(config) == 8
     if hf_name == "lm_head.weight" or (hf_name == "model.embed_tokens.weight" and config.tie_word_embeddings):
         kind = "Q6_K"
-    elif hf_name.endswith(("self_attn.v_proj.weight", "mlp.down_proj.weight")):
+    elif hf_name.endswith(("self_attn.v_proj.weight", "mlp.down_proj.weight", "mlp.experts.down_proj.weight")):
         kind = "Q6_K" if use_more_bits(int(hf_name.split(".")[2]), layers) else "Q4_K"
-    return FALLBACK[kind] if shape[-1] % QK_K else kind
+    if eight_experts and hf_name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+        kind = "Q8_0"
+    elif eight_experts and hf_name.endswith("self_attn.o_proj.weight"):
+        kind = "Q5_K"
+    return FALLBACK[kind] if shape[-1] % QK_K and kind in FALLBACK else kind
+
+
+def _num_experts(config) -> int:
+    return num_experts(config) if config.model_type in MOE_MODEL_TYPES else 0
+
+
+def gguf_tensor_specs(config) -> list[TensorSpec]:
+    """The tensors a GGUF of this config holds, under transformers' names, in llama.cpp's
+    layout: a layer's experts stacked per projection (`mlp.experts.gate_proj.weight`
+    [E, out, in], biases [E, out]), gpt-oss's gate_up split into gate and up."""
+    specs = []
+    for spec in (s for group in tensor_groups(config) for s in group):
+        prefix, _, rest = spec.name.partition(".mlp.experts.")
+        if not rest:
+            specs.append(spec)
+        elif config.model_type == "gpt_oss":
+            specs += _split_fused(spec, prefix + ".mlp.experts.", rest)
+        elif rest.startswith("0."):          # Qwen3-MoE: per expert; stacked once, at expert 0
+            proj = rest.split(".")[1]
+            e = _num_experts(config)
+            specs.append(TensorSpec(f"{prefix}.mlp.experts.{proj}.weight", (e, *spec.shape), spec.init))
+    return specs
+
+
+def _split_fused(spec: TensorSpec, p: str, fused: str) -> list[TensorSpec]:
+    """gpt-oss's fused expert tensors ([E, in, out], gate and up interleaved) as llama.cpp
+    stores them: [E, out, in] weights and [E, out] biases, gate and up apart."""
+    e = spec.shape[0]
+    if fused == "gate_up_proj":
+        h, inter = spec.shape[1], spec.shape[2] // 2
+        return [TensorSpec(p + f"{x}_proj.weight", (e, inter, h), spec.init) for x in ("gate", "up")]
+    if fused == "gate_up_proj_bias":
+        return [TensorSpec(p + f"{x}_proj.bias", (e, spec.shape[1] // 2), spec.init) for x in ("gate", "up")]
+    if fused == "down_proj":
+        return [TensorSpec(p + "down_proj.weight", (e, spec.shape[2], spec.shape[1]), spec.init)]
+    return [TensorSpec(p + "down_proj.bias", spec.shape, spec.init)]
 
 
 # ---- k-quant packing (round-to-nearest) ---------------------------------------------------
@@ -101,11 +167,38 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """float [rows, n] -> Q5_K blocks as bytes [rows, n / 256 * 176]: Q4_K's scales and mins
+    with 5-bit values, w = d*sc*q - dmin*m, q 0..31: the low 4 bits as Q4_K's nibbles, bit 4
+    of value l of sub-block j in bit j of qh[l]."""
+    rows = w.shape[0]
+    x = w.astype(np.float32).reshape(rows, -1, 8, 32)
+    low = np.minimum(x.min(-1), 0)
+    step = (x.max(-1) - low) / 31
+    d = (step.max(-1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (-low.min(-1) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(step / np.where(d > 0, d, 1)[..., None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-low / np.where(dmin > 0, dmin, 1)[..., None]), 0, 63).astype(np.uint8)
+    scale = d[..., None] * sc
+    q = np.round((x + (dmin[..., None] * m)[..., None]) / np.where(scale > 0, scale, 1)[..., None])
+    q = np.clip(q, 0, 31).astype(np.uint8)                             # [rows, blocks, 8, 32]
+    qh = ((q >> 4) << np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).sum(axis=2, dtype=np.uint8)
+    low4 = (q & 0x0F).reshape(rows, -1, 4, 2, 32)
+    nibbles = low4[..., 0, :] | (low4[..., 1, :] << 4)
+    packed = np.concatenate([(sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6),
+                             (m[..., :4] & 0x3F) | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)
+    blocks = np.concatenate([_fp16_bytes(d), _fp16_bytes(dmin), packed, qh, nibbles.reshape(rows, -1, 128)], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
 def quantize(w: np.ndarray, kind: str) -> np.ndarray:
     """float [rows, n] -> the stored bytes (or float values) of `kind`."""
     import gguf
     if kind == "Q4_K":
         return quantize_q4_k(w)
+    if kind == "Q5_K":
+        return quantize_q5_k(w)
     if kind == "Q6_K":
         return quantize_q6_k(w)
     return gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType[kind])
@@ -119,16 +212,15 @@ def write_gguf(path, preset: str | dict, recipe: str = "Q4_K_M", seed: int = 0) 
     path = Path(path)
     config = make_config(preset)
     source = gguf.GGUFReader(str(_default_gguf()))
-    arch = gguf.MODEL_ARCH_NAMES[next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == config.model_type)]
-    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
-                                     config.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), arch)
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == GGUF_ARCHES.get(config.model_type, config.model_type))
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     _add_metadata(writer, config, recipe, source)
-    specs = [s for group in tensor_groups(config) for s in group]
+    specs = gguf_tensor_specs(config)
     kinds = {s.name: recipe_type(s.name, s.shape, config, recipe) for s in specs}
     for s in specs:
         kind = gguf.GGMLQuantizationType[kinds[s.name]]
-        name = names.get_name(s.name, try_suffixes=(".weight",))
+        name = gguf_name(names, s.name)
         if kind.name == "F32":
             writer.add_tensor_info(name, list(s.shape), np.dtype(np.float32), 4 * int(np.prod(s.shape)))
             continue
@@ -143,13 +235,28 @@ def write_gguf(path, preset: str | dict, recipe: str = "Q4_K_M", seed: int = 0) 
     return path
 
 
+GGUF_ARCHES = {"qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}     # model_type -> llama.cpp's arch name
+
+
+def gguf_name(names, hf_name: str) -> str:
+    """llama.cpp's name of a tensor (transformers' name; a stacked expert tensor's
+    `mlp.experts.gate_proj.weight`); gpt-oss's sinks gain the `.weight` llama.cpp gives them."""
+    name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise ValueError(f"gguf's tensor-name table has no name for {hf_name}")
+    return name if name.endswith((".weight", ".bias")) else name + ".weight"
+
+
 def _quantized_slices(spec, kind: str, std: float, seed: int):
-    """The tensor's stored bytes a slice of rows at a time (norms: ones)."""
+    """The tensor's stored bytes a slice of rows at a time (norms: ones); a tensor of more
+    than two dimensions as its rows [prod(shape[:-1]), shape[-1]] (each expert's rows are
+    contiguous)."""
     if spec.init == "ones":
         yield np.ones((1, *spec.shape), dtype=np.float32)
         return
     rng = np.random.default_rng(int.from_bytes(hashlib.sha256(f"{seed}:{spec.name}".encode()).digest()[:8], "little"))
-    rows, n = spec.shape
+    n = spec.shape[-1]
+    rows = int(np.prod(spec.shape[:-1]))
     step = max(1, SLICE_VALUES // n)
     for start in range(0, rows, step):
         w = rng.standard_normal((min(step, rows - start), n), dtype=np.float32) * std
@@ -176,6 +283,8 @@ def _add_metadata(writer, config, recipe: str, source) -> None:
                               and config.rope_parameters else config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if _num_experts(config):
+        _add_moe_metadata(writer, config)
     for name, field in source.fields.items():
         if not name.startswith("tokenizer."):
             continue
@@ -185,6 +294,23 @@ def _add_metadata(writer, config, recipe: str, source) -> None:
             # plain entries: as added tokens, 100k pads would cost transformers' tokenizer 330 MB
             value = value + ([f"<|pad_{i}|>" for i in range(pad)] if name.endswith("tokens") else [1] * pad)
         writer.add_key_value(name, value, field.types[0], field.types[1] if len(field.types) > 1 else None)
+
+
+def _add_moe_metadata(writer, config) -> None:
+    """What convert_hf_to_gguf.py writes for Qwen3-MoE and gpt-oss beyond a dense model's keys."""
+    import gguf
+    writer.add_expert_count(_num_experts(config))
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(expert_intermediate(config))
+    if config.model_type != "gpt_oss":
+        return
+    writer.add_sliding_window(config.sliding_window)
+    rope = config.rope_parameters
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
 
 
 def _default_gguf() -> Path:
