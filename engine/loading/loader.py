@@ -408,6 +408,7 @@ def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.
     model.source_fingerprint = stored_fingerprint(model, stored)     # of the weights as stored, before quantizing
     weights = serve_weights(model, weight_dtype, torch.device(device), stored)
     if getattr(checkpoint, "mxfp4", False):
+        weights.served.pop("MXFP4", None)          # a GGUF's: said once, below
         weights.served["MXFP4 experts"] = f"dequantized at load to {str(dtype).removeprefix('torch.')} (no MXFP4 kernel yet)"
     name = "SmolLM2-135M-Instruct (embedded)" if reference in (None, "", DEFAULT_MODEL) else Path(str(reference)).name
     progress("model ready", 1.0)
