@@ -431,14 +431,23 @@ class LoadTest:
     def begin(self, engine) -> None:
         self.offset_s = self.time_s()
         self.run = WorkloadRun(engine, list(self.jobs), self.workload.max_concurrency)
-        self.settings = {k: engine.settings().get(k) for k in RUN_SETTINGS}
+        settings = engine.settings()
+        self.settings = {k: settings.get(k) for k in RUN_SETTINGS}
+        self.engine, self.moe = engine, settings.get("moe")
 
     def record_step(self, worker: EngineWorker) -> None:
         figures = self.run.step_figures()
         if figures is not None:
             arm = self.arms[self.order[self.position]]["label"]
             worker.loadStep.emit(figures | {"t": self.offset_s + figures["t"], "arm": arm,
-                                            "round": self.position, "rounds": len(self.order)})
+                                            "round": self.position, "rounds": len(self.order)} | self._experts())
+
+    def _experts(self) -> dict:
+        """An MoE model's experts woken by the step's pass (mean over its MoE layers), of how many."""
+        if not self.moe:
+            return {"experts_active": None}
+        return {"experts_active": self.engine.last_step.experts_active, "experts": self.moe["experts"],
+                "top_k": self.moe["top_k"]}
 
     def finish_arm(self) -> None:
         """Pool this round into its arm; the arm's row once its last round ran (or on Stop)."""

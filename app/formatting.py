@@ -34,6 +34,8 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
         per_token = settings.get("weight_bytes_per_token")
         read = f", {per_token / 2**20:.0f} MiB read per token" if per_token else ""
         lines.append(f"<b>Weights</b>: {escape(str(settings['weight_dtype']))}{read}")
+    if settings.get("moe"):
+        lines.append(describe_moe(settings["moe"]))
     paths = settings.get("paths") or {}
     if "linear" in paths:       # the CPU: which kernels passed their trial here (engine.runtime.cpu_paths)
         lines.append(f"<b>CPU kernels</b> ({escape(paths['isa'])}): linears {escape(paths['linear'])}; "
@@ -72,7 +74,34 @@ def describe_memory_plan(plan: dict) -> str:
     return (f"<b>Memory plan</b>: weights {_size(plan['weights_bytes'])}{draft}, "
             f"KV pool {_size(plan['kv_pool_bytes'])} = {plan['tokens_that_fit']:,} tokens, "
             f"reserve {_size(plan['reserve_bytes'])} for a {plan['reserve_tokens']:,}-token prompt "
-            f"({escape(str(plan['device']))}, {escape(str(plan['budget']))})")
+            f"({escape(str(plan['device']))}, {escape(str(plan['budget']))})" + _window_layers(plan.get("kv_layers")))
+
+
+def _window_layers(layers: dict | None) -> str:
+    """Sliding-window layers are cached as full ones (every block kept): said, not hidden."""
+    if not layers or not layers.get("window"):
+        return ""
+    return (f"; {layers['window']} of {layers['window'] + layers['full']} layers attend a "
+            f"{layers['window_tokens']:,}-token window, cached in full like the others (the window is a mask)")
+
+
+def describe_moe(moe: dict) -> str:
+    """An MoE model's experts (engine.engine.moe_figures) as one line: how many, how many a
+    token uses, and the weight bytes a token reads as served (its experts and the dense part)."""
+    return (f"<b>MoE</b>: {moe['experts']} experts in each of {moe['moe_layers']} layers, {moe['top_k']} active per "
+            f"token; a token reads {_bytes(moe['bytes_read_per_token'])} of weights (its experts "
+            f"{_bytes(moe['expert_bytes_per_token'])} + the dense part {_bytes(moe['dense_bytes_per_token'])}); "
+            f"all experts resident ({_bytes(moe['expert_weights_bytes'])}), a step of B tokens reads up to "
+            f"min({moe['experts']}, B×{moe['top_k']}) per layer")
+
+
+def _bytes(num_bytes: int) -> str:
+    """GiB, MiB or KiB, with three figures or so (an expert of a tiny model is a few KiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= size:
+            value = num_bytes / size
+            return f"{value:.{0 if value >= 100 else 1 if value >= 10 else 2}f} {unit}"
+    return f"{num_bytes} B"
 
 
 def _size(num_bytes: int) -> str:

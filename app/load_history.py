@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.metrics import (RUN_FIGURES, RequestStats, bootstrap_ci, bootstrap_difference, excludes_zero, percentile,
-                            ratio, run_figures, run_statistic, speculation_speedup_by_batch)
+from engine.metrics import (RUN_FIGURES, RequestStats, bootstrap_ci, bootstrap_difference, excludes_zero,
+                            experts_active_by_batch, percentile, ratio, run_figures, run_statistic,
+                            speculation_speedup_by_batch)
 from engine.workload import WORKLOAD_SETTINGS
 
 MIB = 2**20
@@ -25,7 +26,8 @@ FIGURE_LABELS = {"output_throughput": "output tok/s", "median_ttft_ms": "TTFT p5
 
 class LoadHistory:
     STEP_COLUMNS = ("t", "running", "waiting", "kv_used_mib", "kv_capacity_mib", "kv_usage_pct", "output_tok_s",
-                    "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "preemptions_total", "completed")
+                    "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "preemptions_total", "completed",
+                    "experts_active")
 
     def __init__(self):
         self.version = 0
@@ -41,6 +43,7 @@ class LoadHistory:
         self._tokens: deque = deque()
         self._preemptions = 0
         self.engine_steps: list[dict] = []      # batch size, drafts, step time: speculation by batch size
+        self.experts: tuple[int, int] | None = None     # an MoE model's (experts per layer, top_k)
         self.progress = 0.0
         self.version += 1
 
@@ -55,7 +58,9 @@ class LoadHistory:
                 samples.popleft()
         self._preemptions += step["preemptions"]
         if "engine_step" in step:
-            self.engine_steps.append(step["engine_step"])
+            self.engine_steps.append(step["engine_step"] | {"experts_active": step.get("experts_active")})
+        if step.get("experts"):
+            self.experts = (step["experts"], step["top_k"])
         ttft, itl = [v for _, v in self._ttft], [v for _, v in self._itl]
         start = self.steps["t"][0] if self.steps["t"] else t
         span = min(WINDOW_S, t - start)
@@ -65,7 +70,8 @@ class LoadHistory:
                "output_tok_s": ratio(sum(n for _, n in self._tokens), span),
                "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
                "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99),
-               "preemptions_total": self._preemptions, "completed": step["completed"]}
+               "preemptions_total": self._preemptions, "completed": step["completed"],
+               "experts_active": step.get("experts_active")}
         for name in self.STEP_COLUMNS:
             self.steps[name].append(np.nan if row[name] is None else row[name])
         rounds = step.get("rounds", 1)
@@ -75,6 +81,10 @@ class LoadHistory:
     def speculation_speedup(self) -> dict[int, dict]:
         """Speculation's measured speedup per batch size over this load test's steps."""
         return speculation_speedup_by_batch(self.engine_steps)
+
+    def experts_by_batch(self) -> dict[int, dict]:
+        """An MoE model's experts woken per decode step, by batch size, over this load test."""
+        return experts_active_by_batch(self.engine_steps)
 
     def series(self, name: str) -> np.ndarray:
         return np.asarray(self.steps[name], dtype=float)

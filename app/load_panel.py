@@ -160,6 +160,17 @@ class LoadPanel(QWidget):
         self.spec_plot.setMouseEnabled(x=False, y=False)
         self.spec_plot.addItem(pg.InfiniteLine(pos=1.0, angle=0, movable=False,
                                                pen=pg.mkPen(PLOT_COLOURS["marker"], width=1, style=Qt.PenStyle.DashLine)))
+        # An MoE model's experts woken per step: a dense step reads every weight once at any
+        # batch size, an MoE step of B tokens reads up to min(experts, B x top_k) per layer.
+        self.experts_plot = self._plot(2, 1, "Experts per MoE layer", "experts woken",
+                                       (("experts", "woken"), ("all_experts", "all")))
+        self.all_experts_line = pg.InfiniteLine(angle=0, movable=False,
+                                                pen=pg.mkPen(C["all_experts"], width=1.5, style=Qt.PenStyle.DashLine))
+        self.experts_plot.addItem(self.all_experts_line)
+        self.experts_plot.setToolTip(
+            "Distinct experts the step's pass woke, averaged over the MoE layers. Each woken expert's weights are "
+            "read once per step, so on an MoE model a bigger batch reads more weights per step: batching shares "
+            "the weight reads less than on a dense model, whose step reads every weight once at any batch size.")
         self.curves = {
             "running": self.requests_plot.plot(pen=_pen("running")),
             "waiting": self.requests_plot.plot(pen=_pen("waiting")),
@@ -173,6 +184,7 @@ class LoadPanel(QWidget):
             "preemptions": self.preemption_plot.plot(pen=_pen("preemptions"), stepMode=None),
             "speedup": self.spec_plot.plot(pen=_pen("speedup"), symbol="o", symbolSize=7,
                                            symbolBrush=C["speedup"]),
+            "experts": self.experts_plot.plot(pen=_pen("experts"), connect="finite"),
         }
         for plot in self.plots()[1:]:
             plot.setXLink(self.requests_plot)
@@ -190,7 +202,7 @@ class LoadPanel(QWidget):
 
     def plots(self) -> list[pg.PlotItem]:
         return [self.requests_plot, self.kv_plot, self.throughput_plot, self.ttft_plot, self.itl_plot,
-                self.preemption_plot]
+                self.preemption_plot, self.experts_plot]
 
     def _plot(self, row: int, col: int, title: str, left: str, legend) -> pg.PlotItem:
         plot = self.graphics.addPlot(row=row, col=col)
@@ -234,6 +246,7 @@ class LoadPanel(QWidget):
             self.kv_plot.setYRange(np.log10(low), np.log10(float(np.nanmax(capacity)) * 2), padding=0)
             self.progress.setValue(int(round(h.progress * 1000)))
         self._refresh_speedup()
+        self._refresh_experts(t)
         self._refresh_markers()
         self.refresh_results()
 
@@ -247,6 +260,25 @@ class LoadPanel(QWidget):
         note = ("" if measured else " (needs steps with and without drafts at a batch size: a proposer on, "
                 "speculation_policy auto)" if by_batch else "")
         self.spec_plot.setTitle(_title_with_legend(self.spec_plot.heading + note, self.spec_plot.legend_entries))
+
+    def _refresh_experts(self, t: np.ndarray) -> None:
+        """The experts curve (an MoE model only) and, in the title, the mean per decode batch size."""
+        experts = self.history.experts
+        self.all_experts_line.setVisible(experts is not None)
+        if experts is None:
+            self.curves["experts"].setData([], [])
+            note = " (a dense model: no experts)" if self.history.num_steps else ""
+            self.experts_plot.setTitle(_title_with_legend(self.experts_plot.heading + note,
+                                                          self.experts_plot.legend_entries[:1]))
+            return
+        total, top_k = experts
+        self.curves["experts"].setData(t, self.history.series("experts_active"), connect="finite")
+        self.all_experts_line.setPos(total)
+        self.experts_plot.setYRange(0, total * 1.08, padding=0)
+        by_batch = self.history.experts_by_batch()
+        readout = ", ".join(f"{size}: {row['experts_active']:.1f}" for size, row in list(by_batch.items())[:4])
+        heading = f"Experts per MoE layer (top-{top_k} of {total})" + (f"; decode batch {readout}" if readout else "")
+        self.experts_plot.setTitle(_title_with_legend(heading, self.experts_plot.legend_entries))
 
     def _refresh_markers(self) -> None:
         if len(self.history.markers) < self._drawn_markers:       # a new load test cleared them

@@ -6,6 +6,7 @@
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --laptop [--out docs/screenshot-1366x768.png]
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --load [--out docs/screenshot-load.png]
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --plots [--out docs/screenshot-plots.png]
+    QT_QPA_PLATFORM=offscreen python -m app.screenshot --moe [--out docs/screenshot-moe.png]
 
 The default mode chats with the default model, turning optimizations on between replies (so
 the plots show markers and their effect), then grabs the window while the last reply
@@ -17,8 +18,10 @@ llama-server on the embedded GGUF, drafting for itself, with --metrics
 from the server's figures, KV usage from its /slots. --remote vllm does the same with vLLM
 (engine.remote.vllm_server; scripts/build_vllm.sh installs it) on the default model's
 weights as float safetensors (engine.bench.float_folder), with ngram speculation: acceptance from its spec-decode
-counters, KV usage from its /metrics gauge; it takes minutes to start. Settings go to a
-temporary config folder, never the user's.
+counters, KV usage from its /metrics gauge; it takes minutes to start. --moe loads a tiny
+random mixture-of-experts model (engine.loading.synthetic "tiny-qwen3-moe"), answers one
+message and serves a load run, then grabs the window: "In effect" with its MoE row, the load
+panel with the experts each step woke. Settings go to a temporary config folder, never the user's.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from app.__main__ import build
 from app.theme import style_sheet
 from engine.bench.float_folder import float_folder
 from engine.loading.loader import default_gguf_path
+from engine.loading.synthetic import write_checkpoint
 from engine.profiles import ProfileStore
 from engine.remote.llama_server import LlamaServer
 from engine.remote.vllm_server import VllmServer
@@ -64,6 +68,7 @@ WINDOW_SIZE = (1600, 1000)        # the README pictures: a desktop-sized window
 LAPTOP_SIZE = (1366, 768)
 LOAD_WORKLOAD = {"num_prompts": 16, "max_concurrency": 4, "output_len": 32, "request_rate": None}
 LOAD_DOCK_SHARE = 0.68            # --load: the load panel's plots and its table both in view
+MOE_PRESET = "tiny-qwen3-moe"     # --moe: a random mixture-of-experts model of 8 experts, top-2
 
 
 def wait_until(predicate, timeout_s: float = 600) -> None:
@@ -86,12 +91,15 @@ def run(out: Path, remote: str | None = None, mode: str = "chat") -> None:
     app = QApplication.instance() or QApplication([])
     app.setStyleSheet(style_sheet())
     with tempfile.TemporaryDirectory() as config:
-        workbench = build(store=ProfileStore(config), start=not remote)     # attached: no local model
+        model = str(write_checkpoint(Path(config) / MOE_PRESET, MOE_PRESET)) if mode == "moe" else None
+        workbench = build(store=ProfileStore(config), start=not remote, model=model)     # attached: no local model
         try:
             if remote:
                 chat_with_server_and_grab(workbench, out, remote)
             elif mode == "load":
                 serve_and_grab(workbench, out)
+            elif mode == "moe":
+                moe_and_grab(workbench, out)
             else:
                 chat_and_grab(workbench, out, LAPTOP_SIZE if mode == "laptop" else WINDOW_SIZE,
                               whole_plots=mode == "plots")
@@ -180,6 +188,33 @@ def serve_and_grab(workbench, out: Path) -> None:
     grab(window, out)
 
 
+def moe_and_grab(workbench, out: Path) -> None:
+    """One chat reply, then a load run (several requests a step: more experts woken per step)."""
+    window, controller, load = workbench.window, workbench.controller, workbench.load
+    show(window)
+    window.load_dock.raise_()
+    window.resizeDocks([window.load_dock], [int(WINDOW_SIZE[1] * LOAD_DOCK_SHARE)], Qt.Orientation.Vertical)
+    wait_until(lambda: controller.model_ready)
+    warm_up(workbench)
+    window.settings.widget("max_tokens").setValue(24)
+    controller.send("Hello! Which experts are awake?")
+    wait_until(lambda: controller.request_id is None)
+    panel = window.load_panel
+    for key, value in LOAD_WORKLOAD.items():
+        panel.controls[key].set_value(value)
+    panel.start_button.click()
+    wait_until(lambda: load.running)
+    wait_until(lambda: not load.running)
+    if window.error_text() or not load.history.rows:
+        raise RuntimeError(f"the MoE session failed: {window.error_text()}")
+    panel.refresh()
+    # In view: "In effect" (the MoE row) and the load panel's last plot row (the experts)
+    window.settings_dock.widget().ensureWidgetVisible(window.settings.effective_label)
+    plots = panel.graphics.parentWidget().parentWidget()        # the plots' scroll area
+    plots.verticalScrollBar().setValue(plots.verticalScrollBar().maximum())
+    grab(window, out)
+
+
 def chat_with_server_and_grab(workbench, out: Path, engine: str = "llama-server") -> None:
     window, controller = workbench.window, workbench.controller
     show(window)
@@ -216,12 +251,14 @@ def main() -> None:
     parser.add_argument("--load", action="store_true", help="a load run and an A/B with the results table")
     parser.add_argument("--plots", action="store_true", help="the chat session and a turn drafting trees, then the "
                         "whole live plots panel")
-    parser.add_argument("--out", type=Path, help="default: docs/screenshot.png, -remote, -vllm, -1366x768, -load or "
-                        "-plots.png")
+    parser.add_argument("--moe", action="store_true", help="a tiny mixture-of-experts model: a reply and a load run")
+    parser.add_argument("--out", type=Path, help="default: docs/screenshot.png, -remote, -vllm, -1366x768, -load, "
+                        "-plots or -moe.png")
     args = parser.parse_args()
-    mode = "load" if args.load else "laptop" if args.laptop else "plots" if args.plots else "chat"
+    mode = ("load" if args.load else "laptop" if args.laptop else "plots" if args.plots else "moe" if args.moe
+            else "chat")
     default = {"chat": "screenshot.png", "laptop": "screenshot-1366x768.png", "load": "screenshot-load.png",
-               "plots": "screenshot-plots.png"}[mode]
+               "plots": "screenshot-plots.png", "moe": "screenshot-moe.png"}[mode]
     remote_picture = {"llama-server": "screenshot-remote.png", "vllm": "screenshot-vllm.png"}.get(args.remote)
     run(args.out or Path("docs") / (remote_picture or default), args.remote, mode)
 

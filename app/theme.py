@@ -40,6 +40,7 @@ PLOT_COLOURS = {
 LOAD_COLOURS = {
     "running": "#1a7f37", "waiting": "#d4a72c", "kv_used": "#1a7f37", "capacity": "#57606a",
     "throughput": "#2f81f7", "p50": "#2f81f7", "p99": "#cf222e", "preemptions": "#8250df", "speedup": "#bf3989",
+    "experts": "#bf3989", "all_experts": "#57606a",
 }
 ERROR_COLOUR = "#cf222e"
 PAYS_COLOUR = "#1a7f37"       # "speculation pays here"

@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 
 from engine.backend import ReconfigureResult, run_to_end
-from engine.cache.memory_plan import MemoryPlan, plan_memory
+from engine.cache.memory_plan import MemoryPlan, expert_bytes, moe_blocks, plan_memory
 from engine.config import (BY_KEY, ENGINE, LIVE, NEXT_REQUEST, SCHEDULER_DEFAULTS, SETTINGS, EngineConfig,
                            SamplingParams, TreeShape, keys, parse_tree)
 from engine.errors import CacheTooSmallError, ConfigError, PromptTooLongError, WorkbenchError
@@ -77,7 +77,11 @@ class LLMEngine:
         self.tokenizer = target.tokenizer
         self.max_model_len = min(config.max_model_len or target.model.max_positions, target.model.max_positions)
         prepare_model(target.model, device)
-        self.weight_bytes_per_token = weight_bytes_per_token(target.model)    # what one decode step reads
+        self.moe = moe_figures(target.model)          # None: a dense model
+        # what one decode step reads (an MoE model: its dense part and each layer's top_k experts)
+        every_weight = weight_bytes_per_token(target.model)
+        self.weight_bytes_per_token = self.moe["bytes_read_per_token"] if self.moe else every_weight
+        self._moe_blocks = moe_blocks(target.model)
         self.plan: MemoryPlan = plan_memory(config, device, target.model)
         self.runner = ModelRunner(target, config, device, num_blocks=self.plan.num_blocks, progress=progress,
                                   on_settings_changed=self._settings_changed)
@@ -227,7 +231,7 @@ class LLMEngine:
                 "device": str(self.device),
                 "dtype": str(self.runner.model_dtype).removeprefix("torch."),
                 "weight_dtype": self.target_model.weights.summary() if self.target_model.weights else None,
-                "weight_bytes_per_token": self.weight_bytes_per_token,
+                "weight_bytes_per_token": self.weight_bytes_per_token, "moe": self.moe,
                 "memory_plan": self.plan.as_dict(), "chat_template": self.has_chat_template,
                 "compile": self.runner.compile_state, "paths": self.paths()}
 
@@ -466,10 +470,17 @@ class LLMEngine:
                           kv_blocks_used=blocks.num_used_blocks, kv_blocks_free=blocks.num_free_blocks,
                           preemptions=len(plan.preempted), drafted=sum(len(w.drafts) for w in work),
                           accepted=sum(e.accepted for e in events),
-                          k=max((s.max_drafts for s in plan.scheduled), default=0), pass_s=pass_s, step_s=step_s)
+                          k=max((s.max_drafts for s in plan.scheduled), default=0), pass_s=pass_s, step_s=step_s,
+                          experts_active=self._experts_active() if work else None)
         self.step_count += 1
         self.last_step = step
         return step
+
+    def _experts_active(self) -> float | None:
+        """Distinct experts the step's pass woke, averaged over the MoE layers (None: dense)."""
+        if not self._moe_blocks:
+            return None
+        return sum(b.last_active for b in self._moe_blocks) / len(self._moe_blocks)
 
     def _drop_cancelled(self) -> list[StepEvent]:
         events = []
@@ -517,6 +528,18 @@ def plain_chat_text(messages: list[dict]) -> str:
     """Chat messages as plain text, for a model without a chat template."""
     turns = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
     return "\n\n".join(turns + ["Assistant:"])
+
+
+def moe_figures(model) -> dict | None:
+    """An MoE model's experts as served (None: dense): how many per layer, how many each
+    token uses, and the weight bytes one token reads: the dense part (every weight but the
+    experts, one embedding row) plus top_k experts of each MoE layer."""
+    experts = expert_bytes(model)
+    if experts is None:
+        return None
+    dense = weight_bytes_per_token(model) - experts.resident_bytes
+    return experts.as_dict() | {"dense_bytes_per_token": dense,
+                                "bytes_read_per_token": dense + experts.per_token_bytes}
 
 
 def _is_token_list(prompt) -> bool:

@@ -364,6 +364,7 @@ class EngineStep:
     k: int                        # draft tokens per speculating sequence this step (the policy's choice)
     pass_s: float                 # the forward pass
     step_s: float                 # the whole step (scheduling, drafting, the pass, sampling)
+    experts_active: float | None = None     # MoE: distinct experts the pass woke, mean over MoE layers (None: dense)
 
     @property
     def kv_usage(self) -> float:
@@ -390,6 +391,22 @@ def speculation_speedup_by_batch(steps: list[dict]) -> dict[int, dict]:
     return {size: {"speedup": ratio(percentile(spec, 50), percentile(plain, 50)) if spec and plain else None,
                    "spec_steps": len(spec), "plain_steps": len(plain)}
             for size, (spec, plain) in sorted(rates.items())}
+
+
+def experts_active_by_batch(steps: list[dict]) -> dict[int, dict]:
+    """An MoE model's experts woken per step, by batch size, from engine steps
+    (EngineStep.as_dict with experts_active): over the decode-only steps of each batch size,
+    the mean of experts_active (distinct experts per MoE layer; a step reads each woken
+    expert's weights once). batch size -> {"experts_active", "steps"}. Where a dense model's
+    step reads the same weights at any batch size, an MoE step of B tokens reads up to
+    min(experts, B x top_k) experts per layer: batching shares less of the weight reads."""
+    by_batch: dict[int, list[float]] = {}
+    for step in steps:
+        if step.get("experts_active") is None or step["prefill_tokens"] or not step["batch_size"]:
+            continue
+        by_batch.setdefault(step["batch_size"], []).append(step["experts_active"])
+    return {size: {"experts_active": statistics.fmean(values), "steps": len(values)}
+            for size, values in sorted(by_batch.items())}
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -14,11 +14,12 @@ import sys
 import numpy as np
 import pytest
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QApplication
 
 from engine.profiles import SessionProfile
 from engine.workload import WorkloadRun
-from test_app import (LOAD_TIMEOUT_MS, REPLY_TIMEOUT_MS, StepGate, collect, open_workbench, tiny_profile,  # noqa: F401
-                      transcript_fragments)
+from test_app import (LOAD_TIMEOUT_MS, REPLY_TIMEOUT_MS, TINY_POOL_BYTES, StepGate, collect,  # noqa: F401
+                      open_workbench, points, tiny_profile, transcript_fragments)
 from test_window import REPO
 
 RUN_TIMEOUT_MS = 120_000
@@ -78,13 +79,17 @@ def test_a_load_run_fills_the_plots_and_the_results_table_while_a_chat_is_answer
     drafted = {kind for step in chat_steps for kind in step["token_kinds"]} & {"accepted", "resampled", "bonus"}
     shown = {kind for _, kind in transcript_fragments(bench.window.chat)}
     assert drafted and drafted <= shown                               # still coloured token by token
-    # The plots: one point per engine step of the run, every series.
+    # The plots: one point per engine step of the run, every series (clipped to the view, whose
+    # auto-range follows the data at the next event loop pass).
     panel.refresh()
+    QApplication.processEvents()
     steps = history.num_steps
     assert steps >= 16
     for name, curve in panel.curves.items():       # latencies start at the first token
-        if name != "speedup":                       # that one is per batch size, below
+        if name not in ("speedup", "experts"):      # per batch size, below; and a dense model has no experts
             assert steps / 2 <= len(curve.getData()[0]) <= steps, name
+    assert history.experts is None and points(panel.curves["experts"]) == 0
+    assert "a dense model: no experts" in panel.experts_plot.titleLabel.text
     # speculation's speedup by batch size: a point where steps with and without drafts met
     by_batch = history.speculation_speedup()
     assert by_batch and sum(r["spec_steps"] + r["plain_steps"] for r in by_batch.values()) <= steps
@@ -105,6 +110,27 @@ def test_a_load_run_fills_the_plots_and_the_results_table_while_a_chat_is_answer
     # The workload is part of the session profile.
     assert bench.controller.current_profile().workload.num_prompts == 16
     assert engine_blocks_in_use(bench, qtbot) == 0
+
+
+def test_an_moe_model_shows_its_experts_in_effect_and_the_experts_each_step_woke(open_workbench, qtbot, tmp_path):
+    from engine.loading.synthetic import write_checkpoint
+    folder = write_checkpoint(tmp_path / "moe", "tiny-qwen3-moe")
+    bench = open_workbench(SessionProfile(model=str(folder), kv_cache_bytes=TINY_POOL_BYTES, max_tokens=8))
+    effect = bench.window.settings.effective_label.text()
+    assert "<b>MoE</b>: 8 experts in each of 2 layers, 2 active per token; a token reads " in effect
+    set_workload(bench, num_prompts=8, max_concurrency=4, output_len=6, request_rate=None)
+    panel, history = bench.window.load_panel, bench.load.history
+    finished = start_run(bench, qtbot, panel.start_button)
+    qtbot.waitUntil(lambda: bool(finished) and not bench.load.running, timeout=RUN_TIMEOUT_MS)
+    panel.refresh()
+    QApplication.processEvents()                        # the view's range follows the data
+    assert history.experts == (8, 2)                    # experts per layer, top-k
+    woken = history.series("experts_active")
+    assert len(woken) == history.num_steps == points(panel.curves["experts"]) and (woken >= 2).all()
+    assert (woken <= 8).all() and panel.all_experts_line.value() == 8
+    by_batch = history.experts_by_batch()                # decode steps: 4 tokens wake 2..8 experts a layer
+    assert 4 in by_batch and 2 <= by_batch[4]["experts_active"] <= 8
+    assert "top-2 of 8" in panel.experts_plot.titleLabel.text and "decode batch" in panel.experts_plot.titleLabel.text
 
 
 def test_stop_ends_every_request_and_no_block_leaks(open_workbench, tiny_profile, qtbot, load_gate):
@@ -233,7 +259,7 @@ def test_every_plot_is_legible_at_1366x768(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [r["panel"] for r in reports].count("live") == 7 and [r["panel"] for r in reports].count("load") == 7
+    assert [r["panel"] for r in reports].count("live") == 7 and [r["panel"] for r in reports].count("load") == 8
     for r in reports:
         where = f"{r['panel']}: {r['title']}"
         assert r["view_height"] >= 110 and r["view_width"] >= 150, where

@@ -38,7 +38,7 @@ def bench_kernels(args) -> dict:
 
 def bench_load(args) -> dict:
     from engine.bench.load import run_load_bench
-    return run_load_bench(args.model, args.synthetic, args.device, args.dtype)
+    return run_load_bench(args.model, args.synthetic, args.device, args.dtype, args.layers)
 
 
 def bench_serve(args) -> dict:
@@ -66,6 +66,9 @@ def main(argv=None) -> int:
     ap.add_argument("--synthetic", default=None, choices=sorted(PRESETS) + sorted(SYNTHETIC_GGUF_PRESETS),
                     help="load: a random-weight checkpoint of this architecture (or a GGUF of it: *-q4_k_m), "
                     "written once to the user cache")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="load --synthetic: write and load the preset's first N layers (default: all that fit "
+                    "this machine's free memory; qwen3-30b-a3b and gpt-oss-20b do not fit whole)")
     ap.add_argument("--compile", default="auto", choices=["off", "on", "auto"],
                     help="parity, decode, speculative: run our decode and verify steps compiled "
                     "(engine.runtime.compiled_step)")
@@ -79,7 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--system-tokens", type=int, default=1000, help="prefix: system prompt length")
     ap.add_argument("--eval-tokens", type=int, default=10240, help="kv: perplexity tokens")
     ap.add_argument("--window", type=int, default=1024, help="kv: perplexity window")
-    ap.add_argument("--config", default="default", help="memory: config.json folder, 'default', " + ", ".join(BUILTIN_SHAPES))
+    ap.add_argument("--config", default="default", help="memory: config.json folder, 'default', a synthetic preset "
+                    "(the released model's shapes: " + ", ".join(sorted(PRESETS)) + "), " + ", ".join(BUILTIN_SHAPES))
     ap.add_argument("--context", type=int, default=4096, help="memory: tokens per sequence")
     ap.add_argument("--k", type=int, default=4, help="speculative: draft tokens per step")
     ap.add_argument("--proposer", choices=["draft", "eagle", "ngram"], default="eagle")

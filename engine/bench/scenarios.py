@@ -175,9 +175,16 @@ def _perplexity(runner, ids: list[int], window: int) -> float:
 
 # ---- analytic memory ---------------------------------------------------------------
 def bench_memory(args) -> dict:
-    """Bytes per sequence from a config's shapes (analytic), and the memory plan of --model
-    (with --draft) on --device as the engine makes it."""
-    result = cache_bytes(args.model if args.config == "default" and args.model else args.config, args.context)
+    """Bytes per sequence from a config's shapes (analytic); for a config we can build (a
+    folder, 'default' or a synthetic preset such as qwen3-30b-a3b), what the model needs on a
+    GPU card (engine.bench.model_memory); and the memory plan of --model (with --draft) on
+    --device as the engine makes it."""
+    from engine.bench.model_memory import model_memory
+    config = args.model if args.config == "default" and args.model else args.config
+    result = cache_bytes(config, args.context)
+    hf_config = _config_for(config)
+    if hf_config is not None:
+        result["model"] = model_memory(hf_config, args.context)
     eng = _engine(args)
     if args.draft:
         eng.set_draft_model(args.draft, progress=_progress)
@@ -213,11 +220,22 @@ def cache_bytes(config: str, context: int) -> dict:
 def _shape_for(config: str):
     if config in BUILTIN_SHAPES:
         return (*BUILTIN_SHAPES[config], config)
-    from engine.loading.loader import load_config, resolve
-    cfg = load_config(resolve(None if config == "default" else config))
+    cfg = _config_for(config)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return cfg.num_hidden_layers, heads, getattr(cfg, "num_key_value_heads", heads) or heads, head_dim, config
+
+
+def _config_for(config: str):
+    """The transformers config of a config.json folder, 'default', or a synthetic preset (its
+    released model's shapes); None for a built-in shape, which has no config."""
+    from engine.loading.synthetic import PRESETS, make_config
+    if config in BUILTIN_SHAPES:
+        return None
+    if config in PRESETS:
+        return make_config(config)
+    from engine.loading.loader import load_config, resolve
+    return load_config(resolve(None if config == "default" else config))
 
 
 def _human(n: int) -> str:

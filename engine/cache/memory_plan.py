@@ -9,6 +9,11 @@ activations, and how many tokens of context the pool holds.
 - `kv_cache_bytes`, when set, is the pool budget on any device; `num_blocks` overrides both.
 - A draft model counts in the same plan: its weights (tensors it shares with the target
   count once) and its pool, which has as many blocks as the target's.
+- Mixture-of-experts: every expert of every MoE layer is resident (a token reads only its
+  top-k, but any token may pick any expert), so the weights are all of them; the plan says
+  how much of that is experts (`moe`). Sliding-window layers (gpt-oss) keep every block of a
+  sequence, the window being a mask over them, so a window layer's KV bytes are a full
+  layer's; the plan says so (`kv_layers`) and counts no saving the cache does not make.
 
 The reserve is an estimate: the largest activations of one forward pass over a prompt of
 `min(context length, RESERVE_PREFILL_TOKENS)` tokens (with the torch attention path's score
@@ -45,6 +50,8 @@ class MemoryPlan:
     block_size: int
     num_blocks: int
     budget: str                 # which rule sized the pool
+    moe: "ExpertBytes | None" = None        # the target's experts (all resident; in weights_bytes)
+    kv_layers: "KVLayers | None" = None     # the target's full and window layers (all cached in full)
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -59,7 +66,37 @@ class MemoryPlan:
         return {"device": self.device, "total_bytes": self.total_bytes, "weights_bytes": self.weights_bytes,
                 "draft_weights_bytes": self.draft_weights_bytes, "kv_pool_bytes": self.kv_pool_bytes,
                 "reserve_bytes": self.reserve_bytes, "reserve_tokens": self.reserve_tokens,
-                "tokens_that_fit": self.tokens_that_fit, "budget": self.budget}
+                "tokens_that_fit": self.tokens_that_fit, "budget": self.budget,
+                "moe": self.moe.as_dict() if self.moe else None,
+                "kv_layers": self.kv_layers.as_dict() if self.kv_layers else None}
+
+
+@dataclass(frozen=True)
+class ExpertBytes:
+    """A mixture-of-experts model's experts as served: all resident, top_k read per token."""
+    moe_layers: int
+    experts: int                # per MoE layer
+    top_k: int                  # experts each token is routed to, per MoE layer
+    resident_bytes: int         # every expert of every MoE layer (part of the weights)
+    per_token_bytes: int        # the experts one token reads: top_k of each layer's
+
+    def as_dict(self) -> dict:
+        return {"moe_layers": self.moe_layers, "experts": self.experts, "top_k": self.top_k,
+                "expert_weights_bytes": self.resident_bytes, "expert_bytes_per_token": self.per_token_bytes,
+                "experts_resident": "all: every expert of every MoE layer is held (any token may pick any)"}
+
+
+@dataclass(frozen=True)
+class KVLayers:
+    """Which layers attend over a sliding window, and how the cache counts them."""
+    full: int
+    window: int
+    window_tokens: int          # the widest window (0: none)
+
+    def as_dict(self) -> dict:
+        return {"full": self.full, "window": self.window, "window_tokens": self.window_tokens,
+                "window_layers_cached": "in full: every block of a sequence is kept (the window is a mask), "
+                                        "so a window layer's KV bytes equal a full layer's"}
 
 
 def plan_memory(config: EngineConfig, device: torch.device, target: torch.nn.Module,
@@ -77,7 +114,8 @@ def plan_memory(config: EngineConfig, device: torch.device, target: torch.nn.Mod
     budget, rule = kv_budget(config, device, free, total, reserve)
     num_blocks = config.num_blocks or budget // per_block
     plan = MemoryPlan(str(device), total, target_bytes + draft_bytes, draft_bytes, reserve, tokens,
-                      per_block, config.block_size, num_blocks, "num_blocks" if config.num_blocks else rule)
+                      per_block, config.block_size, num_blocks, "num_blocks" if config.num_blocks else rule,
+                      expert_bytes(target), kv_layers(target))
     if num_blocks < 1:
         raise CacheTooSmallError(_no_room(plan, budget))
     return plan
@@ -140,15 +178,51 @@ def weights_bytes(model: torch.nn.Module, shared_with: torch.nn.Module | None = 
     return sum(n for key, n in storages(model).items() if key not in skip)
 
 
+def moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's mixture-of-experts blocks (engine.models.moe.SparseMoE: `experts`, `top_k`)."""
+    return [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "top_k")]
+
+
+def expert_bytes(model: torch.nn.Module) -> ExpertBytes | None:
+    """The experts' bytes as served (weights_bytes of each layer's experts), all of them
+    resident, and the top_k / experts share of each layer's that one token reads; None for a
+    dense model. A layer's experts are all the same size, so the share is exact."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return None
+    resident = [weights_bytes(b.experts) for b in blocks]
+    per_token = sum(n * b.top_k // b.num_experts for n, b in zip(resident, blocks))
+    return ExpertBytes(len(blocks), blocks[0].num_experts, blocks[0].top_k, sum(resident), per_token)
+
+
+def kv_layers(model: torch.nn.Module) -> KVLayers:
+    """Full and sliding-window layers (engine.models.llama.Attention.window; 0: full)."""
+    windows = [getattr(layer.self_attn, "window", 0) or 0 for layer in model.layers]
+    return KVLayers(sum(1 for w in windows if not w), sum(1 for w in windows if w), max(windows, default=0))
+
+
 def activation_bytes(model: torch.nn.Module, tokens: int, kernels: bool) -> int:
-    """Peak activations of one forward pass over `tokens` tokens (see the module docstring)."""
+    """Peak activations of one forward pass over `tokens` tokens (see the module docstring).
+    A dense MLP holds its input, gate/up and the product; an MoE block (engine.models.moe)
+    the router's logits, top_k copies of each token (gathered inputs, expert outputs, their
+    scatter back) and one expert's intermediates over at most every token (each token picks
+    an expert at most once)."""
     c, attn = model.config, model.layers[0].self_attn
     itemsize = next(model.parameters()).element_size()
-    hidden, inter = c.hidden_size, c.intermediate_size
-    per_token = max(2 * hidden + 4 * inter, 3 * hidden + 4 * attn.q_size + 4 * attn.kv_size) * itemsize
+    hidden = c.hidden_size
+    mlp = max(_mlp_activations(layer.mlp, hidden) for layer in model.layers)
+    per_token = max(mlp, 3 * hidden + 4 * attn.q_size + 4 * attn.kv_size) * itemsize
     logits = (MAX_SPEC_TOKENS + 1) * c.vocab_size * (itemsize + 4)
     scores = 0 if kernels else 2 * 4 * attn.num_heads * tokens * tokens     # fp32 scores + probabilities
     return tokens * per_token + logits + scores
+
+
+def _mlp_activations(mlp: torch.nn.Module, hidden: int) -> int:
+    """Values per token a feed-forward block holds at its peak (in the model's dtype)."""
+    if not hasattr(mlp, "experts"):
+        return 2 * hidden + 4 * mlp.inter
+    router_logits = 2 * mlp.num_experts            # fp32 probabilities, counted as two values
+    return (3 * mlp.top_k + 2) * hidden + 4 * mlp.experts[0].inter + router_logits
 
 
 def _kv_bytes_per_token(model: torch.nn.Module, config: EngineConfig) -> int:

@@ -1,0 +1,206 @@
+"""`python -m engine.bench memory --config PRESET | FOLDER`: what a model needs on a GPU card,
+from our own model built on the meta device (no memory, no weights, no hand-written formula
+of its shapes): parameters (total, and active per token for a mixture of experts), weight
+bytes per format, KV bytes per token, and the tokens that fit on a 24 GiB and a 48 GiB card.
+
+Weight formats (every linear of our model: attention, router, experts, dense MLPs, head; the
+embedding table, norms, biases and sinks stay bf16, as `weight_dtype` int8/int4 keeps them):
+  bf16      2 bytes a value;
+  fp8       1 byte a weight + one fp32 scale per 128 x 128 block (Qwen's FP8 checkpoints);
+  int8      our kernel's layout (engine.kernels.cpu_quant.pack): 1 byte a weight + the
+            per-channel scale and minimum repeated per 32 inputs, in fp32 (an fp32 scale is
+            rarely exact in fp16): 10 bits a weight;
+  int4      our kernel's layout: 4 bits + an fp16 scale and minimum per group of 32: 5 bits;
+  mxfp4     gpt-oss as OpenAI ships it: the experts' weights in MXFP4 (4-bit E2M1 values and
+            one E8M0 exponent per 32: 4.25 bits), every other tensor bf16.
+What this engine serves on CUDA: bf16 (int8 / int4 run on the CPU only in this release and
+CUDA keeps them dequantized; FP8 weights are not read; MXFP4 is dequantized as it loads,
+engine.loading.fused_experts): the other rows say what the format needs, for comparison.
+
+KV: K and V of every layer for every token (engine.cache.kv_cache.CacheShape), bf16 or FP8
+E4M3 with its scales. A sliding-window layer counts as a full one, because this engine keeps
+all of a sequence's blocks for it (the window is a mask); what a cache that freed blocks
+behind the window would hold is shown apart (`window_freeing_cache`), as not what we do.
+
+Cards: of a card's memory, the engine's default gpu_memory_fraction (0.9), less the CUDA
+context (a stated allowance: the memory plan measures it on the device), the activation
+reserve the memory plan would hold (engine.cache.memory_plan.activation_bytes for a
+RESERVE_PREFILL_TOKENS prompt with the attention kernels, plus CUDA_FIXED_RESERVE) and the
+weights; the KV pool gets the rest, in whole blocks.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.cache.kv_cache import FP8_DTYPE
+from engine.cache.memory_plan import (CUDA_FIXED_RESERVE, RESERVE_PREFILL_TOKENS, GiB, MiB, activation_bytes,
+                                      moe_blocks)
+from engine.config import BY_KEY
+
+CARDS = {"24GiB": 24 * GiB, "48GiB": 48 * GiB}
+CUDA_CONTEXT_BYTES = 512 * MiB          # the CUDA context and torch's own allocations: an allowance
+GPU_MEMORY_FRACTION = BY_KEY["gpu_memory_fraction"].default
+BLOCK_SIZE = BY_KEY["block_size"].default
+QUANT_GROUP = 32                        # our int8 / int4 kernels' group; MXFP4's block
+FP8_BLOCK = 128
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": FP8_DTYPE}
+SERVED_ON_CUDA = {
+    "bf16": "yes",
+    "fp8": "no: this engine does not read FP8 weights",
+    "int8": "no: int8 weights run on the CPU only in this release (CUDA keeps them dequantized: the bf16 row)",
+    "int4": "no: int4 weights run on the CPU only in this release (CUDA keeps them dequantized: the bf16 row)",
+    "mxfp4": "no: MXFP4 experts are dequantized as they load (engine.loading.fused_experts): the bf16 row",
+}
+
+
+def meta_model(config, max_positions: int = RESERVE_PREFILL_TOKENS):
+    """Our model of this config on the meta device, in bf16: shapes and no memory."""
+    from engine.loading.loader import no_random_init
+    from engine.models.llama import LlamaFamilyModel
+    positions = min(max_positions, config.max_position_embeddings)
+    with torch.device("meta"), no_random_init():
+        return LlamaFamilyModel(config, max_positions=positions).to(torch.bfloat16)
+
+
+def model_memory(config, context: int) -> dict:
+    """Every figure of the module docstring for one config, at `context` tokens a sequence."""
+    model = meta_model(config)
+    weights = weight_bytes(model)
+    kv = kv_figures(model, context)
+    reserve = reserve_bytes(model)
+    cards_of = cards(weights, kv["bytes_per_token"], reserve, context)
+    return {"model_type": config.model_type, "parameters": parameter_counts(model),
+            "weights_bytes": weights, "weights_served_on_cuda": {k: SERVED_ON_CUDA[k] for k in weights},
+            "kv": kv, "cards": cards_of,
+            "human": {"weights": {k: _gib(v) for k, v in weights.items()},
+                      "kv_per_sequence": {k: _gib(v) for k, v in kv["bytes_per_sequence"].items()},
+                      "tokens_that_fit": _fits_text(cards_of, context)}}
+
+
+# ---- parameters ------------------------------------------------------------------
+def parameter_counts(model) -> dict:
+    """Total parameters (each tensor once) and, for a mixture of experts, those one token
+    uses: everything but the experts, plus top_k of each MoE layer's. Qwen's "A3B" (3.3B)
+    counts the embedding table; OpenAI's 3.6B for gpt-oss-20b leaves it out (a token reads one
+    row): both are given."""
+    total = _numel(model.parameters())
+    blocks = moe_blocks(model)
+    experts = sum(_numel(b.experts.parameters()) for b in blocks)
+    active_experts = sum(_numel(b.experts.parameters()) * b.top_k // b.num_experts for b in blocks)
+    active = total - experts + active_experts
+    embedding = model.embed_tokens.weight.numel()
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    return {"total": total, "active_per_token": active,
+            "active_per_token_without_embedding": active if tied else active - embedding,
+            "expert_parameters": experts, "dense_parameters": total - experts, "embedding_parameters": embedding,
+            "moe_layers": len(blocks), "experts_per_layer": blocks[0].num_experts if blocks else 0,
+            "experts_per_token": blocks[0].top_k if blocks else 0,
+            "human": {"total": f"{total / 1e9:.2f} B", "active_per_token": f"{active / 1e9:.2f} B",
+                      "active_per_token_without_embedding": f"{(active if tied else active - embedding) / 1e9:.2f} B"}}
+
+
+def _numel(params) -> int:
+    seen, n = set(), 0
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            n += p.numel()
+    return n
+
+
+# ---- weights -------------------------------------------------------------------------
+def quantized_bytes(out_features: int, in_features: int, fmt: str) -> int:
+    """Bytes of one linear weight [out, in] in a format of the module docstring."""
+    n, groups = out_features * in_features, out_features * math.ceil(in_features / QUANT_GROUP)
+    if fmt == "bf16":
+        return 2 * n
+    if fmt == "fp8":
+        return n + 4 * math.ceil(out_features / FP8_BLOCK) * math.ceil(in_features / FP8_BLOCK)
+    if fmt == "int8":
+        return n + 8 * groups                   # fp32 scale and minimum per group
+    if fmt == "int4":
+        return n // 2 + 4 * groups              # fp16 scale and minimum per group
+    if fmt == "mxfp4":
+        return n // 2 + groups                  # one E8M0 byte per block of 32
+    raise ValueError(f"no weight format {fmt!r}")
+
+
+def weight_bytes(model) -> dict[str, int]:
+    """Bytes of the model's weights per format; mxfp4 only for gpt-oss (the experts as shipped).
+    A head tied to the embedding is quantized beside it (the table stays bf16 for lookups)."""
+    from engine.models.llama import Linear
+    experts = {id(m) for b in moe_blocks(model) for e in b.experts for m in (e.gate_up_proj, e.down_proj)}
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    linear_weights = {id(m.weight) for m in linears}
+    rest = {id(p): p.numel() for p in model.parameters() if id(p) not in linear_weights}
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    formats = ["bf16", "fp8", "int8", "int4"] + (["mxfp4"] if model.config.model_type == "gpt_oss" else [])
+    out = {}
+    for fmt in formats:
+        total = 2 * sum(rest.values())
+        if tied and fmt != "bf16":
+            total += 2 * model.embed_tokens.weight.numel()        # the table, beside the quantized head
+        for m in linears:
+            kind = fmt if fmt != "mxfp4" else ("mxfp4" if id(m) in experts else "bf16")
+            total += quantized_bytes(*m.weight.shape, kind)
+        out[fmt] = total
+    return out
+
+
+# ---- KV cache ----------------------------------------------------------------------------
+def kv_figures(model, context: int) -> dict:
+    """KV bytes per token and per sequence, every layer cached in full; and, apart, what a
+    cache that freed the blocks behind each window would hold for one sequence."""
+    shape = model.cache_shape
+    per_token = {name: shape.bytes_per_token(d) + shape.scale_bytes_per_token(d) for name, d in KV_DTYPES.items()}
+    windows = [layer.self_attn.window for layer in model.layers]
+    window_layers = [w for w in windows if w]
+    per_layer = {name: v // shape.num_layers for name, v in per_token.items()}
+    kept = (len(windows) - len(window_layers)) * context + sum(min(context, w) for w in window_layers)
+    return {"bytes_per_token": per_token, "bytes_per_sequence": {k: v * context for k, v in per_token.items()},
+            "context": context, "num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim, "full_layers": len(windows) - len(window_layers),
+            "window_layers": len(window_layers), "window_tokens": max(window_layers, default=0),
+            "window_layers_counted": "as full layers: this engine keeps every block of a sequence for them "
+                                     "(the window is a mask), so their KV bytes equal a full layer's",
+            "window_freeing_cache": None if not window_layers else {
+                "note": "NOT what this engine does: a cache that freed the blocks behind each window would "
+                        "hold the full layers' tokens and at least min(context, window) of each window layer's",
+                "bytes_per_sequence": {k: v * kept for k, v in per_layer.items()},
+                "human": {k: _gib(v * kept) for k, v in per_layer.items()}}}
+
+
+def reserve_bytes(model) -> int:
+    """The memory plan's activation reserve on CUDA (the attention kernels: no score matrices)."""
+    return activation_bytes(model, model.max_positions, kernels=True) + CUDA_FIXED_RESERVE
+
+
+def cards(weights: dict[str, int], kv_per_token: dict[str, int], reserve: int, context: int) -> dict:
+    """Per card: the budget, and per weight format x KV dtype the KV tokens that fit (whole
+    blocks) and how many sequences of `context` tokens that is."""
+    out = {"gpu_memory_fraction": GPU_MEMORY_FRACTION, "cuda_context_allowance_bytes": CUDA_CONTEXT_BYTES,
+           "activation_reserve_bytes": reserve, "reserve_prompt_tokens": RESERVE_PREFILL_TOKENS,
+           "block_size": BLOCK_SIZE}
+    for card, size in CARDS.items():
+        budget = int(size * GPU_MEMORY_FRACTION) - CUDA_CONTEXT_BYTES - reserve
+        fits = {}
+        for fmt, w in weights.items():
+            for kv, per_token in kv_per_token.items():
+                room = budget - w
+                tokens = max(room, 0) // (per_token * BLOCK_SIZE) * BLOCK_SIZE
+                fits[f"{fmt}_weights_{kv}_kv"] = {"weights_fit": room > 0, "kv_bytes": max(room, 0),
+                                                  "tokens": tokens, "sequences_at_context": tokens // context}
+        out[card] = {"card_bytes": size, "budget_after_reserve_bytes": budget, "fits": fits}
+    return out
+
+
+def _fits_text(cards_of: dict, context: int) -> dict:
+    return {card: {key: f"{f['tokens']:,} tokens = {f['sequences_at_context']} x {context:,}" if f["weights_fit"]
+                   else "the weights and the reserve do not fit" for key, f in cards_of[card]["fits"].items()}
+            for card in CARDS}
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
