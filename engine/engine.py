@@ -79,8 +79,7 @@ class LLMEngine:
         prepare_model(target.model, device)
         self.moe = moe_figures(target.model)          # None: a dense model
         # what one decode step reads (an MoE model: its dense part and each layer's top_k experts)
-        every_weight = weight_bytes_per_token(target.model)
-        self.weight_bytes_per_token = self.moe["bytes_read_per_token"] if self.moe else every_weight
+        self.weight_bytes_per_token = weight_bytes_per_token(target.model)
         self._moe_blocks = moe_blocks(target.model)
         self.plan: MemoryPlan = plan_memory(config, device, target.model)
         self.runner = ModelRunner(target, config, device, num_blocks=self.plan.num_blocks, progress=progress,
@@ -537,9 +536,9 @@ def moe_figures(model) -> dict | None:
     experts = expert_bytes(model)
     if experts is None:
         return None
-    dense = weight_bytes_per_token(model) - experts.resident_bytes
-    return experts.as_dict() | {"dense_bytes_per_token": dense,
-                                "bytes_read_per_token": dense + experts.per_token_bytes}
+    read = weight_bytes_per_token(model)          # already counts top_k experts per MoE layer
+    return experts.as_dict() | {"dense_bytes_per_token": read - experts.per_token_bytes,
+                                "bytes_read_per_token": read}
 
 
 def _is_token_list(prompt) -> bool:

@@ -148,14 +148,18 @@ def test_the_plan_counts_every_expert_and_window_layers_as_full(tiny_gpt_oss):
 
 def test_a_token_reads_the_dense_part_and_top_k_experts(tiny_moe):
     from engine.engine import LLMEngine
-    from engine.spec.step_costs import weight_bytes_per_token
     eng = LLMEngine(tiny_moe, EngineConfig(kv_cache_bytes=8 * MiB, compile="off"), torch.device("cpu"))
     moe = eng.settings()["moe"]
-    all_read = weight_bytes_per_token(tiny_moe.model)             # every expert counted
+    model = tiny_moe.model                                        # untied, float: every byte a parameter's
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.embed_tokens.weight
     experts = moe["expert_weights_bytes"]
+    assert experts == sum(p.numel() * p.element_size() for layer in model.layers
+                          for p in layer.mlp.experts.parameters())
     assert (moe["experts"], moe["top_k"], moe["moe_layers"]) == (8, 2, 2)
     assert moe["expert_bytes_per_token"] == experts * 2 // 8
-    assert moe["bytes_read_per_token"] == all_read - experts + experts * 2 // 8
+    one_row = table.shape[1] * table.element_size()               # the embedding: one row looked up
+    assert moe["bytes_read_per_token"] == every - table.numel() * table.element_size() + one_row - experts + experts * 2 // 8
     assert eng.settings()["weight_bytes_per_token"] == moe["bytes_read_per_token"]
 
 
