@@ -159,13 +159,19 @@ def chat_and_grab(workbench, out: Path, size=WINDOW_SIZE, whole_plots: bool = Fa
         grab(window, out)
 
 
-def serve_and_grab(workbench, out: Path) -> None:
-    window, controller, load = workbench.window, workbench.controller, workbench.load
+def _load_dock_ready(workbench) -> None:
+    """The window shown with its load dock raised and sized, the model loaded and warm."""
+    window = workbench.window
     show(window)
     window.load_dock.raise_()
     window.resizeDocks([window.load_dock], [int(WINDOW_SIZE[1] * LOAD_DOCK_SHARE)], Qt.Orientation.Vertical)
-    wait_until(lambda: controller.model_ready)
+    wait_until(lambda: workbench.controller.model_ready)
     warm_up(workbench)
+
+
+def serve_and_grab(workbench, out: Path) -> None:
+    window, load = workbench.window, workbench.load
+    _load_dock_ready(workbench)
     panel = window.load_panel
     for key, value in LOAD_WORKLOAD.items():
         panel.controls[key].set_value(value)
@@ -191,11 +197,7 @@ def serve_and_grab(workbench, out: Path) -> None:
 def moe_and_grab(workbench, out: Path) -> None:
     """One chat reply, then a load run (several requests a step: more experts woken per step)."""
     window, controller, load = workbench.window, workbench.controller, workbench.load
-    show(window)
-    window.load_dock.raise_()
-    window.resizeDocks([window.load_dock], [int(WINDOW_SIZE[1] * LOAD_DOCK_SHARE)], Qt.Orientation.Vertical)
-    wait_until(lambda: controller.model_ready)
-    warm_up(workbench)
+    _load_dock_ready(workbench)
     window.settings.widget("max_tokens").setValue(24)
     controller.send("Hello! Which experts are awake?")
     wait_until(lambda: controller.request_id is None)

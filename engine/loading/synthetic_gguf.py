@@ -129,22 +129,35 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     """float [rows, n] -> Q4_K blocks as bytes [rows, n / 256 * 144]: per sub-block of 32 a
     scale and a min (6 bits each, times the super-block's fp16 d and dmin), w = d*sc*q - dmin*m."""
     rows = w.shape[0]
+    d, dmin, sc, m, q = _k_sub_blocks(w, 15)
+    q = q.reshape(rows, -1, 4, 2, 32)
+    nibbles = q[..., 0, :] | (q[..., 1, :] << 4)        # bytes 32j..: sub-block 2j low, 2j + 1 high
+    blocks = np.concatenate([_fp16_bytes(d), _fp16_bytes(dmin), _k_scale_bytes(sc, m),
+                             nibbles.reshape(rows, -1, 128)], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def _k_sub_blocks(w: np.ndarray, levels: int):
+    """Q4_K's and Q5_K's rounding: per super-block of 256 an fp16 d and dmin, per sub-block of
+    32 a 6-bit scale and min, values 0..levels: (d, dmin, sc, m, q [rows, blocks, 8, 32])."""
+    rows = w.shape[0]
     x = w.astype(np.float32).reshape(rows, -1, 8, 32)
     low = np.minimum(x.min(-1), 0)                      # sub-block mins (<= 0), [rows, blocks, 8]
-    step = (x.max(-1) - low) / 15
+    step = (x.max(-1) - low) / levels
     d = (step.max(-1) / 63).astype(np.float16).astype(np.float32)
     dmin = (-low.min(-1) / 63).astype(np.float16).astype(np.float32)
     sc = np.clip(np.round(step / np.where(d > 0, d, 1)[..., None]), 0, 63).astype(np.uint8)
     m = np.clip(np.round(-low / np.where(dmin > 0, dmin, 1)[..., None]), 0, 63).astype(np.uint8)
     scale = d[..., None] * sc
     q = np.round((x + (dmin[..., None] * m)[..., None]) / np.where(scale > 0, scale, 1)[..., None])
-    q = np.clip(q, 0, 15).astype(np.uint8).reshape(rows, -1, 4, 2, 32)
-    nibbles = q[..., 0, :] | (q[..., 1, :] << 4)        # bytes 32j..: sub-block 2j low, 2j + 1 high
-    packed = np.concatenate([(sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6),
-                             (m[..., :4] & 0x3F) | ((m[..., 4:] >> 4) << 6),
-                             (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)
-    blocks = np.concatenate([_fp16_bytes(d), _fp16_bytes(dmin), packed, nibbles.reshape(rows, -1, 128)], axis=-1)
-    return blocks.reshape(rows, -1)
+    return d, dmin, sc, m, np.clip(q, 0, levels).astype(np.uint8)
+
+
+def _k_scale_bytes(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """The 12 bytes of 6-bit (scale, min) pairs of a K-quant super-block's 8 sub-blocks."""
+    return np.concatenate([(sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6),
+                           (m[..., :4] & 0x3F) | ((m[..., 4:] >> 4) << 6),
+                           (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)
 
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:
@@ -172,23 +185,12 @@ def quantize_q5_k(w: np.ndarray) -> np.ndarray:
     with 5-bit values, w = d*sc*q - dmin*m, q 0..31: the low 4 bits as Q4_K's nibbles, bit 4
     of value l of sub-block j in bit j of qh[l]."""
     rows = w.shape[0]
-    x = w.astype(np.float32).reshape(rows, -1, 8, 32)
-    low = np.minimum(x.min(-1), 0)
-    step = (x.max(-1) - low) / 31
-    d = (step.max(-1) / 63).astype(np.float16).astype(np.float32)
-    dmin = (-low.min(-1) / 63).astype(np.float16).astype(np.float32)
-    sc = np.clip(np.round(step / np.where(d > 0, d, 1)[..., None]), 0, 63).astype(np.uint8)
-    m = np.clip(np.round(-low / np.where(dmin > 0, dmin, 1)[..., None]), 0, 63).astype(np.uint8)
-    scale = d[..., None] * sc
-    q = np.round((x + (dmin[..., None] * m)[..., None]) / np.where(scale > 0, scale, 1)[..., None])
-    q = np.clip(q, 0, 31).astype(np.uint8)                             # [rows, blocks, 8, 32]
+    d, dmin, sc, m, q = _k_sub_blocks(w, 31)                           # q [rows, blocks, 8, 32]
     qh = ((q >> 4) << np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).sum(axis=2, dtype=np.uint8)
     low4 = (q & 0x0F).reshape(rows, -1, 4, 2, 32)
     nibbles = low4[..., 0, :] | (low4[..., 1, :] << 4)
-    packed = np.concatenate([(sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6),
-                             (m[..., :4] & 0x3F) | ((m[..., 4:] >> 4) << 6),
-                             (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)
-    blocks = np.concatenate([_fp16_bytes(d), _fp16_bytes(dmin), packed, qh, nibbles.reshape(rows, -1, 128)], axis=-1)
+    blocks = np.concatenate([_fp16_bytes(d), _fp16_bytes(dmin), _k_scale_bytes(sc, m), qh,
+                             nibbles.reshape(rows, -1, 128)], axis=-1)
     return blocks.reshape(rows, -1)
 
 
