@@ -229,11 +229,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is None:
-            out = attention_op.paged_attention(q, k, v, self.layer_index, self.scale, getattr(self, "window", 0),
-                                               getattr(self, "sinks", None))
+            out = attention_op.paged_attention(q, k, v, self.layer_index, self.scale, self.window, self.sinks)
         else:
-            out = attention(q, k, v, cache, meta, self.scale, getattr(self, "window", 0),
-                            getattr(self, "sinks", None))                   # [N, H_q, D]
+            out = attention(q, k, v, cache, meta, self.scale, self.window, self.sinks)      # [N, H_q, D]
         return self.o_proj(out.reshape(n, self.q_size))
 
 
