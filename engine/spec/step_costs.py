@@ -11,7 +11,7 @@ from collections import deque
 
 import torch
 
-from engine.models.moe import SparseMoE
+from engine.cache.memory_plan import expert_bytes
 
 BANDWIDTH_BYTES = 512 * 2**20
 
@@ -32,32 +32,26 @@ def read_bandwidth(repeats: int = 7) -> float:
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: every parameter once (a tied embedding counts
     once, as the head reads it whole), except the embedding table, of which one row is read,
-    and an MoE layer's experts, of which a token reads its top_k."""
+    and an MoE layer's experts, of which a token reads its top_k (memory_plan.expert_bytes)."""
+    seen, total = set(), 0
     embedding = model.embed_tokens.weight
     head = getattr(model, "lm_head", None)
     head_reads_embedding = head is not None and head.weight is embedding and head.quant is None
-    total = stored_bytes(model, one_row_of=None if head_reads_embedding else embedding)
-    for block in model.modules():
-        if isinstance(block, SparseMoE):
-            total -= (block.num_experts - block.top_k) * stored_bytes(block.experts[0])
-    return total
-
-
-def stored_bytes(module: torch.nn.Module, one_row_of: torch.Tensor | None = None) -> int:
-    """Bytes of the module's weights as served (a quantized linear: its kernel's bytes; a
-    shared parameter once); `one_row_of`: a table of which one row counts."""
-    seen, total = set(), 0
-    for m in module.modules():
+    for m in model.modules():           # a quantized linear reads its kernel's bytes
         if getattr(m, "quant", None) is not None:
             total += m.quant.nbytes
             if m.weight.is_meta:        # not a tied embedding, which is still looked up
                 seen.add(id(m.weight))
-    for p in module.parameters():
+    for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        total += p.shape[1] * p.element_size() if p is one_row_of else p.numel() * p.element_size()
-    return total
+        if p is embedding and not head_reads_embedding:
+            total += p.shape[1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    experts = expert_bytes(model)
+    return total if experts is None else total - experts.resident_bytes + experts.per_token_bytes
 
 
 def pass_seconds(runner, n: int, context: int = 64, repeats: int = 9, tree=None) -> float:
