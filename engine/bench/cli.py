@@ -77,6 +77,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--engine", default="llama-server", choices=["llama-server", "vllm"],
                     help="peer: the server to compare with (vllm: scripts/build_vllm.sh installs it)")
+    ap.add_argument("--peer-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="peer --engine vllm: the dtype vLLM computes in (default: the one our side runs in; "
+                    "float32 is vLLM's fastest on a CPU without native bf16); llama-server has none to choose")
     ap.add_argument("--busy-cores", type=int, default=0,
                     help="peer: also decode beside this many spinning processes, in every other of --repeats rounds")
     ap.add_argument("--system-tokens", type=int, default=1000, help="prefix: system prompt length")

@@ -1,8 +1,16 @@
 """`python -m engine.bench peer`: our engine next to another engine's server on the same weights.
 
 --engine llama-server (default): llama.cpp's server on the same GGUF; --engine vllm: vLLM's
-CPU build on float safetensors weights of the GGUF, in our dtype (engine.bench.peer_servers says
-what each serves and how it is started).
+CPU build on float safetensors weights of the GGUF, in our dtype or in --peer-dtype
+(engine.bench.peer_servers says what each serves and how it is started).
+
+Precision on each side: our engine loads in --dtype (default `auto`: engine.engine.pick_dtype)
+in every mode (single stream, --sweep-concurrency, --busy-cores). vLLM computes in --peer-dtype
+(default: the dtype our side ran in), so it can run in its own fastest dtype on this CPU
+(float32 where the CPU has no native bf16), as a user would run it. llama-server has no float
+dtype to choose for a quantized GGUF: it computes on the file's stored types, and --peer-dtype
+is refused for it; what it runs is reported instead (the file's tensor types, its KV cache
+type). `sides` reports each side's dtype, weights, KV cache and threads.
 
 The same chat prompts (greedy, --tokens each) go through the local engine and through the
 server started here on 127.0.0.1, each without and with speculative decoding, in one run.
@@ -11,10 +19,11 @@ llama-server: speculation uses the target as its own draft on both sides (local:
 acceptance is high and the figures show what verification costs. vLLM: ngram prompt lookup
 on both sides. Prefix caching is off on both sides
 (every prompt starts with the same chat template, which would otherwise be served from
-cache). Precision is reported (`local_precision`): the local engine computes in its dtype
-(`auto`: bf16 on a CPU where it reads faster) and, by weight_dtype `auto`, serves a 4-bit
-GGUF's tensors as stored (others dequantized); llama.cpp computes on the stored quantized
-weights; with --engine vllm both sides serve the same float weights, in our dtype.
+cache). Precision is reported (`local_precision`, `server_precision`, `sides`): the local
+engine computes in --dtype (`auto`: the faster here, engine.runtime.cpu_dtype) and, by
+weight_dtype `auto`, serves a 4-bit GGUF's tensors as stored (others dequantized); llama.cpp
+computes on the stored quantized weights; with --engine vllm both sides serve the same float
+weights, ours in --dtype, vLLM in --peer-dtype (default: ours).
 
 TTFT: median over prompts, measured by the client from submission to the first token.
 tok/s: decode tokens / decode time over all prompts (engine.metrics). Each measured pass
@@ -76,34 +85,65 @@ def bench_peer(args) -> dict:
     engine = getattr(args, "engine", None) or LLAMA
     if args.busy_cores and engine != LLAMA:
         raise ConfigError("peer --busy-cores runs against llama-server only; leave --engine out or drop --busy-cores")
+    dtype, peer_dtype = peer_dtypes(args, engine)
     if args.sweep_concurrency:
         return run_peer_sweep(args.model, count, args.tokens, concurrency_levels(args), engine,
-                              getattr(args, "compare", None))
+                              getattr(args, "compare", None), dtype=dtype, peer_dtype=peer_dtype)
     prompts = [[{"role": "user", "content": text}] for text in PEER_PROMPTS[:count]]
     return run_peer_bench(args.model, prompts, args.tokens, args.k, args.compile, args.busy_cores, args.repeats,
-                          engine)
+                          engine, dtype=dtype, peer_dtype=peer_dtype)
+
+
+def peer_dtypes(args, engine_name: str) -> tuple[str, str | None]:
+    """(our `dtype` setting, the peer's dtype or None: the one our side runs in), from --dtype
+    and --peer-dtype; --peer-dtype is refused where the peer has no float dtype to choose."""
+    peer_dtype = getattr(args, "peer_dtype", None)
+    if peer_dtype and engine_name == LLAMA:
+        raise ConfigError(f"--peer-dtype {peer_dtype}: llama-server computes on the GGUF's stored types and has no "
+                          "float dtype to choose; drop --peer-dtype (the report names what it runs) or use "
+                          "--engine vllm")
+    return getattr(args, "dtype", None) or "auto", peer_dtype
 
 
 def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k: int, compile_mode: str = "auto",
-                   busy_cores: int = 0, repeats: int = 4, engine_name: str = LLAMA) -> dict:
+                   busy_cores: int = 0, repeats: int = 4, engine_name: str = LLAMA, *, dtype: str = "auto",
+                   peer_dtype: str | None = None) -> dict:
     peer = peer_for(engine_name, model)
     load_start = os.getloadavg()[0]       # the machine may be shared: say how busy it was
-    local, local_info, engine = _local(peer, prompts, tokens, k, compile_mode)
-    threads, dtype = local_info["threads"], local_info["dtype"]
+    local, local_info, engine = _local(peer, prompts, tokens, k, compile_mode, dtype)
+    threads = local_info["threads"]
+    server_dtype = peer_dtype or local_info["dtype"]
     server, server_info = {}, {}
     for mode in MODES:
         # as many threads as torch uses, so both sides get the same cores
-        with peer.server(threads=threads, dtype=dtype, k=k if mode == "spec" else None) as process:
+        with peer.server(threads=threads, dtype=server_dtype, k=k if mode == "spec" else None) as process:
             server[mode] = _through_server(process.url, prompts, tokens)
             server_info = peer.info(process, threads)
+            server_side = peer.side(process, server_dtype, threads)
     busy = _busy(engine, peer, prompts, tokens, busy_cores, repeats, threads) if busy_cores else None
     return {"model": os.path.basename(peer.local_model), "engine": peer.name,
             "load_avg_1min": {"start": load_start, "end": os.getloadavg()[0]}, "prompts": len(prompts),
             "tokens": tokens, "k": k, "threads": threads, "draft": peer.draft, "server": server_info, "busy": busy,
             "thread_policy": {"local": engine.thread_governor.describe(), "server": server_info["thread_policy"]},
             "local_precision": local_info["precision"], "local_compile": local_info["compile"],
-            "server_precision": peer.precision(dtype),
+            "server_precision": peer.precision(server_dtype),
+            **_sides(local_info["side"], server_side),
             **_fields("local", local), **_fields("server", server)}
+
+
+def _sides(local_side: dict, server_side: dict) -> dict:
+    """Each side's dtype, weights, KV cache and threads (`local_dtype` / `server_dtype`: the
+    dtype alone, for scripts; None where a side computes on stored quantized types)."""
+    return {"local_dtype": local_side["dtype"], "server_dtype": server_side["dtype"],
+            "sides": {"local": local_side, "server": server_side}}
+
+
+def local_side(engine, dtype_setting: str) -> dict:
+    """What our side runs: its dtype (and how `dtype_setting` chose it), weights, KV cache, threads."""
+    settings = engine.settings()
+    return {"dtype": settings["dtype"], "dtype_setting": dtype_setting, "dtype_why": engine.dtype_why,
+            "weights": settings.get("weight_dtype") or "dequantized by our loader",
+            "kv_cache_dtype": settings["kv_cache_dtype"], "threads": settings["threads"]}
 
 
 def _fields(side: str, results: dict) -> dict:
@@ -126,12 +166,12 @@ def _summaries(stats: list) -> dict:
             "acceptance_rate": total.acceptance_rate}
 
 
-def _local(peer, prompts, tokens: int, k: int, compile_mode: str) -> tuple[dict, dict, object]:
+def _local(peer, prompts, tokens: int, k: int, compile_mode: str, dtype: str = "auto") -> tuple[dict, dict, object]:
     import torch
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.engine import SELF_DRAFT
     engine = LLMEngine.load(peer.local_model, EngineConfig(device="cpu", enable_prefix_caching=False,
-                                                           compile=compile_mode))
+                                                           compile=compile_mode, dtype=dtype))
     if peer.local_proposer == "draft":
         engine.set_draft_model(SELF_DRAFT)
     params = SamplingParams(max_tokens=tokens)
@@ -140,7 +180,8 @@ def _local(peer, prompts, tokens: int, k: int, compile_mode: str) -> tuple[dict,
         engine.reconfigure(proposer=peer.local_proposer if mode == "spec" else "off", num_speculative_tokens=k)
         results[mode] = _measured(lambda prompt: engine.generate_text(prompt, params)[2], prompts)
     info = {"precision": _local_precision(engine), "threads": torch.get_num_threads(),
-            "compile": engine.settings()["compile"], "dtype": engine.settings()["dtype"]}
+            "compile": engine.settings()["compile"], "dtype": engine.settings()["dtype"],
+            "side": local_side(engine, dtype)}
     engine.reconfigure(proposer="off")
     return results, info, engine
 
@@ -208,14 +249,15 @@ SLOT_CONTEXT_MIN = 2048
 
 
 def run_peer_sweep(model: str | None, prompts: int, tokens: int, levels: list[int], engine_name: str = LLAMA,
-                   compare: str | None = None) -> dict:
+                   compare: str | None = None, *, dtype: str = "auto", peer_dtype: str | None = None) -> dict:
     import torch
     from engine import EngineConfig, LLMEngine
     peer = peer_for(engine_name, model)
     key, values = parse_compare(compare) if compare else (None, [None])
     load_start = os.getloadavg()[0]
-    engine = LLMEngine.load(peer.local_model, EngineConfig(device="cpu", enable_prefix_caching=False))
-    threads, dtype = torch.get_num_threads(), engine.settings()["dtype"]
+    engine = LLMEngine.load(peer.local_model, EngineConfig(device="cpu", enable_prefix_caching=False, dtype=dtype))
+    ours = local_side(engine, dtype)          # before --compare's arms change its settings
+    threads, server_dtype = torch.get_num_threads(), peer_dtype or engine.settings()["dtype"]
     chats = {level: [[{"role": "user", "content": f"{PEER_PROMPTS[i % len(PEER_PROMPTS)]} (request {i})"}]
                      for i in range(max(prompts, level))] for level in levels}
     local = {}
@@ -226,18 +268,19 @@ def run_peer_sweep(model: str | None, prompts: int, tokens: int, levels: list[in
             local[level, value] = _local_level(engine, chats[level], tokens, level)
     slot_context = max(SLOT_CONTEXT_MIN, max(len(engine.encode(chat)) for c in chats.values() for chat in c)
                        + tokens + 16)
-    rows, server_info = [], {}
-    with peer.sweep_servers(levels, threads=threads, dtype=dtype, slot_context=slot_context) as server_for:
+    rows, server_info, server_side = [], {}, {}
+    with peer.sweep_servers(levels, threads=threads, dtype=server_dtype, slot_context=slot_context) as server_for:
         for level in levels:
             process = server_for(level)
             server = _server_level(process.url, chats[level], tokens, level)
             server_info = peer.info(process, threads) | ({"slot_context": slot_context} if peer.name == LLAMA else {})
+            server_side = peer.side(process, server_dtype, threads)
             rows.append(_sweep_row(level, len(chats[level]), {v: local[level, v] for v in values}, server, key))
     return {"model": os.path.basename(peer.local_model), "engine": peer.name,
             "load_avg_1min": {"start": load_start, "end": os.getloadavg()[0]},
             "tokens": tokens, "threads": threads, "server": server_info, "compare": compare,
-            "local_precision": _local_precision(engine), "server_precision": peer.precision(dtype),
-            "sweep": rows}
+            "local_precision": _local_precision(engine), "server_precision": peer.precision(server_dtype),
+            **_sides(ours, server_side), "sweep": rows}
 
 
 def _local_level(engine, chats, tokens: int, level: int) -> dict:

@@ -4,9 +4,12 @@
   llama-server  (default) llama.cpp on the GGUF itself (--model, default the embedded one);
                 our engine loads the same GGUF. Speculation: the target as its own draft on
                 both sides. The sweep starts one server per level, `--parallel level`.
+                It has no float dtype to pick: it computes on the file's stored types, and
+                `side` names them and its KV cache type.
   vllm          vLLM's CPU build (scripts/build_vllm.sh) on float safetensors weights of the
                 model (engine.bench.float_folder: the GGUF dequantized once), which our
-                engine loads too, in our engine's dtype.
+                engine loads too; vLLM computes in the dtype it is given (its --dtype:
+                --peer-dtype, or our engine's dtype).
                 Speculation: ngram prompt lookup (1-4 tokens) on both sides, which needs no
                 second model on either side. The sweep starts ONE server for every level,
                 --max-num-seqs the highest level.
@@ -73,6 +76,14 @@ class LlamaPeer:
     def precision(self, dtype: str) -> str:
         return f"{quant_type(self.gguf)} as stored in the GGUF (llama.cpp CPU kernels)"
 
+    def side(self, process, dtype: str, threads: int) -> dict:
+        """What the server runs: no float dtype (`dtype` None; llama.cpp computes on the stored
+        types), the file's tensor types, its KV cache type and threads."""
+        types = ", ".join(f"{name} x{count}" for name, count in tensor_types(self.gguf).items())
+        return {"dtype": None, "dtype_why": "llama.cpp computes on the GGUF's stored types; it has no float dtype "
+                "to choose", "weights": f"{quant_type(self.gguf)} file, as stored (tensors: {types})",
+                "kv_cache_dtype": process.kv_cache_types(), "threads": threads}
+
 
 class VllmPeer:
     name = VLLM
@@ -116,6 +127,13 @@ class VllmPeer:
     def precision(self, dtype: str) -> str:
         return f"{dtype} (float safetensors weights dequantized from the GGUF, vLLM's CPU kernels)"
 
+    def side(self, process, dtype: str, threads: int) -> dict:
+        """What the server runs: the dtype it was started with (vLLM's --dtype), its KV cache
+        (--kv-cache-dtype auto: the model dtype) and the cores it bound."""
+        return {"dtype": dtype, "dtype_why": "--peer-dtype or our side's dtype (vLLM --dtype)",
+                "weights": "float safetensors dequantized from the GGUF", "kv_cache_dtype": f"{dtype} (vLLM's auto)",
+                "threads": process.omp_threads() or threads}
+
 
 def gguf_path(model: str | None) -> Path:
     from engine.loading.loader import DEFAULT_MODEL, default_gguf_path
@@ -126,6 +144,15 @@ def gguf_path(model: str | None) -> Path:
         raise ConfigError(f"peer compares on a GGUF file (llama.cpp reads only GGUF), got {model!r}; "
                           "pass --model FILE.gguf or leave --model out for the embedded model")
     return path
+
+
+def tensor_types(gguf: Path) -> dict[str, int]:
+    """How many of the GGUF's tensors are stored in each type (e.g. {"Q4_1": 210, "F32": 61}),
+    most first."""
+    from collections import Counter
+    from gguf import GGUFReader
+    counts = Counter(tensor.tensor_type.name for tensor in GGUFReader(str(gguf)).tensors)
+    return dict(counts.most_common())
 
 
 def quant_type(gguf: Path) -> str:

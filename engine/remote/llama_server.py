@@ -14,6 +14,7 @@ killed) on exit (engine.remote.server_process).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -23,6 +24,8 @@ from engine.remote.llama_server_binary import BUILD_SCRIPT, binary, built_with
 from engine.remote.server_process import HOST, ServerProcess
 
 SPEC_TYPE = "draft-simple"
+DEFAULT_KV_CACHE_TYPE = "f16"      # llama-server's -ctk / -ctv when not given
+KV_CACHE_LINE = re.compile(r"K \((\w+)\):.*V \((\w+)\):")   # llama_kv_cache: ..., K (f16): 45.00 MiB, V (f16): ...
 
 
 class LlamaServer(ServerProcess):
@@ -53,6 +56,15 @@ class LlamaServer(ServerProcess):
                      f"{cpu_features.isa_name()} ({' '.join(cpu_features.simd_flags())}). Remove "
                      f"{Path(path).parent.parent} and run `bash {BUILD_SCRIPT}` on this machine to build it for this CPU")
         return said
+
+    def kv_cache_types(self) -> str:
+        """The KV cache's K and V types as the server logged them ("f16" when both are), or
+        its default with the reason when the log does not say."""
+        found = KV_CACHE_LINE.findall(self.log.read_text(errors="replace")) if self.log.exists() else []
+        if not found:
+            return f"{DEFAULT_KV_CACHE_TYPE} (llama-server's default; its log did not name it)"
+        key, value = found[0]
+        return key if key == value else f"K {key}, V {value}"
 
     def version(self) -> str:
         """`llama-server --version` (the build number and commit)."""
