@@ -139,7 +139,8 @@ SETTINGS: tuple[Setting, ...] = (
             help="the NAME of the environment variable holding the server's API key; the key is never saved"),
     # ---- speculative decoding ----
     Setting("proposer", str, "off", ENGINE, LIVE, "Proposer",
-            choices={"off": "Off", "draft": "Draft model", "eagle": "EAGLE head", "ngram": "N-gram (prompt lookup)"},
+            choices={"off": "Off", "draft": "Draft model", "eagle": "EAGLE head", "ngram": "N-gram (prompt lookup)",
+                     "suffix": "Suffix (earlier text and replies)"},
             group=SPECULATION_GROUP),
     Setting("num_speculative_tokens", int, 4, ENGINE, LIVE, "k (draft tokens)", low=1, high=MAX_SPEC_TOKENS,
             help="draft tokens proposed per step, verified in one target pass", group=SPECULATION_GROUP),
@@ -160,6 +161,15 @@ SETTINGS: tuple[Setting, ...] = (
             "draft model grow trees; n-gram stays a chain", group=SPECULATION_GROUP),
     Setting("ngram_min", int, 1, ENGINE, LIVE, "N-gram min", low=1, high=16, group=SPECULATION_GROUP),
     Setting("ngram_max", int, 4, ENGINE, LIVE, "N-gram max", low=1, high=16, group=SPECULATION_GROUP),
+    Setting("suffix_spec_factor", float, 1.0, ENGINE, LIVE, "Suffix drafts per matched token", low=0.1, high=16.0,
+            step=0.1, help="suffix proposer: a match of m tokens drafts at most this x m tokens (and at most k)",
+            group=SPECULATION_GROUP),
+    Setting("suffix_min_prob", float, 0.1, ENGINE, LIVE, "Suffix probability floor", low=0.0, high=1.0, step=0.05,
+            help="suffix proposer: a token is drafted only if at least this share of the match's occurrences "
+            "continued with it", group=SPECULATION_GROUP),
+    Setting("suffix_cache_tokens", int, 1 << 18, ENGINE, LIVE, "Suffix cache (tokens)", low=0, high=1 << 26,
+            off_text="off", help="suffix proposer: earlier replies' tokens kept for matching, oldest replies "
+            "dropped first (0: only the request's own text)"),
     # ---- KV cache ----
     Setting("kv_cache_dtype", str, "auto", ENGINE, NEXT_REQUEST, "Cache dtype",
             choices={"auto": "Model dtype (auto)", "fp8_e4m3": "FP8 E4M3",

@@ -38,6 +38,7 @@ from engine.scheduler import Scheduler
 from engine.spec.eagle_proposer import EagleProposer
 from engine.spec.policy import SpeculationPolicy
 from engine.spec.spec_decode import DraftModelProposer, NgramProposer, Proposer, check_draft_compatible
+from engine.spec.suffix_proposer import SuffixCache, SuffixProposer
 from engine.spec.step_costs import PlainStepClock, weight_bytes_per_token
 from engine.stream import RequestStream
 from engine.thread_policy import ThreadGovernor
@@ -92,6 +93,7 @@ class LLMEngine:
         self.step_count = 0
         self.last_step: EngineStep | None = None
         self.policy = SpeculationPolicy()
+        self.suffix_cache = SuffixCache(config.suffix_cache_tokens)     # earlier replies, for proposer `suffix`
         self.settings_version = 0      # bumped whenever settings() may answer differently
         self._pending: dict = {}
         self.eos_ids = _eos_ids(target)
@@ -244,8 +246,8 @@ class LLMEngine:
         return (self.runner.kv_dtype_name, self.runner.compile_state, torch.get_num_threads())
 
     def tree_in_effect(self) -> TreeShape | None:
-        """The draft tree each decode step grows, or None: a chain (the n-gram proposer has
-        no tree)."""
+        """The draft tree each decode step grows, or None: k drafts a step (the n-gram
+        proposer's chain; the suffix proposer's tree of at most k nodes, shaped by its counts)."""
         if self.proposer_in_effect() not in ("eagle", "draft"):
             return None
         return parse_tree(self.config.draft_tree)
@@ -267,6 +269,9 @@ class LLMEngine:
     def make_proposer(self, name: str) -> Proposer:
         if name == "ngram":
             return NgramProposer(self.config.ngram_min, self.config.ngram_max)
+        if name == "suffix":
+            c = self.config
+            return SuffixProposer(self.suffix_cache, c.suffix_spec_factor, c.suffix_min_prob, c.suffix_cache_tokens)
         if name == "draft":
             return DraftModelProposer(self.draft_runner)
         if name == "eagle":
@@ -294,6 +299,10 @@ class LLMEngine:
         """(max_num_seqs, max_num_batched_tokens) in effect: the settings, or the device's defaults."""
         seqs, tokens = SCHEDULER_DEFAULTS.get(self.device.type, SCHEDULER_DEFAULTS["cpu"])
         return self.config.max_num_seqs or seqs, self.config.max_num_batched_tokens or tokens
+
+    def reset_suffix_cache(self) -> None:
+        """Forget earlier replies (the suffix proposer's global index) and its counters."""
+        self.suffix_cache.clear()
 
     def reset_prefix_cache(self) -> None:
         for runner in self.runners():

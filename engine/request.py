@@ -122,6 +122,8 @@ class Request:
         self.last_pass = None
 
     def finish(self) -> None:
+        for p in self.proposers.values():
+            p.finished(self.token_ids, self.prompt_len)
         self.release()
         self.state = FINISHED
 

@@ -149,13 +149,15 @@ def silent_port():
     listener.close()
 
 
-def assert_second_token_follows_the_target(eng, prompt_ids: list[int], requests: int = 300) -> None:
-    """Temperature 1, top-k 4: run `requests` seeded 3-token replies (the prefill samples the
-    first token, one speculative step the second). Given the commonest first token, the second
-    token's frequencies must match the target's own top-4 probabilities (chi-square)."""
+def assert_second_token_follows_the_target(eng, prompt_ids: list[int], requests: int = 300, max_tokens: int = 3) -> None:
+    """Temperature 1, top-k 4: run `requests` seeded replies of max_tokens tokens (the prefill
+    samples the first token, one speculative step the second; max_tokens - 2 drafts at most).
+    Given the commonest first token, the second token's frequencies must match the target's
+    own top-4 probabilities (chi-square)."""
     from engine import SamplingParams
     from engine.layers.sampler import probabilities
-    params = [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, stop_on_eos=False, seed=s) for s in range(requests)]
+    params = [SamplingParams(temperature=1.0, top_k=4, max_tokens=max_tokens, stop_on_eos=False, seed=s)
+              for s in range(requests)]
     pairs = [tuple(eng.generate_text(prompt_ids, p)[1][:2]) for p in params]
     first = max(set(a for a, _ in pairs), key=lambda a: sum(x == a for x, _ in pairs))
     seconds = [b for a, b in pairs if a == first]

@@ -46,6 +46,7 @@ def test_profile_maps_onto_engine_config_and_sampling():
     assert CUSTOM.engine_settings() == {"kv_cache_dtype": "fp8_e4m3", "block_size": 32, "enable_prefix_caching": False,
                                         "proposer": "draft", "num_speculative_tokens": 7, "draft_model": "self", "eagle_head": None,
                                         "speculation_policy": "auto", "draft_tree": "off", "ngram_min": 1, "ngram_max": 4,
+                                        "suffix_spec_factor": 1.0, "suffix_min_prob": 0.1, "suffix_cache_tokens": 1 << 18,
                                         "kv_cache_bytes": None, "num_blocks": None, "attention_backend": "auto",
                                         "compile": "auto", "max_num_seqs": None, "max_num_batched_tokens": None}
 

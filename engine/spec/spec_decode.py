@@ -84,6 +84,9 @@ class Proposer:
     def accepted(self, token_ids: list[int]) -> None:
         """The target settled on token_ids (the whole sequence so far)."""
 
+    def finished(self, token_ids: list[int], prompt_len: int) -> None:
+        """The request ended (not preempted) with token_ids, its prompt the first prompt_len."""
+
     def end(self) -> None:
         pass
 
