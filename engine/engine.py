@@ -54,17 +54,97 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """(the compute dtype for the `dtype` setting, why). On the CPU the probe also picks each
-    dtype's linear kernel, measured once per CPU (engine.runtime.cpu_dtype)."""
+def pick_dtype(name: str, device: torch.device, trial: "DtypeTrial | None" = None) -> tuple[torch.dtype, str]:
+    """(the compute dtype for the `dtype` setting, why): the one place it is decided. On the
+    CPU the float-linear probe picks each dtype's linear kernel (engine.runtime.cpu_dtype.fastest);
+    `auto` is the dtype whose whole decode step runs the model faster, measured once per CPU
+    and model format through `trial` (LLMEngine.load's), or without a model at hand (bench
+    kernels) the dtype whose float linear reads faster."""
     if device.type == "cpu":
-        from engine.runtime.cpu_dtype import fastest
+        from engine.runtime.cpu_dtype import fastest, fastest_step
         choice = fastest(loader.cache_dir() / "cpu_dtype.json")
         if name == "auto":
+            if trial is not None:
+                choice = fastest_step(loader.cache_dir() / STEP_DTYPE_CACHE, trial.model_format, trial.step_seconds)
             return choice.dtype, choice.why
     elif name == "auto":
         return torch.bfloat16, "auto: bf16 on CUDA"
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name], "asked for"
+
+
+STEP_DTYPE_CACHE = "cpu_dtype_step.json"
+TRIAL_TEXT = "The quick brown fox jumps over the lazy dog, and then"
+TRIAL_TOKENS, TRIAL_RUNS, TRIAL_BLOCKS = 16, 3, 32
+
+
+class DtypeTrial:
+    """`dtype auto` on the CPU, the first time this CPU meets a model format: the model
+    LLMEngine.load is about to load, loaded in a candidate dtype and run as the engine will
+    run it (weights as served, compiled as `config` says), timed over a few decode steps
+    after a warm-up. The faster load is kept for the engine, so the winner is not loaded
+    again; the slower one is freed before the next candidate loads, unless both fit with room."""
+
+    def __init__(self, reference, config: EngineConfig, progress: loader.Progress, **load_options):
+        folder = loader.resolve(reference, allow_hub=load_options.get("allow_hub", False))
+        self.model_format = (f"{loader.weights_format(folder)} | weight_dtype {config.weight_dtype} | "
+                             f"compile {config.compile}")
+        self.reference, self.config, self.progress, self.load_options = reference, config, progress, load_options
+        self.kept: tuple[float, torch.dtype, loader.LoadedModel] | None = None
+
+    def step_seconds(self, dtype: torch.dtype) -> float:
+        """Seconds per decode step of the model in `dtype` (the median of TRIAL_RUNS replies)."""
+        name = str(dtype).removeprefix("torch.")
+        said = lambda message, fraction: self.progress(f"dtype auto: timing {name} once on this CPU: {message}",  # noqa: E731
+                                                       fraction)
+        if self.kept is not None and not _room_for_another(self.kept[2].model):
+            self.kept = None                 # the winner, if it was this one, is loaded again
+        loaded = loader.load_model(self.reference, device="cpu", dtype=dtype, progress=said,
+                                   max_positions=self.config.max_model_len, weight_dtype=self.config.weight_dtype,
+                                   **self.load_options)
+        trial = EngineConfig(device="cpu", dtype=name, weight_dtype=self.config.weight_dtype, compile=self.config.compile,
+                             max_model_len=self.config.max_model_len, enable_prefix_caching=False,
+                             num_blocks=TRIAL_BLOCKS)
+        threads = torch.get_num_threads()        # the engine's thread governor may lower it while it runs
+        try:
+            engine = LLMEngine(loaded, trial, torch.device("cpu"), said, dtype_why="dtype auto's trial")
+            engine.warm_compiled_step()
+            seconds = decode_step_seconds(engine)
+            del engine
+        finally:
+            torch.set_num_threads(threads)      # each candidate, and the engine after, start with as many
+        if self.kept is None or seconds < self.kept[0]:
+            self.kept = (seconds, dtype, loaded)
+        return seconds
+
+    def take(self, dtype: torch.dtype) -> loader.LoadedModel | None:
+        """The model already loaded in `dtype`, if the trial kept it."""
+        kept, self.kept = self.kept, None
+        return kept[2] if kept is not None and kept[1] == dtype else None
+
+
+def decode_step_seconds(engine: "LLMEngine") -> float:
+    """Median seconds per decode step over TRIAL_RUNS replies of TRIAL_TOKENS tokens (one
+    reply first, unmeasured: its compiled shapes, caches). Decode time excludes the prefill
+    and any compile (engine.metrics.RequestStats)."""
+    import statistics
+    ids = engine.tokenizer.encode(TRIAL_TEXT)
+    params = SamplingParams(max_tokens=TRIAL_TOKENS, stop_on_eos=False)
+    engine.generate_text(ids, params)
+    per_step = []
+    for _ in range(TRIAL_RUNS):
+        stats = engine.generate_text(ids, params)[2]
+        per_step.append(stats.decode_time_s / max(1, stats.decode_tokens))
+    return statistics.median(per_step)
+
+
+def _room_for_another(model) -> bool:
+    """Whether a second copy of `model`'s weights fits in the memory free now, with as much again to spare."""
+    from engine.cache.memory_plan import weights_bytes
+    try:
+        import psutil
+    except ImportError:
+        return False
+    return psutil.virtual_memory().available > 3 * weights_bytes(model)
 
 
 class LLMEngine:
@@ -112,10 +192,12 @@ class LLMEngine:
         config = config or EngineConfig()
         progress = progress or loader.no_progress
         device = pick_device(config.device)
-        dtype, dtype_why = pick_dtype(config.dtype, device)
-        target = loader.load_model(model, device=device, dtype=dtype, allow_hub=allow_hub,
-                                   allow_pickle=allow_pickle, max_positions=config.max_model_len, progress=progress,
-                                   weight_dtype=config.weight_dtype)
+        trial = (DtypeTrial(model, config, progress, allow_hub=allow_hub, allow_pickle=allow_pickle)
+                 if config.dtype == "auto" and device.type == "cpu" else None)
+        dtype, dtype_why = pick_dtype(config.dtype, device, trial)
+        target = (trial and trial.take(dtype)) or loader.load_model(
+            model, device=device, dtype=dtype, allow_hub=allow_hub, allow_pickle=allow_pickle,
+            max_positions=config.max_model_len, progress=progress, weight_dtype=config.weight_dtype)
         engine = cls(target, config, device, progress, dtype_why)
         engine.warm_compiled_step()             # the compiled step is built at load, with progress
         return engine
@@ -382,6 +464,7 @@ class LLMEngine:
         results = self._forward(work)
         pass_s = time.perf_counter() - t_pass
         compile_s = sum(r.take_compile_s() for r in self.runners())     # drafting's compile included
+        compiles = sum(r.take_compiles() for r in self.runners())
         stepped = []
         for w, (logits, hidden) in zip(work, results):
             start = w.item.seq.num_computed - len(w.item.tokens)
@@ -396,7 +479,7 @@ class LLMEngine:
                     self.policy.record_verdict(self.proposer_in_effect(), event.accepted_per_position)
             if w.request.finished:
                 self._forget(w.request)
-        step = self._step_stats(plan, work, stepped, pass_s, time.perf_counter() - t0)
+        step = self._step_stats(plan, work, stepped, pass_s, time.perf_counter() - t0, compiles)
         figures = step.as_dict()                  # one plain-data copy for every event of the step
         for event in stepped:
             event.engine_step = figures
@@ -466,7 +549,8 @@ class LLMEngine:
         decoding = sum(1 for r in self.scheduler.running if r.decoding)
         return self.policy.choose_k(proposer, max(decoding, 1), c.num_speculative_tokens)
 
-    def _step_stats(self, plan, work: list["_Work"], events: list[StepEvent], pass_s: float, step_s: float) -> EngineStep:
+    def _step_stats(self, plan, work: list["_Work"], events: list[StepEvent], pass_s: float, step_s: float,
+                    compiles: int = 0) -> EngineStep:
         rows = sum(len(w.item.tokens) for w in work)
         decode_rows = sum(len(w.item.tokens) for w in work if w.decode)
         if work:
@@ -479,7 +563,8 @@ class LLMEngine:
                           preemptions=len(plan.preempted), drafted=sum(len(w.drafts) for w in work),
                           accepted=sum(e.accepted for e in events),
                           k=max((s.max_drafts for s in plan.scheduled), default=0), pass_s=pass_s, step_s=step_s,
-                          experts_active=self._experts_active() if work else None)
+                          experts_active=self._experts_active() if work else None, compiles=compiles,
+                          threads=torch.get_num_threads())
         self.step_count += 1
         self.last_step = step
         return step

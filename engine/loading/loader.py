@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from engine.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
-from engine.loading.awq_gptq import AWQGPTQTensors, read_quantization_config
+from engine.loading.awq_gptq import GPTQ_CONFIG_FILE, AWQGPTQTensors, read_quantization_config
 from engine.loading.checkpoint import Checkpoint
 from engine.loading.weight_quant import AUTO, FLOAT, WeightReport, release_freed_memory, serve_weights, served_as_stored
 from resources import DRAFTS_DIR
@@ -283,6 +283,28 @@ def read_config_json(folder: Path) -> dict:
         raise CheckpointError(f"{path} has no \"model_type\"; add the architecture (e.g. \"model_type\": "
                               "\"llama\") or copy the model's config.json again")
     return fields
+
+
+UNSHAPED_CONFIG_KEYS = ("_name_or_path", "transformers_version")   # say where a config came from, not what it is
+
+
+def weights_format(folder: Path) -> str:
+    """What a decode step's speed depends on in a checkpoint, and not where it lies: its
+    architecture (a digest of config.json) and how its weights are stored (a GGUF's tensor
+    types; safetensors, AWQ/GPTQ ones named by config.json). The CPU dtype measurement
+    (engine.runtime.cpu_dtype.fastest_step) is kept per format, so a copy of a file shares it."""
+    fields = read_config_json(folder)
+    shape = {key: value for key, value in fields.items() if key not in UNSHAPED_CONFIG_KEYS}
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    gguf = gguf_of(folder)
+    if gguf is None:
+        stored = "safetensors" + (" with a GPTQ config" if (folder / GPTQ_CONFIG_FILE).is_file() else "")
+    else:
+        from collections import Counter
+        from engine.loading.gguf_tensors import read_header
+        types = Counter(t.tensor_type.name for t in read_header(gguf)[1])
+        stored = "GGUF " + " ".join(f"{name} x{count}" for name, count in sorted(types.items()))
+    return f"{fields['model_type']} config {digest}, {stored}"
 
 
 def load_config(folder: Path):

@@ -1,32 +1,43 @@
-"""`dtype="auto"` on the CPU: the faster of fp32 and bf16 weights, measured on this CPU.
+"""`dtype="auto"` on the CPU: the faster of fp32 and bf16, measured on this CPU.
 
-Decode reads every weight once per token, so a weight format's speed is how fast oneDNN's
-linear reads it. The probe times one packed matrix-vector product per dtype on a matrix too
-big for the caches (2048 x 8192: 64 MiB in fp32, 32 MiB in bf16), the way a decode step reads
-it. On a CPU with AMX / AVX512-BF16, bf16 reads about twice as fast (half the bytes); where
-bf16 has no native path, its conversions make it slower and fp32 wins. The result is kept per
-CPU model, instruction set, torch version and thread count in the user cache folder (the
-probe takes under a second).
+Two measurements, each kept in the user cache folder:
 
-A dtype is timed on each linear kernel that runs it here (engine.layers.packed_linear.BACKENDS:
-ours, oneDNN; torch's matmul only where neither does), after a tiny forward pass's worth of
-its ops has run (`compute_refusal`); each dtype then prefers its fastest kernel. A dtype
-whose kernels are missing is skipped with its reason, never a crash: on an AVX2-only CPU
-oneDNN refuses bf16, and bf16 is timed on our CPU linear instead.
+- **The whole step, per model format** (`fastest_step`, what `auto` picks for a model
+  LLMEngine.load loads). The dtype is the activations' as much as the weights': weights
+  served as stored (a quantized GGUF's int4 / int8 groups) read the same bytes in either
+  dtype, and the step around them (norms, rotary, attention, the sampler, the per-step
+  Python) differs. So the engine loads the model in each candidate dtype, exactly as it will
+  run it (weights as served, compiled or not), times a few decode steps, and keeps the
+  faster: on both CPUs measured (AVX2, AVX-512 BF16) a Q4_1 GGUF decoded faster with fp32
+  activations, while float weights read faster in bf16 where the CPU has it. The answer is
+  kept per CPU key (below) and per model format: the architecture, how its weights are
+  stored (engine.loading.loader.weights_format), and the weight_dtype and compile settings.
+- **The float linear** (`fastest`, under a second): one packed matrix-vector product per
+  dtype on a matrix too big for the caches (2048 x 8192: 64 MiB in fp32, 32 MiB in bf16),
+  the way a decode step reads a float weight. It picks each dtype's fastest linear kernel
+  (engine.layers.packed_linear.BACKENDS: ours, oneDNN; torch's matmul only where neither
+  runs), and answers `auto` where no model is at hand (bench kernels).
+
+Both are kept per CPU model, instruction set, torch version and thread count (`cpu_key`). A
+dtype is timed only after a tiny forward pass's worth of its ops has run (`compute_refusal`);
+a dtype whose kernels are missing (on an AVX2-only CPU oneDNN refuses bf16) or whose trial
+failed is skipped with its reason and never picked.
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from engine import cpu_features
-from engine.errors import first_line
+from engine.errors import WorkbenchError, first_line
 from engine.layers import packed_linear
 
 PROBE_SHAPE = (8192, 2048)          # [out, in]
@@ -105,23 +116,77 @@ def measure() -> dict[str, dict[str, float] | str]:
 
 
 def fastest(cache_file: Path) -> DtypeChoice:
-    """The faster weight dtype on this CPU, of those whose kernels run here (fp32 if none
-    other does), and why. Each dtype's fastest linear backend becomes its preferred one
-    (engine.layers.packed_linear.prefer)."""
-    key = cpu_key()
+    """The dtype whose float linear reads faster on this CPU, of those whose kernels run here
+    (fp32 if none other does), and why. Each dtype's fastest linear backend becomes its
+    preferred one (engine.layers.packed_linear.prefer)."""
+    return _choice(_measured_once(cache_file, cpu_key(), measure))
+
+
+def fastest_step(cache_file: Path, model_format: str, step_seconds: Callable[[torch.dtype], float]) -> DtypeChoice:
+    """The dtype whose whole decode step runs faster for a model of `model_format` on this
+    CPU, and why; measured once per CPU and model format by `step_seconds(dtype)` (seconds
+    per decode step of the model loaded in that dtype, as the engine runs it)."""
+    return step_choice(_measured_once(cache_file, step_key(model_format), lambda: measure_steps(step_seconds)))
+
+
+def step_key(model_format: str) -> str:
+    return f"{cpu_key()} | {model_format}"
+
+
+def measure_steps(step_seconds: Callable[[torch.dtype], float]) -> dict[str, float | str]:
+    """Per candidate dtype: seconds per decode step, or why it was not timed (a string): its
+    kernels are missing here, or its trial failed (a load, a compile, a non-finite result)."""
+    out: dict[str, float | str] = {}
+    for dtype in CANDIDATES:
+        refused = compute_refusal(dtype)
+        if refused is None:
+            try:
+                out[dtype_name(dtype)] = float(step_seconds(dtype))
+                continue
+            except (RuntimeError, WorkbenchError) as error:
+                refused = f"{dtype_name(dtype)} did not run the model here: {first_line(error)}"
+        out[dtype_name(dtype)] = refused
+    return out
+
+
+def step_choice(measured: dict) -> DtypeChoice:
+    """The faster of the timed dtypes (fp32 when none ran); a dtype with a reason instead of
+    a time is never picked."""
+    timed = {name: s for name, s in measured.items()
+             if isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0 and hasattr(torch, name)}
+    skipped = "; ".join(f"{name} skipped: {why}" for name, why in measured.items() if isinstance(why, str))
+    if not timed:
+        return DtypeChoice(torch.float32, f"auto: float32, no candidate ran the model's step ({skipped or 'none timed'})")
+    chosen = min(timed, key=timed.get)
+    figures = ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in sorted(timed.items(), key=lambda kv: kv[1]))
+    return DtypeChoice(getattr(torch, chosen), f"auto: the faster decode step of this model here ({figures})"
+                       + (f"; {skipped}" if skipped else ""))
+
+
+def known_steps(cache_file: Path, model_format: str) -> dict | None:
+    """What the whole-step measurement found for this CPU and model format, if it has run."""
+    found = _read_cache(cache_file).get(step_key(model_format))
+    return found if isinstance(found, dict) else None
+
+
+def _measured_once(cache_file: Path, key: str, measure_now: Callable[[], dict]) -> dict:
+    known = _read_cache(cache_file)
+    if not isinstance(known.get(key), dict):
+        known[key] = measure_now()
+        known = _read_cache(cache_file) | {key: known[key]}       # keep what another process wrote meanwhile
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(cache_file)
+    return known[key]
+
+
+def _read_cache(cache_file: Path) -> dict:
     try:
         known = json.loads(cache_file.read_text())
     except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict):
-        known = {}
-    if not isinstance(known.get(key), dict):
-        known[key] = measure()
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(cache_file)
-    return _choice(known[key])
+        return {}
+    return known if isinstance(known, dict) else {}
 
 
 def _choice(measured: dict) -> DtypeChoice:
