@@ -85,9 +85,7 @@ class DtypeTrial:
     again; the slower one is freed before the next candidate loads, unless both fit with room."""
 
     def __init__(self, reference, config: EngineConfig, progress: loader.Progress, **load_options):
-        folder = loader.resolve(reference, allow_hub=load_options.get("allow_hub", False))
-        self.model_format = (f"{loader.weights_format(folder)} | weight_dtype {config.weight_dtype} | "
-                             f"compile {config.compile}")
+        self.model_format = model_format(reference, config, load_options.get("allow_hub", False))
         self.reference, self.config, self.progress, self.load_options = reference, config, progress, load_options
         self.kept: tuple[float, torch.dtype, loader.LoadedModel] | None = None
 
@@ -120,6 +118,14 @@ class DtypeTrial:
         """The model already loaded in `dtype`, if the trial kept it."""
         kept, self.kept = self.kept, None
         return kept[2] if kept is not None and kept[1] == dtype else None
+
+
+def model_format(reference, config: EngineConfig, allow_hub: bool = False) -> str:
+    """What `dtype auto`'s step measurement is kept under, beside the CPU: the model's
+    architecture and stored weights (engine.loading.loader.weights_format) and the settings
+    that change how they run."""
+    folder = loader.resolve(reference, allow_hub=allow_hub)
+    return f"{loader.weights_format(folder)} | weight_dtype {config.weight_dtype} | compile {config.compile}"
 
 
 def decode_step_seconds(engine: "LLMEngine") -> float:

@@ -309,12 +309,28 @@ def bench_decode(args) -> dict:
             "other_dtype": {"dtype": other_name, "ours_tok_s": tok_s["ours_other_dtype"],
                             "compile": other.settings()["compile"]},
             "dtype_probe_s": cpu_dtype.measure() if eng.device.type == "cpu" else None,
+            "dtype_auto": _dtype_auto(args, eng),
             "compile_s": compiled.graph.compile_s if compiled else None,      # the model's graph, once
             "tokens": n, "repeats": args.repeats, "threads": torch.get_num_threads(),
             "device": str(eng.device), "dtype": _dtype(eng), "baseline": "transformers generate, float32",
             "weight_dtype": eng.settings()["weight_dtype"],
             "bf16_tok_s": tok_s.get("bf16"),
             "speedup_vs_bf16": tok_s["ours"] / tok_s["bf16"] if "bf16" in tok_s else None}
+
+
+def _dtype_auto(args, eng) -> dict | None:
+    """What `dtype auto` weighs on the CPU for this model (engine.engine.pick_dtype): each
+    dtype's decode step as its trial timed it (seconds, or why it was skipped; null until a
+    load with dtype auto has met this model format on this CPU) and the dtype it picks. The
+    float linear's figures are `dtype_probe_s`."""
+    if eng.device.type != "cpu":
+        return None
+    from engine.engine import STEP_DTYPE_CACHE, model_format
+    from engine.loading.loader import cache_dir
+    from engine.runtime.cpu_dtype import dtype_name, known_steps, step_choice
+    fmt = model_format(args.model, eng.config)
+    steps = known_steps(cache_dir() / STEP_DTYPE_CACHE, fmt)
+    return {"picks": dtype_name(step_choice(steps).dtype) if steps else None, "step_s": steps, "model_format": fmt}
 
 
 # ---- speculative decoding ------------------------------------------------------------
