@@ -206,7 +206,8 @@ SETTINGS: tuple[Setting, ...] = (
             "as vLLM's gpu_memory_utilization"),
     Setting("dtype", str, "auto", ENGINE, LOAD, "Weights dtype",
             choices={"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"},
-            help="auto = bf16 on CUDA; on the CPU the faster of fp32 and bf16, measured once (engine.runtime.cpu_dtype)"),
+            help="auto = bf16 on CUDA; on the CPU the dtype whose decode step runs the model faster, measured "
+                 "once per CPU and model format (engine.runtime.cpu_dtype)"),
     Setting("weight_dtype", str, "auto", ENGINE, LOAD, "Weights as served",
             choices={"auto": "as stored (a 4-bit GGUF stays 4-bit)", "float": "dequantized (the dtype above)",
                      "int8": "int8 (per channel)", "int4": "int4 (groups of 32)"},
