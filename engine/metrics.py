@@ -243,9 +243,11 @@ class RequestStats:
     tree_predicted: float = 0.0       # accepted nodes the draft's confidences predicted for them
     tree_time_s: float = 0.0          # drafting and verify-pass seconds of those steps
     compile_tokens: int = 0           # tokens those steps emitted
+    compile_steps: int = 0            # its steps whose pass compiled, prefill included (0 once the step is warm)
 
     def record_step(self, event: StepEvent) -> None:
         self.generated_tokens = event.generated_tokens
+        self.compile_steps += bool(event.compile_s)
         if not event.is_decode:
             self.ttft_s = event.ttft_s
             return   # the prefill step: counted in TTFT, not in decode
@@ -310,14 +312,16 @@ class RequestStats:
                 "draft_time_s": self.draft_time_s, "target_time_s": self.target_time_s,
                 "queue_time_s": self.queue_time_s, "e2e_s": self.e2e_s, "tpot_s": self.tpot_s,
                 "preemptions": self.preemptions, "compile_s": self.compile_s, "compile_tokens": self.compile_tokens,
-                "tree_steps": self.tree_steps, "tree_nodes": self.tree_nodes, "tree_predicted": self.tree_predicted,
+                "compile_steps": self.compile_steps, "tree_steps": self.tree_steps, "tree_nodes": self.tree_nodes,
+                "tree_predicted": self.tree_predicted,
                 "tree_time_s": self.tree_time_s}
 
 
 # RequestStats' additive counters (its positions add up apart, by PositionCounts.merge).
 COUNTERS = ("prompt_tokens", "prefix_hit_tokens", "generated_tokens", "ttft_s", "decode_tokens",
             "decode_time_s", "target_passes", "proposed", "accepted", "draft_time_s", "target_time_s",
-            "compile_s", "compile_tokens", "tree_steps", "tree_nodes", "tree_predicted", "tree_time_s")
+            "compile_s", "compile_tokens", "compile_steps", "tree_steps", "tree_nodes", "tree_predicted",
+            "tree_time_s")
 
 
 def combined(stats: list[RequestStats]) -> RequestStats:
@@ -365,6 +369,8 @@ class EngineStep:
     pass_s: float                 # the forward pass
     step_s: float                 # the whole step (scheduling, drafting, the pass, sampling)
     experts_active: float | None = None     # MoE: distinct experts the pass woke, mean over MoE layers (None: dense)
+    compiles: int = 0             # calls of the compiled step that compiled this step (0 once warm, whatever the threads)
+    threads: int = 0              # torch's CPU thread count the pass ran at (the thread governor's)
 
     @property
     def kv_usage(self) -> float:

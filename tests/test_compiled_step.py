@@ -144,6 +144,7 @@ def test_a_step_that_compiles_is_marked_and_left_out_of_decode_speed(make_tiny_e
     assert decode[0].as_dict()["step_tok_s"] is None       # a compiling step has no speed of its own
     summary = events[-1].summary
     assert summary.compile_s == decode[0].step_time_s and summary.compile_tokens == decode[0].num_tokens
+    assert summary.compile_steps == 2 and [e.engine_step["compiles"] for e in events[:3]] == [1, 1, 0]
     timed = decode[1:]
     assert summary.decode_tok_s == pytest.approx(sum(e.num_tokens for e in timed) / sum(e.step_time_s for e in timed))
     assert summary.tpot_s == pytest.approx(summary.decode_time_s / (summary.generated_tokens - 1))  # wall time
@@ -178,6 +179,47 @@ def test_warming_compiles_now_so_that_no_reply_step_compiles(tmp_path):
     assert all(e.compile_s == 0 for e in events) and events[-1].summary.compile_s == 0
     assert make(compile="off").warm_compiled_step() == 0.0        # eager: nothing to build
     assert make(compile="on").warm_compiled_step() == 0.0         # the model's graph is built: once
+
+
+# ---- the thread governor's count changes never compile -------------------------------------
+def test_a_thread_count_change_mid_reply_neither_compiles_nor_changes_a_token(make_tiny_engine):
+    """Other programs take and free cores while a reply runs: the thread governor moves torch's
+    thread count between its steps, and each step runs the graph built at load at the new count
+    (the step's stats count no compile) and gives the tokens a steady count gives."""
+    prompt = repeating_prompt(make_tiny_engine(compile="off"))
+    eng = make_tiny_engine(compile="on", enable_prefix_caching=False)
+    eng.warm_compiled_step()
+    eng.thread_governor.tick = lambda: False                  # the test moves the count itself
+    threads, built = torch.get_num_threads(), eng.runner.compiled.compiles
+    _, expected, _ = eng.generate_text(prompt, GREEDY)
+    eng.submit(prompt, GREEDY)
+    events = []
+    try:
+        for count in [1, 2] * GREEDY.max_tokens:
+            if not eng.has_work:
+                break
+            torch.set_num_threads(count)
+            events += eng.step()
+    finally:
+        torch.set_num_threads(threads)
+    assert [t for e in events for t in e.token_ids] == expected
+    assert {e.engine_step["threads"] for e in events} == {1, 2}
+    assert [e.engine_step["compiles"] for e in events] == [0] * len(events) and events[-1].summary.compile_steps == 0
+    assert eng.runner.compiled.compiles == built
+
+
+def test_other_global_state_than_the_graph_was_built_under_is_refused(make_tiny_engine):
+    """The graph's guards leave dynamo's global-state check out (it includes the thread count);
+    ours checks the rest: a graph is never run under state it was not built for."""
+    eng = make_tiny_engine(compile="on")
+    eng.warm_compiled_step()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert eng.generate_text([1, 2, 3, 4], SamplingParams(max_tokens=2, stop_on_eos=False))[1]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert "other global torch state than it was built under (deterministic_algorithms" in eng.settings()["compile"]
+    assert eng.runner.compiled is None                            # eager from then on, saying why
 
 
 def test_decode_speed_leaves_out_compiling_steps():

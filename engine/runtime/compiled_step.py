@@ -24,13 +24,27 @@ between attention calls (inductor's graph partitioning around the cudagraph-unsa
 op), one per token-count bucket (CUDA_TOKEN_BUCKETS, vLLM's capture sizes).
 
 The graph is built before it is timed: the app warms it at load (ModelRunner.warm_compiled,
-with progress), and a call that compiles anyway (a recompile) is counted in
-`untaken_compile_s`, which the engine puts on the step's event (`compile_s`) so that
-engine.metrics keeps the step out of decode speed.
+with progress), and a call that compiles anyway (a recompile) is counted (`compiles`, and its
+seconds in `untaken_compile_s`, which the engine puts on the step's event (`compile_s`) so that
+engine.metrics keeps the step out of decode speed).
+
+One graph serves every thread count. The thread governor (engine.thread_policy) moves torch's
+count while other programs keep cores busy, and two things tied a CPU graph to the count it was
+traced at: dynamo's GlobalStateGuard checks `num_threads` beside grad mode and the default
+dtype (`TORCH_LOGS=recompiles`: "GLOBAL_STATE changed: num_threads"), and inductor's C++ kernels
+were generated for it (`#pragma omp parallel num_threads(2)`, no parallel region at one
+thread; the FX graph cache keys on it too). Each change recompiled the step inside a reply:
+4.6 s on the 2-core CPU for the tiny test model, seconds more for a real one. So inductor
+generates kernels that ask OpenMP for the count when they run (`cpp.dynamic_threads`), the
+graph keeps every guard but the global-state one (`guard_filter_fn`), and `_ModelGraph` checks
+the rest of that state itself (`GlobalStateBuilt`). A count change then costs nothing: the
+same graph runs at the new count. The thread count never changes a row (every kernel on the
+path splits rows or output columns, never a reduction: engine.thread_policy).
 """
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import time
@@ -80,7 +94,9 @@ def configure_compiler(cache_dir: Path) -> None:
     user chose one (importing torch._dynamo already sets the variable to torch's /tmp default,
     which a reboot may wipe, so that value is replaced). Duck shaping is off: two dynamic
     sizes that happen to be equal at the first call (rows and logits rows) must not be
-    assumed equal ever after. Past dynamo's recompile limit (a graph per model architecture,
+    assumed equal ever after. Inductor's C++ kernels take the thread count from OpenMP when
+    they run instead of being generated for the count at compile time, so that the thread
+    governor's changes never recompile (the module's docstring). Past dynamo's recompile limit (a graph per model architecture,
     dtype and weight format) it would run the function eagerly without a word, mixing
     roundings in a reply: it raises instead, and the runner goes eager and says why. Dynamo's
     garbage collection after each compile is off: the app compiles on its worker thread, and a
@@ -94,6 +110,7 @@ def configure_compiler(cache_dir: Path) -> None:
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor")
     inductor.fx_graph_cache = True
+    inductor.cpp.dynamic_threads = True
     inductor.graph_partition = True             # CUDA graphs around the attention op
     fx_config.use_duck_shape = False
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -117,26 +134,75 @@ class _ModelGraph:
     models apart, and once built the ~6,000 guards on the model's modules and weights
     (0.9 ms a call on the 2-core CPU, a sixth of a decode step) are skipped. Nothing they
     check changes: a loaded model is never modified, and the inputs' dtypes are the model's.
-    What does change is global state a graph is specialised to (the thread count, which the
-    thread governor moves): dynamo then refuses to run under the skipping stance, nothing has
-    run yet, and the call is made again with every guard evaluated, which compiles the graph
-    for the new state once (or finds it)."""
+    On the CPU the global torch state is checked here, not by dynamo (GlobalStateBuilt: the
+    thread count may change, the rest may not). Should anything else a graph is specialised
+    to change, dynamo refuses to run under the skipping stance, nothing has run yet, and the
+    call is made again with every guard evaluated, which compiles the graph for the new state
+    once (or finds it)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.model = model
-        mode = "reduce-overhead" if device.type == "cuda" else None
-        self.compiled = torch.compile(_forward_of(model), mode=mode, fullgraph=True)
+        self.model, self.on_cpu = model, device.type == "cpu"
+        forward = _forward_of(model)
+        if not self.on_cpu:
+            self.compiled = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+        else:
+            self.compiled = torch.compile(forward, fullgraph=True, options={"guard_filter_fn": all_but_global_state})
         self.compile_s: float | None = None            # the first call's seconds, once built
+        self.state: GlobalStateBuilt | None = None     # CPU: the global torch state it was built under
 
     def __call__(self, h, positions, rows):
         if self.compile_s is not None:
+            if self.state is not None:
+                self.state.check()
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                     return self.compiled(h, positions, rows)
             except RuntimeError as error:
                 if "skip_guard_eval_unsafe" not in str(error):
                     raise
+        elif self.on_cpu:
+            self.state = GlobalStateBuilt()
         return self.compiled(h, positions, rows)
+
+
+def all_but_global_state(guards) -> list[bool]:
+    """torch.compile's guard_filter_fn: keep every guard but dynamo's GlobalStateGuard, which
+    would recompile the graph for every thread count (GlobalStateBuilt checks the rest)."""
+    return [guard.guard_type != "GLOBAL_STATE" for guard in guards]
+
+
+def _state_but_threads() -> dict:
+    from torch._C._dynamo.guards import GlobalStateGuard
+    state = json.loads(GlobalStateGuard().__getstate__())
+    state.pop("num_threads", None)
+    return state
+
+
+class GlobalStateBuilt:
+    """The global torch state a graph was traced under (grad mode, autocast, default dtype,
+    deterministic algorithms, matmul precision, torch function state) but the thread count:
+    what dynamo's GlobalStateGuard checks, which the graph's own guards leave out. One dynamo
+    guard per thread count seen keeps the check a few microseconds a call."""
+
+    def __init__(self):
+        from torch._C._dynamo.guards import GlobalStateGuard
+        self.built = _state_but_threads()
+        self.guards = {torch.get_num_threads(): GlobalStateGuard()}
+
+    def check(self) -> None:
+        """Raises when the state differs from the build's by more than the thread count (the
+        runner then runs eagerly and says why)."""
+        from torch._C._dynamo.guards import GlobalStateGuard
+        threads = torch.get_num_threads()
+        guard = self.guards.get(threads)
+        if guard is not None and guard.check():
+            return
+        now = _state_but_threads()
+        changed = sorted(name for name in now.keys() | self.built.keys() if now.get(name) != self.built.get(name))
+        if changed:
+            raise RuntimeError(f"the compiled step runs under other global torch state than it was built "
+                               f"under ({', '.join(changed)} changed)")
+        self.guards[threads] = GlobalStateGuard()
 
 
 def model_graph(model: torch.nn.Module, device: torch.device) -> _ModelGraph:
@@ -156,9 +222,11 @@ class CompiledStep:
         configure_compiler(cache_dir())
         self.graph = model_graph(model, device)
         self.row_counts: set[int] = set()        # pass sizes run compiled by this runner (tests read it)
-        # Seconds of the calls that compiled (the first, or a recompile dynamo made), not yet
-        # taken by take_compile_s: the engine marks the step and keeps it out of decode speed.
-        self.untaken_compile_s = 0.0
+        # Calls that compiled (the first, or a recompile dynamo made): how many in all, and the
+        # seconds and count not yet taken by take_compile_s / take_compiles (the engine marks
+        # the step, keeps it out of decode speed and counts it in the step's stats).
+        self.compiles = 0
+        self.untaken_compile_s, self.untaken_compiles = 0.0, 0
         self._compiled = self.graph                   # per runner: tests replace it to make a step fail
 
     def __call__(self, ids: torch.Tensor, kv, meta, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,6 +255,8 @@ class CompiledStep:
         self.row_counts.add(n)
         if first or compiled_graphs() != graphs_before:
             self.untaken_compile_s += time.perf_counter() - t0
+            self.compiles += 1
+            self.untaken_compiles += 1
         if first:
             self.graph.compile_s = time.perf_counter() - t0
             self.progress(f"compiled the model's step in {self.graph.compile_s:.0f} s", 1.0)
@@ -201,6 +271,11 @@ class CompiledStep:
         """Seconds spent in calls that compiled since the last time this was asked."""
         seconds, self.untaken_compile_s = self.untaken_compile_s, 0.0
         return seconds
+
+    def take_compiles(self) -> int:
+        """Calls that compiled since the last time this was asked."""
+        count, self.untaken_compiles = self.untaken_compiles, 0
+        return count
 
 
 def padded_rows(n: int, device: torch.device) -> int:

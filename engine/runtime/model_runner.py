@@ -116,12 +116,17 @@ class ModelRunner:
             self.forward(seq, [0], logits_for=1)
         finally:
             self.end(seq)
+        self.take_compiles()
         return self.take_compile_s()
 
     def take_compile_s(self) -> float:
         """Seconds this runner's passes spent compiling since last asked (engine.metrics keeps
         a step that compiled out of decode speed)."""
         return self.compiled.take_compile_s() if self.compiled is not None else 0.0
+
+    def take_compiles(self) -> int:
+        """Calls of the compiled step that compiled since last asked (the engine's step stats)."""
+        return self.compiled.take_compiles() if self.compiled is not None else 0
 
     def _compile_failed(self, error: Exception) -> None:
         """A failed call may have stored some layers' K/V: the eager pass stores them again, in
