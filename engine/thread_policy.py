@@ -17,7 +17,9 @@ SAMPLE_S): a busy core costs its thread, not every op. A thread count the user s
 
 The thread count never changes a reply: every kernel on the path splits work by output
 columns or rows, never by the reduction (tests/test_cpu_fallbacks.py checks tokens and
-logits at one thread and at two).
+logits at one thread and at two). Nor does a change cost a compile: the compiled step's one
+graph runs at whatever count torch has (engine.runtime.compiled_step; tests/test_compiled_step.py
+moves the count between steps of a reply and counts no compile).
 """
 from __future__ import annotations
 
