@@ -71,6 +71,21 @@ def test_the_step_is_measured_once_per_cpu_and_model_format(tmp_path, monkeypatc
     assert len(calls) == 8
 
 
+def test_a_model_that_does_not_load_fails_with_its_error_and_nothing_is_kept(tmp_path, monkeypatch):
+    from engine.errors import CheckpointError
+    monkeypatch.setattr(cpu_dtype, "compute_refusal", lambda dtype: None)
+    cache = tmp_path / "cpu_dtype_step.json"
+
+    def broken(dtype):
+        raise CheckpointError("model.safetensors is truncated")
+    with pytest.raises(CheckpointError):
+        fastest_step(cache, "broken format", broken)
+    assert not cache.exists()
+    # nor is a trial in which no dtype ran: the next load tries again
+    fastest_step(cache, "broken format", lambda dtype: (_ for _ in ()).throw(RuntimeError("kernel failed")))
+    assert not cache.exists()
+
+
 class FakeTrial:
     model_format = "fake format"
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_features
-from engine.errors import WorkbenchError, first_line
+from engine.errors import first_line
 from engine.layers import packed_linear
 
 PROBE_SHAPE = (8192, 2048)          # [out, in]
@@ -126,7 +126,8 @@ def fastest_step(cache_file: Path, model_format: str, step_seconds: Callable[[to
     """The dtype whose whole decode step runs faster for a model of `model_format` on this
     CPU, and why; measured once per CPU and model format by `step_seconds(dtype)` (seconds
     per decode step of the model loaded in that dtype, as the engine runs it)."""
-    return step_choice(_measured_once(cache_file, step_key(model_format), lambda: measure_steps(step_seconds)))
+    return step_choice(_measured_once(cache_file, step_key(model_format), lambda: measure_steps(step_seconds),
+                                      keep=lambda measured: any(not isinstance(v, str) for v in measured.values())))
 
 
 def step_key(model_format: str) -> str:
@@ -135,7 +136,9 @@ def step_key(model_format: str) -> str:
 
 def measure_steps(step_seconds: Callable[[torch.dtype], float]) -> dict[str, float | str]:
     """Per candidate dtype: seconds per decode step, or why it was not timed (a string): its
-    kernels are missing here, or its trial failed (a load, a compile, a non-finite result)."""
+    kernels are missing here, or a kernel failed in its trial. An error the engine names (a
+    checkpoint that does not load: a WorkbenchError) is the model's, not the dtype's: it
+    propagates, and nothing is kept."""
     out: dict[str, float | str] = {}
     for dtype in CANDIDATES:
         refused = compute_refusal(dtype)
@@ -143,7 +146,7 @@ def measure_steps(step_seconds: Callable[[torch.dtype], float]) -> dict[str, flo
             try:
                 out[dtype_name(dtype)] = float(step_seconds(dtype))
                 continue
-            except (RuntimeError, WorkbenchError) as error:
+            except RuntimeError as error:
                 refused = f"{dtype_name(dtype)} did not run the model here: {first_line(error)}"
         out[dtype_name(dtype)] = refused
     return out
@@ -169,10 +172,15 @@ def known_steps(cache_file: Path, model_format: str) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
-def _measured_once(cache_file: Path, key: str, measure_now: Callable[[], dict]) -> dict:
+def _measured_once(cache_file: Path, key: str, measure_now: Callable[[], dict],
+                   keep: Callable[[dict], bool] = lambda measured: True) -> dict:
+    """known[key] from the cache file, measured now and written there if missing (unless
+    `keep` says the result is not worth keeping: measured again next time)."""
     known = _read_cache(cache_file)
     if not isinstance(known.get(key), dict):
         known[key] = measure_now()
+        if not keep(known[key]):
+            return known[key]
         known = _read_cache(cache_file) | {key: known[key]}       # keep what another process wrote meanwhile
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
