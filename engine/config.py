@@ -158,7 +158,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("draft_tree", str, "off", ENGINE, LIVE, "Draft tree",
             help="off: a chain of k tokens; auto: an EAGLE-2 tree (top-4, depth 6, up to 24 nodes), trimmed each step "
             "to the nodes the measured pass costs say pay; or TOPK:DEPTH:NODES, e.g. 4:6:24. The EAGLE head and the "
-            "draft model grow trees; n-gram stays a chain", group=SPECULATION_GROUP),
+            "draft model grow trees; n-gram stays a chain; suffix always drafts a tree, of at most k nodes when off",
+            group=SPECULATION_GROUP),
     Setting("ngram_min", int, 1, ENGINE, LIVE, "N-gram min", low=1, high=16, group=SPECULATION_GROUP),
     Setting("ngram_max", int, 4, ENGINE, LIVE, "N-gram max", low=1, high=16, group=SPECULATION_GROUP),
     Setting("suffix_spec_factor", float, 1.0, ENGINE, LIVE, "Suffix drafts per matched token", low=0.1, high=16.0,

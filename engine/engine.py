@@ -334,9 +334,14 @@ class LLMEngine:
         return (self.runner.kv_dtype_name, self.runner.compile_state, torch.get_num_threads())
 
     def tree_in_effect(self) -> TreeShape | None:
-        """The draft tree each decode step grows, or None: k drafts a step (the n-gram
-        proposer's chain; the suffix proposer's tree of at most k nodes, shaped by its counts)."""
-        if self.proposer_in_effect() not in ("eagle", "draft"):
+        """The draft tree each decode step grows, or None: a chain (the n-gram proposer has
+        no tree). The suffix proposer always drafts a tree, shaped by its counts: at most
+        draft_tree's nodes, or k nodes k deep when draft_tree is off."""
+        proposer = self.proposer_in_effect()
+        if proposer == "suffix":
+            k = self.config.num_speculative_tokens
+            return parse_tree(self.config.draft_tree) or TreeShape(k, k, k)
+        if proposer not in ("eagle", "draft"):
             return None
         return parse_tree(self.config.draft_tree)
 
@@ -528,7 +533,7 @@ class LLMEngine:
         """Its drafts: a chain of up to max_drafts, or, while a tree is in effect, a tree
         (under `auto`: grown as deep as the policy says and trimmed to the nodes that pay)."""
         tree, auto = self.tree_in_effect(), self.config.speculation_policy == "auto"
-        if tree is not None and auto:
+        if tree is not None and auto and self.proposer_in_effect() != "suffix":    # a suffix tree's depth is free
             tree = TreeShape(tree.top_k, self.policy.tree_depth(tree.depth), tree.nodes)
         proposal = request.propose(max_drafts, tree)
         if proposal is None:

@@ -4,10 +4,11 @@ both use it, so both serve the same requests the same way.
 
 The workload follows vLLM's `bench serve`: `num_prompts` requests, arriving all at once
 (`request_rate` None, the CLI's inf) or as a gamma process of that rate (`burstiness` 1:
-Poisson), at most `max_concurrency` outstanding; prompts from `prompt_set` (chat, repeat, or
-random token ids of `input_len`), each after a shared system prompt of `shared_prefix_len`
-tokens (SGLang's generated-shared-prefix idea), `output_len` tokens each (EOS ignored, as
-vLLM's random dataset does), `seed` for everything random.
+Poisson), at most `max_concurrency` outstanding; prompts from `prompt_set` (chat, repeat, edit:
+multi-turn chats that revise an earlier answer, or random token ids of `input_len`), each after
+a shared system prompt of `shared_prefix_len` tokens (SGLang's generated-shared-prefix idea),
+`output_len` tokens each (EOS ignored, as vLLM's random dataset does), `seed` for everything
+random.
 
 Its fields are rows of WORKLOAD_SETTINGS (engine.config.Setting: type, default, range), the
 one place they are defined: the dataclass, its validation, the session profile's "workload"
@@ -36,7 +37,8 @@ WORKLOAD_SETTINGS: tuple[Setting, ...] = (
     Setting("shared_prefix_len", int, 0, WORKLOAD, NEXT_REQUEST, "Shared prefix (tok)", low=0,
             high=100_000, help="a system prompt of this many tokens before every request (0: none)"),
     Setting("prompt_set", str, "chat", WORKLOAD, NEXT_REQUEST, "Prompt set",
-            choices={"chat": "chat questions", "repeat": "repeat a passage", "random": "random token ids"}),
+            choices={"chat": "chat questions", "repeat": "repeat a passage",
+                     "edit": "edit an earlier answer (multi-turn)", "random": "random token ids"}),
     Setting("input_len", int, 256, WORKLOAD, NEXT_REQUEST, "Random prompt (tok)", low=1, high=1_000_000,
             help="prompt tokens for the random prompt set"),
     Setting("output_len", int, 64, WORKLOAD, NEXT_REQUEST, "Output (tok)", low=1, high=131_072,
@@ -96,14 +98,86 @@ CHAT_PROMPTS = [
 PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a "
            "single step. All that glitters is not gold. Actions speak louder than words. Every cloud "
            "has a silver lining. Fortune favours the bold. Knowledge is power. Time is money.")
-REPEAT_PROMPTS = [f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
-                  f"Copy this text exactly:\n\n{PASSAGE}",
-                  f"Please write out this passage again without changes:\n\n{PASSAGE}",
-                  f"Echo back the text below verbatim.\n\n{PASSAGE}"]
+PASSAGE_2 = ("The library opens at nine in the morning and closes at six in the evening. Books may be "
+             "borrowed for three weeks and renewed twice. Quiet rooms on the second floor can be booked "
+             "at the front desk. Printing costs ten cents a page.")
+REPEAT_PROMPTS = [f"{ask}\n\n{passage}" for passage in (PASSAGE, PASSAGE_2)
+                  for ask in ("Repeat the following passage exactly, word for word:", "Copy this text exactly:",
+                              "Please write out this passage again without changes:",
+                              "Echo back the text below verbatim.")]
+
+# Multi-turn chats in which the assistant rewrites or extends its own earlier answer: what
+# coding tools and agents send (fix a function, rename a variable, add a paragraph). Each is
+# (user, assistant, user); the reply mostly repeats the earlier answer with the change made.
+_MEAN = """def average(values):
+    total = 0
+    for i in range(len(values) - 1):
+        total += values[i]
+    return total / len(values)"""
+_COUNT = """def count_words(text):
+    lst = text.split()
+    counts = {}
+    for w in lst:
+        counts[w] = counts.get(w, 0) + 1
+    return counts"""
+_CART = """function calc(items) {
+  let sum = 0;
+  for (const item of items) {
+    sum += item.price * item.quantity;
+  }
+  return sum;
+}"""
+_SQL = """SELECT customers.name, COUNT(orders.id) AS order_count
+FROM customers
+JOIN orders ON orders.customer_id = customers.id
+GROUP BY customers.name;"""
+_ESSAY = ("Walking every day is one of the simplest ways to stay healthy. It strengthens the heart, "
+          "helps control weight and lifts the mood, and it needs no equipment or membership.\n\n"
+          "A good habit starts small: ten minutes after lunch, then twenty, then a longer walk at the "
+          "weekend. Walking with a friend makes it easier to keep going.")
+_EMAIL = ("Hi team,\n\nOur planning meeting will be on Tuesday at 10 am in room 4B. Please bring your "
+          "project updates and a list of open questions. The meeting should take about an hour.\n\n"
+          "Thanks,\nMaria")
+_STEPS = ("1. Mix the flour, sugar and salt in a large bowl.\n2. Add the eggs and milk and whisk until "
+          "smooth.\n3. Pour the batter into a greased tin.\n4. Bake for 25 minutes until golden.")
+EDIT_CHATS = [
+    ("Write a Python function that returns the average of a list of numbers.", f"```python\n{_MEAN}\n```",
+     "The loop skips the last value. Fix the bug and show the whole corrected function."),
+    ("Write a Python function that counts how often each word appears in a text.", f"```python\n{_COUNT}\n```",
+     "Rename the variable lst to words everywhere and show the full function again."),
+    ("Write a JavaScript function that adds up the price of the items in a shopping cart.",
+     f"```javascript\n{_CART}\n```", "Rename the function calc to cartTotal and show the whole code again."),
+    ("Write an SQL query that counts the orders of each customer.", f"```sql\n{_SQL}\n```",
+     "Add ORDER BY order_count DESC to the query and show the full query."),
+    ("Write two short paragraphs about why walking is good for you.", _ESSAY,
+     "Add a third paragraph about walking in nature. Repeat the first two paragraphs unchanged."),
+    ("Write a short email inviting my team to a planning meeting.", _EMAIL,
+     "Move the meeting to Thursday at 2 pm and write the whole email again."),
+    ("Give me the steps to bake a simple cake.", _STEPS,
+     "Add a first step: preheat the oven to 180 degrees. Write out the full list again."),
+    ("Write a Python function that counts how often each word appears in a text.", f"```python\n{_COUNT}\n```",
+     "Add a docstring to the function and show the complete code."),
+]
 
 
 def chat(text: str, system: str | None = None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
+def edit_chat(i: int, system: str | None = None, tag: str = "") -> list[dict]:
+    """The i-th edit conversation (EDIT_CHATS, cycled): its last message is the user's edit
+    request, with `tag` appended."""
+    ask, answer, edit = EDIT_CHATS[i % len(EDIT_CHATS)]
+    return chat(ask, system) + [{"role": "assistant", "content": answer}, {"role": "user", "content": edit + tag}]
+
+
+def prompt_messages(prompt_set: str, i: int, system: str | None = None, tag: str = "") -> list[dict]:
+    """The i-th prompt of a text prompt set (chat, repeat, edit; cycled), `tag` appended to its
+    last message."""
+    if prompt_set == "edit":
+        return edit_chat(i, system, tag)
+    texts = CHAT_PROMPTS if prompt_set == "chat" else REPEAT_PROMPTS
+    return chat(texts[i % len(texts)] + tag, system)
 
 
 def held_out_text() -> str:
@@ -146,8 +220,7 @@ def make_jobs(eng, workload: Workload) -> list[Job]:
             prefix = eng.encode(system)[:prefix_len] if system else []
             prompts.append(prefix + [rng.randrange(100, eng.tokenizer.vocab_size) for _ in range(workload.input_len)])
         else:
-            texts = CHAT_PROMPTS if workload.prompt_set == "chat" else REPEAT_PROMPTS
-            prompts.append(eng.encode(chat(texts[i % len(texts)] + f" (request {i})", system)))
+            prompts.append(eng.encode(prompt_messages(workload.prompt_set, i, system, f" (request {i})")))
     arrivals = arrival_times(n, workload.arrival_rate, workload.burstiness, rng)
     return [Job(t, p, workload.output_len) for t, p in zip(arrivals, prompts)]
 

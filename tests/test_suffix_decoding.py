@@ -3,12 +3,13 @@ exact matches and counts, the global index's bound and eviction, the probability
 the length rule, no draft without a match; and in the engine: greedy output token-identical
 alone and batched, branching trees included, and sampled output with the target's
 distribution."""
-import numpy as np
+import math
+
 import pytest
 import torch
 
 from engine import SamplingParams
-from engine.spec.suffix_index import SEPARATOR, SuffixIndex
+from engine.spec.suffix_index import SuffixIndex
 from engine.spec.suffix_proposer import GLOBAL, REQUEST, SuffixCache, SuffixProposer, best_draft, continuation_tree
 from tests.conftest import assert_second_token_follows_the_target, chat
 
@@ -33,28 +34,29 @@ def test_match_finds_every_occurrence_with_its_exact_length():
     index = SuffixIndex()
     index.extend(TEXT)
     match = index.match(TEXT, before=index.end - 1)          # the context's own last position left out
-    assert match.positions.tolist() == [2, 6]               # "... 2 3" ends at 2 (after "1 2 3") and at 6
-    assert match.lengths.tolist() == [3, 2]                  # "1 2 3" matches 3 tokens, "9 2 3" only "2 3"
-    assert index.following(match.positions, 3).tolist() == [[4, 9, 2], [5, 6, 1]]
-    assert index.following(np.array([10]), 3).tolist() == [[3, SEPARATOR, SEPARATOR]]   # the text ends
+    assert match.positions == [2, 6]                        # "... 2 3" ends at 2 (after "1 2 3") and at 6
+    assert match.lengths == [3, 2]                          # "1 2 3" matches 3 tokens, "9 2 3" only "2 3"
+    assert index.following(match.positions, 3) == [[4, 9, 2], [5, 6, 1]]
+    assert index.following([10], 3) == [[3]]                # the text ends
     assert len(index.match([7, 8])) == 0                    # never seen
     only_last = index.match([7, 4])                         # the pair is new: its last token alone
-    assert only_last.positions.tolist() == [3] and only_last.lengths.tolist() == [1]
+    assert (only_last.positions, only_last.lengths) == ([3], [1])
 
 
 def test_matches_and_continuations_stop_at_document_boundaries():
     index = SuffixIndex()
     index.add_document([5, 6, 7])
     index.add_document([8, 9])
-    assert index.match([7, 8]).positions.tolist() == [4]        # 8 occurs, but after the boundary...
-    assert index.match([7, 8]).lengths.tolist() == [1]          # ...so "7 8" is not matched as a pair
-    assert index.following(np.array([1]), 4).tolist() == [[7, SEPARATOR, SEPARATOR, SEPARATOR]]
+    assert index.match([7, 8]).positions == [4]             # 8 occurs, but after the boundary...
+    assert index.match([7, 8]).lengths == [1]               # ...so "7 8" is not matched as a pair
+    assert index.match([6, 7, 8]).lengths == [1]
+    assert index.following([1], 4) == [[7]]                 # the first document ends
 
 
 def test_continuation_counts_are_path_counts_over_occurrences():
-    windows = np.array([[5, 6, 7], [5, 6, 8], [5, 6, 7], [9, SEPARATOR, SEPARATOR]])
+    windows = [[5, 6, 7], [5, 6, 8], [5, 6, 7], [9]]
     tree, score = continuation_tree(windows, 8, 0.1)
-    probs = [round(float(np.exp(s)), 6) for s in tree.scores]
+    probs = [round(math.exp(s), 6) for s in tree.scores]
     paths = [tuple(tree.tokens[i] for i in tree.path(n)) for n in range(len(tree))]
     assert dict(zip(paths, probs)) == {(5,): 0.75, (5, 6): 0.75, (5, 6, 7): 0.5, (9,): 0.25, (5, 6, 8): 0.25}
     assert paths[:3] == [(5,), (5, 6), (5, 6, 7)]             # most probable first, a parent before its child
@@ -64,7 +66,7 @@ def test_continuation_counts_are_path_counts_over_occurrences():
 
 
 def test_the_probability_floor_drops_rare_continuations():
-    windows = np.array([[5, 6]] * 9 + [[7, 8]])                 # 7 followed one occurrence in ten
+    windows = [[5, 6]] * 9 + [[7, 8]]                          # 7 followed one occurrence in ten
     kept, _ = continuation_tree(windows, 8, 0.1)
     assert sorted(kept.tokens) == [5, 6, 7, 8]                  # 0.1 is at the floor: kept
     dropped, _ = continuation_tree(windows, 8, 0.11)
@@ -76,7 +78,7 @@ def test_the_draft_length_follows_the_match_length():
     index.extend([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 3, 4])
     context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 3, 4]
     match = index.match(context, before=index.end - 1)
-    assert match.lengths.tolist() == [2]                          # "3 4" matched
+    assert match.lengths == [2]                                   # "3 4" matched
     assert best_draft(index, match, 8, 1.0, 0.1)[0].tokens == [5, 6]       # 1.0 x 2 tokens
     assert best_draft(index, match, 8, 2.5, 0.1)[0].tokens == [5, 6, 7, 8, 9]   # 2.5 x 2
     assert best_draft(index, match, 3, 2.5, 0.1)[0].tokens == [5, 6, 7]    # never more than k
@@ -91,12 +93,12 @@ def test_the_global_index_keeps_its_token_bound_evicting_the_oldest_requests():
     index.add_document([9, 10, 11])                 # 11 tokens: the oldest request goes
     assert index.num_tokens == 7 and len(index.documents) == 2
     assert len(index.match([1, 2])) == 0 and len(index.match([1])) == 0
-    assert index.match([5, 6]).lengths.tolist() == [2]
+    assert index.match([5, 6]).lengths == [2]
     for i in range(2000):                           # many evictions: the array is rebuilt, answers stay
         index.add_document([100 + i % 50, 200 + i % 50, 300])
     assert index.num_tokens <= 10 and len(index.documents) == 3
-    assert index.match([100 + 1999 % 50, 200 + 1999 % 50]).lengths.tolist() == [2]
-    assert index.following(index.match([200 + 1999 % 50]).positions, 2).tolist() == [[300, SEPARATOR]]
+    assert index.match([100 + 1999 % 50, 200 + 1999 % 50]).lengths == [2]
+    assert index.following(index.match([200 + 1999 % 50]).positions, 2) == [[300]]
 
 
 # ---- the proposer ---------------------------------------------------------------------------
@@ -145,14 +147,15 @@ def _together(eng, prompts, params=GREEDY) -> list[list[int]]:
 
 
 def _record_trees(monkeypatch) -> list:
+    """The trees the suffix proposer drafts from now on (the engine asks it for trees)."""
     trees = []
-    propose = SuffixProposer.propose
+    propose_tree = SuffixProposer.propose_tree
 
     def recording(self, *args):
-        proposal = propose(self, *args)
+        proposal = propose_tree(self, *args)
         trees.append(proposal.tree)
         return proposal
-    monkeypatch.setattr(SuffixProposer, "propose", recording)
+    monkeypatch.setattr(SuffixProposer, "propose_tree", recording)
     return trees
 
 

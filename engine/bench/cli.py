@@ -29,6 +29,7 @@ from engine.config import BY_KEY
 from engine.errors import WorkbenchError
 from engine.loading.synthetic import PRESETS
 from engine.loading.synthetic_gguf import SYNTHETIC_GGUF_PRESETS
+from engine.workload import WORKLOAD_BY_KEY
 
 
 def bench_kernels(args) -> dict:
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
                     "(the released model's shapes: " + ", ".join(sorted(PRESETS)) + "), " + ", ".join(BUILTIN_SHAPES))
     ap.add_argument("--context", type=int, default=4096, help="memory: tokens per sequence")
     ap.add_argument("--k", type=int, default=4, help="speculative: draft tokens per step")
-    ap.add_argument("--proposer", choices=["draft", "eagle", "ngram"], default="eagle")
+    ap.add_argument("--proposer", choices=["draft", "eagle", "ngram", "suffix"], default="eagle")
     ap.add_argument("--tree", default="off", help="speculative: the draft_tree setting (off, auto, TOPK:DEPTH:NODES)")
     ap.add_argument("--speculation-policy", default="auto", choices=list(BY_KEY["speculation_policy"].choices),
                     help="speculative: the speculation_policy setting (fixed: every step drafts k tokens, or the "
@@ -97,8 +98,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", default=None,
                     help="speculative: the draft model (--proposer draft; default self:8, the target's first 8 layers) or the "
                     "EAGLE head folder (--proposer eagle; default the shipped head); memory: counted in the plan")
-    ap.add_argument("--prompt-set", dest="prompts_set", choices=["chat", "repeat", "random"], default=None,
-                    help="random: serve only (--input-len random token ids)")
+    ap.add_argument("--prompt-set", dest="prompts_set", choices=list(WORKLOAD_BY_KEY["prompt_set"].choices), default=None,
+                    help="edit: multi-turn chats that revise an earlier answer; random: serve only (--input-len random "
+                    "token ids)")
     serve.add_arguments(ap)
     serve_remote.add_arguments(ap)
     args = ap.parse_args(argv)

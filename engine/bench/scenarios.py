@@ -18,7 +18,12 @@ import torch
 from engine.metrics import combined, speculation_report
 # The prompt sets are the serving workload's (engine.workload), shared with the app's load panel.
 from engine.workload import CHAT_PROMPTS, PASSAGE, REPEAT_PROMPTS, chat, held_out_text  # noqa: F401
+from engine.workload import edit_chat
 from engine.workload import system_prompt_of as _system_prompt
+
+# bench speculative's prompts per set (messages), each served once per arm
+SPECULATIVE_PROMPTS = {"chat": [chat(p) for p in CHAT_PROMPTS[:8]], "repeat": [chat(p) for p in REPEAT_PROMPTS],
+                       "edit": [edit_chat(i) for i in range(8)]}
 
 # Where transformers' copy of the model shares the device (parity, decode), the engine's pool
 # is this fixed budget rather than what the memory plan would give it (most of a GPU).
@@ -336,11 +341,17 @@ def _dtype_auto(args, eng) -> dict | None:
 # ---- speculative decoding ------------------------------------------------------------
 def bench_speculative(args) -> dict:
     """Plain decoding, then speculation, on the same prompts in one run (each warmed up first).
-    The chat prompts are held out from the EAGLE head's training (engine.training.distill_data)."""
+    The chat prompts are held out from the EAGLE head's training (engine.training.distill_data).
+    Honest arms: each arm serves every prompt once, and starts with the suffix proposer's
+    global index empty (the warm-up's replies are forgotten)."""
     from engine import SamplingParams
+    from engine.errors import WorkbenchError
     eng = _engine(args, enable_prefix_caching=False, compile=args.compile, speculation_policy=args.speculation_policy)
     prompt_set = args.prompts_set or ("repeat" if args.proposer == "ngram" else "chat")
-    prompts = REPEAT_PROMPTS * 2 if prompt_set == "repeat" else CHAT_PROMPTS[:8]
+    if prompt_set not in SPECULATIVE_PROMPTS:
+        raise WorkbenchError(f"--prompt-set {prompt_set} is for serve; speculative takes "
+                             f"{', '.join(SPECULATIVE_PROMPTS)}")
+    prompts = SPECULATIVE_PROMPTS[prompt_set]
     params = SamplingParams(max_tokens=args.tokens)
     if args.proposer == "draft":
         draft = args.draft or "self:8"
@@ -348,12 +359,15 @@ def bench_speculative(args) -> dict:
     elif args.proposer == "eagle":
         draft = args.draft or "the shipped EAGLE head"
         eng.reconfigure(proposer="eagle", eagle_head=args.draft)
+    elif args.proposer == "suffix":
+        draft = "suffix decoding (the request's own text and earlier replies)"
     else:
         draft = "n-gram prompt lookup"
-    encoded = [eng.encode(chat(p)) for p in prompts]
+    encoded = [eng.encode(p) for p in prompts]
 
     def run(proposer):
         eng.reconfigure(proposer=proposer, num_speculative_tokens=args.k, draft_tree=args.tree)
+        eng.reset_suffix_cache()
         outs, stats = [], []
         for ids in encoded:
             _, out, s = eng.generate_text(ids, params)
@@ -375,8 +389,20 @@ def bench_speculative(args) -> dict:
             # The i.i.d. model with the measured costs, each relative to a plain decode step.
             "predicted_speedup": report["predicted_speedup"], "break_even_alpha": report["break_even_alpha"],
             "draft_target_cost_ratio": report["draft_cost"], "verify_vs_decode_step": report["verify_cost"],
-            "dtype": _dtype(eng), "compile": eng.settings()["compile"],
-            "greedy_identical": spec_out == base_out, **_tree_figures(spec, plain_step_s, eng)}
+            "proposal_ms_per_step": 1e3 * spec.draft_time_s / spec.target_passes if spec.target_passes else None,
+            "dtype": _dtype(eng), "compile": eng.settings()["compile"], "threads": torch.get_num_threads(),
+            "greedy_identical": spec_out == base_out, **_tree_figures(spec, plain_step_s, eng),
+            **_suffix_figures(eng, args.proposer)}
+
+
+def _suffix_figures(eng, proposer: str) -> dict:
+    """The suffix proposer's draft tokens by source (the request's own text, or the global index
+    of earlier replies in this arm), drafted and accepted, and its settings."""
+    if proposer != "suffix":
+        return {}
+    c = eng.config
+    return {"suffix": eng.suffix_cache.counters() | {
+        "spec_factor": c.suffix_spec_factor, "min_prob": c.suffix_min_prob, "cache_tokens": c.suffix_cache_tokens}}
 
 
 def _tree_figures(spec, plain_step_s: float, eng) -> dict:

@@ -2,8 +2,8 @@
 
 The workload follows vLLM's `bench serve`: --num-prompts requests, arriving all at once
 (--request-rate inf) or as a gamma process of that rate (--burstiness 1: Poisson), at most
---max-concurrency outstanding; prompts from --prompt-set (chat, repeat, or random token ids of
---input-len), each after a shared system prompt of --shared-prefix-len tokens (SGLang's
+--max-concurrency outstanding; prompts from --prompt-set (chat, repeat, edit: multi-turn chats
+that revise an earlier answer, or random token ids of --input-len), each after a shared system prompt of --shared-prefix-len tokens (SGLang's
 generated-shared-prefix idea), --output-len tokens each (EOS ignored, as vLLM's random
 dataset does), --seed for everything random.
 

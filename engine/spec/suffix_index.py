@@ -10,15 +10,20 @@ question from the tokens themselves, which is cheap to keep up to date in Python
     (so no match and no continuation crosses from one document into the next);
   - every position is filed under its token and under the pair (previous token, token): the
     candidates for a match are the recent positions of the context's last pair (or last token);
-  - a candidate's match length is how far back the text agrees with the context, computed for
-    every candidate at once (numpy, at most `max_match` tokens back);
+  - a candidate's match length is how far back the text agrees with the context (at most
+    `max_match` tokens back);
   - the continuations of a match are the `depth` tokens after each of its occurrences: the
     number of occurrences whose continuation starts with a path is that path's count in the
     suffix tree.
 
 Appending a token is O(1) (two dict appends and a store), so an index grows with its request
 and is never rebuilt while it grows. The `max_occurrences` most recent positions of the last
-pair are looked at: a very common pair's counts are those of its recent occurrences.
+pair are looked at: a very common pair's counts are those of its recent occurrences. Tokens and
+positions are kept in typed arrays (8 bytes each). A lookup is plain Python over the few
+candidates a pair has: it costs what the candidates' match lengths add up to, a few
+microseconds, where numpy's fixed cost per call (several microseconds on a busy 2-core CPU,
+times the ten calls a vectorised lookup needs) was six times slower (measured on the default
+model's tokens).
 
 A bounded index (`max_tokens`, the global one) evicts whole documents, oldest first, when one
 is added; evicted positions are filtered out of lookups, and the array and its files are
@@ -31,9 +36,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-
-SEPARATOR = -1              # between documents, and past the end: never a token
+SEPARATOR = -1              # between documents: never a token
 MAX_MATCH = 32              # how many context tokens a match may span
 MAX_OCCURRENCES = 256       # recent occurrences of the last pair (or token) looked at
 
@@ -41,16 +44,16 @@ MAX_OCCURRENCES = 256       # recent occurrences of the last pair (or token) loo
 @dataclass
 class Match:
     """Occurrences of the context's suffix: each occurrence's last position and how many
-    tokens of the context it matches (at least 1), most recent last."""
-    positions: np.ndarray       # [C] int64, absolute positions in the index
-    lengths: np.ndarray         # [C] int64
+    tokens of the context it matches (at least 1), oldest first."""
+    positions: list[int]        # absolute positions in the index
+    lengths: list[int]
 
     def __len__(self) -> int:
         return len(self.positions)
 
     @property
     def longest(self) -> int:
-        return int(self.lengths.max()) if len(self.lengths) else 0
+        return max(self.lengths, default=0)
 
 
 class SuffixIndex:
@@ -60,36 +63,34 @@ class SuffixIndex:
         self._clear()
 
     def _clear(self) -> None:
-        self._buf = np.full(1024, SEPARATOR, dtype=np.int64)   # positions base..; past `end`: SEPARATOR
-        self._base = 0                  # the absolute position of _buf[0]
-        self.start = 0                  # the first live position (older ones were evicted)
-        self.end = 0                    # one past the last token
-        self._doc_start = 0             # the open document's first position
-        self._last: int | None = None   # the open document's last token
+        self._tokens = array("q")        # position p is _tokens[p - _base]; SEPARATOR after each document
+        self._base = 0                   # the absolute position of _tokens[0]
+        self.start = 0                   # the first live position (older ones were evicted)
+        self._doc_start = 0              # the open document's first position
+        self._last: int | None = None    # the open document's last token
         self._by_token: dict[int, array] = {}
         self._by_pair: dict[int, array] = {}
         self.documents: deque[tuple[int, int]] = deque()       # closed documents' [start, end)
-        self._closed_tokens = 0         # tokens in `documents`
+        self._closed_tokens = 0          # tokens in `documents`
+
+    @property
+    def end(self) -> int:
+        """One past the last position."""
+        return self._base + len(self._tokens)
 
     # ---- growing ---------------------------------------------------------------------
     def extend(self, tokens) -> None:
         """Append tokens to the open document."""
-        need = self.end + len(tokens) + 1 - self._base
-        if need > len(self._buf):
-            grown = np.full(max(need, 2 * len(self._buf)), SEPARATOR, dtype=np.int64)
-            grown[:len(self._buf)] = self._buf
-            self._buf = grown
-        buf, base, last = self._buf, self._base, self._last
-        by_token, by_pair = self._by_token, self._by_pair
-        p = self.end
+        store, by_token, by_pair = self._tokens, self._by_token, self._by_pair
+        last, p = self._last, self.end
         for t in tokens:
             t = int(t)
-            buf[p - base] = t
+            store.append(t)
             by_token.setdefault(t, array("q")).append(p)
             if last is not None:
                 by_pair.setdefault(last << 32 | t, array("q")).append(p)
             last, p = t, p + 1
-        self._last, self.end = last, p
+        self._last = last
 
     def add_document(self, tokens) -> None:
         """A whole document (a finished request's output): appended, closed, and then the
@@ -102,7 +103,7 @@ class SuffixIndex:
         if self.end > self._doc_start:
             self.documents.append((self._doc_start, self.end))
             self._closed_tokens += self.end - self._doc_start
-            self.end += 1                                       # the SEPARATOR's position
+            self._tokens.append(SEPARATOR)
         self._doc_start, self._last = self.end, None
 
     @property
@@ -123,7 +124,7 @@ class SuffixIndex:
 
     def _compact(self) -> None:
         """Rebuild from the live documents (their positions renumbered from 0)."""
-        docs = [self._buf[s - self._base:e - self._base].tolist() for s, e in self.documents]
+        docs = [self.tokens(s, e) for s, e in self.documents]
         max_tokens = self.max_tokens
         self._clear()
         self.max_tokens = max_tokens
@@ -136,44 +137,47 @@ class SuffixIndex:
 
     # ---- asking ----------------------------------------------------------------------
     def tokens(self, start: int, stop: int) -> list[int]:
-        return self._buf[start - self._base:stop - self._base].tolist()
+        return self._tokens[start - self._base:stop - self._base].tolist()
 
     def match(self, context: list[int], before: int | None = None) -> Match:
         """The recent occurrences of the context's last pair (else its last token) that end
         before position `before` (None: anywhere), with their match lengths."""
         if not context:
-            return _NO_MATCH
+            return Match([], [])
         last = int(context[-1])
         found = None
         if len(context) >= 2:
             found = self._live(self._by_pair.get(int(context[-2]) << 32 | last), before)
-        if found is None:
+        if not found:
             found = self._live(self._by_token.get(last), before)
-        if found is None:
-            return _NO_MATCH
-        tail = np.asarray(context[-self.max_match:], dtype=np.int64)[::-1]          # [L], last token first
-        back = found[:, None] - np.arange(len(tail))[None, :]                      # [C, L] absolute
-        seen = np.where(back >= self.start, self._buf[np.maximum(back - self._base, 0)], SEPARATOR)
-        agree = np.logical_and.accumulate(seen == tail[None, :], axis=1)
-        return Match(found, agree.sum(axis=1))
+        if not found:
+            return Match([], [])
+        tail = context[:-self.max_match - 1:-1]                   # the last token first
+        store, base, start = self._tokens, self._base, self.start
+        lengths = []
+        for p in found:
+            n, limit = 0, min(len(tail), p - start + 1)          # never back into evicted text
+            i = p - base
+            while n < limit and store[i - n] == tail[n]:          # a SEPARATOR never equals a token
+                n += 1
+            lengths.append(n)
+        return Match(found, lengths)
 
-    def _live(self, positions: array | None, before: int | None) -> np.ndarray | None:
+    def _live(self, positions: array | None, before: int | None) -> list[int]:
         if not positions:
-            return None
-        found = np.frombuffer(positions[-self.max_occurrences:], dtype=np.int64)
-        keep = found >= self.start
-        if before is not None:
-            keep &= found < before
-        found = found[keep]
-        return found if len(found) else None
+            return []
+        recent = positions[-self.max_occurrences:].tolist()
+        if recent[0] < self.start or (before is not None and recent[-1] >= before):
+            stop = before if before is not None else self.end
+            recent = [p for p in recent if self.start <= p < stop]
+        return recent
 
-    def following(self, positions: np.ndarray, depth: int) -> np.ndarray:
-        """[C, depth]: the tokens after each position, SEPARATOR from a document's end on."""
-        ahead = positions[:, None] + 1 + np.arange(depth)[None, :] - self._base
-        out = self._buf[np.minimum(ahead, len(self._buf) - 1)]
-        ended = np.logical_or.accumulate((out == SEPARATOR) | (ahead >= self.end - self._base), axis=1)
-        out[ended] = SEPARATOR
+    def following(self, positions: list[int], depth: int) -> list[list[int]]:
+        """The tokens after each position, at most `depth`, up to the end of its document."""
+        store, base, out = self._tokens, self._base, []
+        for p in positions:
+            ahead = store[p + 1 - base:p + 1 + depth - base].tolist()
+            if SEPARATOR in ahead:
+                ahead = ahead[:ahead.index(SEPARATOR)]
+            out.append(ahead)
         return out
-
-
-_NO_MATCH = Match(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))

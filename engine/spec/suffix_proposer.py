@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_right
-
-import numpy as np
 
 from engine.spec.spec_decode import Proposal, Proposer
-from engine.spec.suffix_index import MAX_MATCH, SEPARATOR, Match, SuffixIndex
+from engine.spec.suffix_index import MAX_MATCH, Match, SuffixIndex
 from engine.spec.tree import DraftTree
 
 MAX_LENGTHS_TRIED = 4      # distinct match lengths tried per index, longest first
@@ -73,25 +70,37 @@ class SuffixProposer(Proposer):
         self.own.extend(prompt_ids)
 
     def propose(self, token_ids, k, params, generator) -> Proposal:
+        """A tree of at most k nodes (a chain when the counts never branch)."""
+        return self._draft(token_ids, k, k, None, grown=False)
+
+    supports_trees = True
+
+    def propose_tree(self, token_ids, shape, params, generator) -> Proposal:
+        """A tree of at most shape.nodes nodes, shape.depth deep, shape.top_k children a node;
+        its scores are the nodes' log-probabilities, which the policy trims by (grown)."""
+        return self._draft(token_ids, shape.nodes, shape.depth, shape.top_k, grown=True)
+
+    def _draft(self, token_ids, nodes: int, depth: int, top_k: int | None, grown: bool) -> Proposal:
         t0 = time.perf_counter()
         own = self.own
         if own.end < len(token_ids):
             own.extend(token_ids[own.end:])
         context = token_ids[-MAX_MATCH:]
-        best = best_draft(own, own.match(context, before=own.end - 1), k, self.spec_factor, self.min_prob)
+        rule = (nodes, self.spec_factor, self.min_prob, depth, top_k)
+        best = best_draft(own, own.match(context, before=own.end - 1), *rule)
         source = REQUEST
         shared = self.cache.index
         if shared.num_tokens:
-            theirs = best_draft(shared, shared.match(context), k, self.spec_factor, self.min_prob)
+            theirs = best_draft(shared, shared.match(context), *rule)
             if theirs is not None and (best is None or theirs[1] > best[1]):
                 best, source = theirs, GLOBAL
         if best is None:
             self.last = None
-            return Proposal(DraftTree.chain([]), None, time.perf_counter() - t0)
+            return Proposal(DraftTree([], [], []), None, time.perf_counter() - t0, grown=grown)
         tree = best[0]
         self.cache.drafted[source] += len(tree)
         self.last = (len(token_ids), tree, source)
-        return Proposal(tree, None, time.perf_counter() - t0)
+        return Proposal(tree, None, time.perf_counter() - t0, grown=grown)
 
     def accepted(self, token_ids: list[int]) -> None:
         """Count the last draft's accepted nodes: the path its emitted tokens follow (the
@@ -113,59 +122,66 @@ class SuffixProposer(Proposer):
         self.cache.add_output(token_ids[prompt_len:], self.cache_tokens)
 
 
-def best_draft(index: SuffixIndex, match: Match, k: int, spec_factor: float,
-               min_prob: float) -> tuple[DraftTree, float] | None:
+def best_draft(index: SuffixIndex, match: Match, max_nodes: int, spec_factor: float, min_prob: float,
+               max_depth: int | None = None, top_k: int | None = None) -> tuple[DraftTree, float] | None:
     """The best-scoring draft tree over the match's distinct lengths, with its score; None
     when nothing is worth drafting."""
     best = None
-    for m in sorted(set(match.lengths.tolist()), reverse=True)[:MAX_LENGTHS_TRIED]:
-        nodes = min(k, int(spec_factor * m + 1e-6))
-        if nodes < 1:
-            break                                   # shorter matches allow fewer nodes still
-        windows = index.following(match.positions[match.lengths >= m], nodes)
-        tree, score = continuation_tree(windows, nodes, min_prob)
+    for m in sorted(set(match.lengths), reverse=True)[:MAX_LENGTHS_TRIED]:
+        nodes = min(max_nodes, int(spec_factor * m + 1e-6))
+        if nodes < 1 or (best is not None and best[1] >= nodes):
+            break                         # shorter matches allow fewer nodes: none can score more
+        positions = [p for p, n in zip(match.positions, match.lengths) if n >= m]
+        windows = index.following(positions, min(nodes, max_depth or nodes))
+        tree, score = continuation_tree(windows, nodes, min_prob, top_k)
         if len(tree) and (best is None or score > best[1]):
             best = (tree, score)
     return best
 
 
-def continuation_tree(windows: np.ndarray, max_nodes: int, min_prob: float) -> tuple[DraftTree, float]:
-    """windows [C, D]: the D tokens after each of C occurrences (SEPARATOR where the text
-    ended). The tree of their common prefixes, at most max_nodes nodes of probability (count
-    / C) at least min_prob, most probable first (then shallower, then by token order), node
+def continuation_tree(windows: list[list[int]], max_nodes: int, min_prob: float,
+                      top_k: int | None = None) -> tuple[DraftTree, float]:
+    """windows: the tokens after each of C occurrences. The tree of their common prefixes:
+    at most max_nodes nodes (at most top_k children each) of probability (count / C) at least
+    min_prob, the most probable first (then the shallower, then the more recent), its node
     scores their log-probabilities; and the sum of those probabilities."""
-    occurrences, depth = windows.shape
+    occurrences = len(windows)
     need = max(1, math.ceil(min_prob * occurrences - 1e-9))
-    if occurrences == 1:                                    # one occurrence: a chain, probability 1
-        row = windows[0].tolist()
-        tokens = row[:row.index(SEPARATOR)] if SEPARATOR in row else row
-        tokens = tokens[:max_nodes]
-        return DraftTree(tokens, list(range(-1, len(tokens) - 1)), [0.0] * len(tokens)), float(len(tokens))
-    rows = windows[np.lexsort(windows.T[::-1])]            # sorted by the first token, then the second...
-    new = np.ones((occurrences, depth), dtype=bool)        # [i, d]: row i starts a new prefix of length d + 1
-    new[1:] = np.logical_or.accumulate(rows[1:] != rows[:-1], axis=1)
-    starts_at: list[list[int]] = []
-    found: list[tuple[int, int, int]] = []                 # (-count, depth, first row)
-    for d in range(depth):
-        starts = np.flatnonzero(new[:, d])
-        counts = np.diff(starts, append=occurrences)
-        ok = (counts >= need) & (rows[starts, d] != SEPARATOR)
-        if not ok.any():
-            break
-        starts_at.append(starts.tolist())
-        found.extend((-c, d, s) for c, s in zip(counts[ok].tolist(), starts[ok].tolist()))
-    found.sort()
-    node_of: dict[tuple[int, int], int] = {}
+    trie: dict = {}                                   # token -> [count, children, latest occurrence]
+    for i, window in enumerate(windows):
+        level = trie
+        for token in window:
+            entry = level.get(token)
+            if entry is None:
+                entry = level[token] = [0, {}, i]
+            entry[0] += 1
+            entry[2] = i
+            level = entry[1]
+    found = []                                        # (-count, depth, -latest, token, children, parent key)
+    stack = [(trie, 0, None)]
+    while stack:
+        level, depth, parent = stack.pop()
+        for token, (count, children, latest) in level.items():
+            if count >= need:
+                key = (-count, depth, -latest, token)
+                found.append(key + (parent,))
+                stack.append((children, depth + 1, key))
+    found.sort(key=lambda f: f[:4])                   # a parent sorts before its children
+    node_of: dict = {}
     tree, total = DraftTree([], [], []), 0
-    for neg_count, d, s in found[:max_nodes]:
-        if d == 0:
-            parent = -1
-        else:                                              # the prefix one shorter that holds row s
-            above = starts_at[d - 1]
-            parent = node_of[(d - 1, above[bisect_right(above, s) - 1])]
-        node_of[(d, s)] = len(tree)
-        tree.tokens.append(int(rows[s, d]))
-        tree.parents.append(parent)
+    kids: dict = {}
+    for neg_count, depth, neg_latest, token, parent in found:
+        if len(tree) == max_nodes:
+            break
+        if parent is not None and parent not in node_of:
+            continue                                  # its parent was left out (top_k)
+        p = -1 if parent is None else node_of[parent]
+        if top_k is not None and kids.get(p, 0) == top_k:
+            continue
+        kids[p] = kids.get(p, 0) + 1
+        node_of[(neg_count, depth, neg_latest, token)] = len(tree)
+        tree.tokens.append(token)
+        tree.parents.append(p)
         tree.scores.append(math.log(-neg_count / occurrences))
         total -= neg_count
     return tree, total / occurrences
