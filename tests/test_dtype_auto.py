@@ -61,8 +61,13 @@ def test_the_step_is_measured_once_per_cpu_and_model_format(tmp_path, monkeypatc
     float_weights = "llama config abc, safetensors | weight_dtype float | compile auto"
     fastest_step(cache, float_weights, step_seconds)
     assert len(calls) == 4 and set(json.loads(cache.read_text())) == {step_key(q4), step_key(float_weights)}
+    # read back under the engine's starting thread count, whatever its governor lowered torch's to since
+    from engine.runtime.cpu_dtype import known_steps
+    starting = torch.get_num_threads()
+    assert known_steps(cache, q4, threads=starting) == {"float32": 0.01, "bfloat16": 0.02}
+    assert known_steps(cache, q4, threads=starting + 1) is None
     # another CPU (or thread count, torch, ISA cap: all in cpu_key) measures again
-    monkeypatch.setattr(cpu_dtype, "cpu_key", lambda: "another CPU")
+    monkeypatch.setattr(cpu_dtype, "cpu_key", lambda threads=None: "another CPU")
     fastest_step(cache, q4, step_seconds)
     assert len(calls) == 6
     # a corrupt file is measured again, not a crash

@@ -334,7 +334,7 @@ def _dtype_auto(args, eng) -> dict | None:
     from engine.loading.loader import cache_dir
     from engine.runtime.cpu_dtype import dtype_name, known_steps, step_choice
     fmt = model_format(args.model, eng.config)
-    steps = known_steps(cache_dir() / STEP_DTYPE_CACHE, fmt)
+    steps = known_steps(cache_dir() / STEP_DTYPE_CACHE, fmt, eng.thread_governor.most)
     return {"picks": dtype_name(step_choice(steps).dtype) if steps else None, "step_s": steps, "model_format": fmt}
 
 

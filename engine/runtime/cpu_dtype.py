@@ -50,14 +50,16 @@ class DtypeChoice:
     why: str                    # what "In effect" says of it
 
 
-def cpu_key() -> str:
+def cpu_key(threads: int | None = None) -> str:
     """What the probe's answer depends on: the CPU, its ISA as torch and oneDNN see it (a
-    ONEDNN_MAX_CPU_ISA or ATEN_CPU_CAPABILITY cap changes it), torch and the threads."""
+    ONEDNN_MAX_CPU_ISA or ATEN_CPU_CAPABILITY cap changes it), torch and the threads (torch's
+    count now, or `threads`: an engine's starting count, which its thread governor lowers
+    while other programs keep cores busy)."""
     onednn = ",".join(dtype_name(d) for d in CANDIDATES if packed_linear.refusal(d) is None) or "none"
     from engine.kernels import cpu_linear
     ours = "none" if cpu_linear.refusal() else f"{cpu_linear.isa()} {cpu_linear.build_tag()}"
     return (f"v2 | {cpu_features.model_name()} | {cpu_features.isa_name()} | {torch.backends.cpu.get_cpu_capability()} | "
-            f"oneDNN {onednn} | ours {ours} | torch {torch.__version__} | {torch.get_num_threads()} threads")
+            f"oneDNN {onednn} | ours {ours} | torch {torch.__version__} | {threads or torch.get_num_threads()} threads")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -130,8 +132,8 @@ def fastest_step(cache_file: Path, model_format: str, step_seconds: Callable[[to
                                       keep=lambda measured: any(not isinstance(v, str) for v in measured.values())))
 
 
-def step_key(model_format: str) -> str:
-    return f"{cpu_key()} | {model_format}"
+def step_key(model_format: str, threads: int | None = None) -> str:
+    return f"{cpu_key(threads)} | {model_format}"
 
 
 def measure_steps(step_seconds: Callable[[torch.dtype], float]) -> dict[str, float | str]:
@@ -166,9 +168,10 @@ def step_choice(measured: dict) -> DtypeChoice:
                        + (f"; {skipped}" if skipped else ""))
 
 
-def known_steps(cache_file: Path, model_format: str) -> dict | None:
-    """What the whole-step measurement found for this CPU and model format, if it has run."""
-    found = _read_cache(cache_file).get(step_key(model_format))
+def known_steps(cache_file: Path, model_format: str, threads: int | None = None) -> dict | None:
+    """What the whole-step measurement found for this CPU, model format and thread count
+    (an engine's starting count: its thread_governor.most), if it has run."""
+    found = _read_cache(cache_file).get(step_key(model_format, threads))
     return found if isinstance(found, dict) else None
 
 
