@@ -85,7 +85,7 @@ class FakePeer:
 
 class FakeEngine:
     dtype_why = "asked for"
-    thread_governor = SimpleNamespace(describe=lambda: "fixed")
+    thread_governor = SimpleNamespace(describe=lambda: "fixed", most=2)
 
     def __init__(self, dtype):
         self.dtype = dtype

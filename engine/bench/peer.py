@@ -115,7 +115,7 @@ def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k:
     server_dtype = peer_dtype or local_info["dtype"]
     server, server_info = {}, {}
     for mode in MODES:
-        # as many threads as torch uses, so both sides get the same cores
+        # as many threads as our engine started with, so both sides get the same cores
         with peer.server(threads=threads, dtype=server_dtype, k=k if mode == "spec" else None) as process:
             server[mode] = _through_server(process.url, prompts, tokens)
             server_info = peer.info(process, threads)
@@ -143,7 +143,8 @@ def local_side(engine, dtype_setting: str) -> dict:
     settings = engine.settings()
     return {"dtype": settings["dtype"], "dtype_setting": dtype_setting, "dtype_why": engine.dtype_why,
             "weights": settings.get("weight_dtype") or "dequantized by our loader",
-            "kv_cache_dtype": settings["kv_cache_dtype"], "threads": settings["threads"]}
+            "kv_cache_dtype": settings["kv_cache_dtype"], "threads": engine.thread_governor.most,
+            "thread_policy": engine.thread_governor.describe()}
 
 
 def _fields(side: str, results: dict) -> dict:
@@ -167,7 +168,6 @@ def _summaries(stats: list) -> dict:
 
 
 def _local(peer, prompts, tokens: int, k: int, compile_mode: str, dtype: str = "auto") -> tuple[dict, dict, object]:
-    import torch
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.engine import SELF_DRAFT
     engine = LLMEngine.load(peer.local_model, EngineConfig(device="cpu", enable_prefix_caching=False,
@@ -179,7 +179,8 @@ def _local(peer, prompts, tokens: int, k: int, compile_mode: str, dtype: str = "
     for mode in MODES:
         engine.reconfigure(proposer=peer.local_proposer if mode == "spec" else "off", num_speculative_tokens=k)
         results[mode] = _measured(lambda prompt: engine.generate_text(prompt, params)[2], prompts)
-    info = {"precision": _local_precision(engine), "threads": torch.get_num_threads(),
+    # the engine's starting count: its governor may have lowered torch's while other programs ran
+    info = {"precision": _local_precision(engine), "threads": engine.thread_governor.most,
             "compile": engine.settings()["compile"], "dtype": engine.settings()["dtype"],
             "side": local_side(engine, dtype)}
     engine.reconfigure(proposer="off")
@@ -250,14 +251,13 @@ SLOT_CONTEXT_MIN = 2048
 
 def run_peer_sweep(model: str | None, prompts: int, tokens: int, levels: list[int], engine_name: str = LLAMA,
                    compare: str | None = None, *, dtype: str = "auto", peer_dtype: str | None = None) -> dict:
-    import torch
     from engine import EngineConfig, LLMEngine
     peer = peer_for(engine_name, model)
     key, values = parse_compare(compare) if compare else (None, [None])
     load_start = os.getloadavg()[0]
     engine = LLMEngine.load(peer.local_model, EngineConfig(device="cpu", enable_prefix_caching=False, dtype=dtype))
     ours = local_side(engine, dtype)          # before --compare's arms change its settings
-    threads, server_dtype = torch.get_num_threads(), peer_dtype or engine.settings()["dtype"]
+    threads, server_dtype = engine.thread_governor.most, peer_dtype or engine.settings()["dtype"]
     chats = {level: [[{"role": "user", "content": f"{PEER_PROMPTS[i % len(PEER_PROMPTS)]} (request {i})"}]
                      for i in range(max(prompts, level))] for level in levels}
     local = {}
