@@ -1,6 +1,7 @@
 """A GGUF's k-quants served as stored: each block type decoded exactly into the kernels' forms
-(gguf.quants.dequantize is the oracle), a Q4_K_M file's linears served as stored with no float
-read of them, mixed fused linears stacked, and a type no kernel takes dequantized and named."""
+(gguf.quants.dequantize is the oracle), Q4_K_M and Q5_K_M files' linears served as stored with
+no float read of them, mixed fused linears stacked, and a type no kernel takes dequantized and
+named. The table of stored formats (engine.loading.stored_formats) decides each of them."""
 from types import SimpleNamespace
 
 import gguf
@@ -18,11 +19,14 @@ from engine.models.llama import Linear
 from tests.conftest import LOGITS_TEXT, our_logits
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 64, 256
-# One tensor per stored type, named as a Llama layer's: q and k have their rows permuted by
+# One tensor per stored type, named as a Llama model's: q and k have their rows permuted by
 # llama.cpp, which transformers' processor (and so our decoding) undoes.
-STORED = {"attn_q": ("self_attn.q_proj", "Q4_K", HEADS * HEAD_DIM), "attn_k": ("self_attn.k_proj", "Q6_K", KV_HEADS * HEAD_DIM),
-          "attn_v": ("self_attn.v_proj", "Q8_0", KV_HEADS * HEAD_DIM), "attn_output": ("self_attn.o_proj", "Q4_1", HIDDEN),
-          "ffn_gate": ("mlp.gate_proj", "Q4_0", 512), "ffn_up": ("mlp.up_proj", "Q5_0", 512)}
+STORED = {"blk.0.attn_q": ("model.layers.0.self_attn.q_proj", "Q4_K", HEADS * HEAD_DIM),
+          "blk.0.attn_k": ("model.layers.0.self_attn.k_proj", "Q6_K", KV_HEADS * HEAD_DIM),
+          "blk.0.attn_v": ("model.layers.0.self_attn.v_proj", "Q8_0", KV_HEADS * HEAD_DIM),
+          "blk.0.attn_output": ("model.layers.0.self_attn.o_proj", "Q4_1", HIDDEN),
+          "blk.0.ffn_gate": ("model.layers.0.mlp.gate_proj", "Q4_0", 512), "blk.0.ffn_up": ("model.layers.0.mlp.up_proj", "Q5_0", 512),
+          "blk.0.ffn_down": ("model.layers.0.mlp.down_proj", "Q5_K", HIDDEN), "output": ("lm_head", "Q5_1", 256)}
 # A small Llama in llama.cpp's Q4_K_M mix: ffn_down's rows (384) are not whole super-blocks, so
 # they fall back as llama.cpp's do (Q4_K -> Q5_0 in layers 0-1, Q6_K -> Q8_0 in layers 2-3,
 # which use_more_bits picks, as it picks their attn_v for Q6_K); the tied embedding is Q6_K.
@@ -43,9 +47,9 @@ def blocks_file(tmp_path_factory):
     processor = TENSOR_PROCESSORS["llama"](config={"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS})
     for name, (hf, kind, rows) in STORED.items():
         stored = quantize(rng.standard_normal((rows, HIDDEN), dtype=np.float32) * 0.02, kind)
-        writer.add_tensor(f"blk.0.{name}.weight", stored, raw_dtype=gguf.GGMLQuantizationType[kind])
+        writer.add_tensor(f"{name}.weight", stored, raw_dtype=gguf.GGMLQuantizationType[kind])
         oracle = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType[kind])
-        expected[f"model.layers.0.{hf}.weight"] = processor.process(weights=oracle, name=f"blk.0.{name}.weight").weights
+        expected[f"{hf}.weight"] = processor.process(weights=oracle, name=f"{name}.weight").weights
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -55,8 +59,9 @@ def blocks_file(tmp_path_factory):
 
 
 def test_each_block_type_decodes_to_the_oracles_weights_exactly(blocks_file):
-    """In the kernels' forms: int4 w = (q - 8) * scale + zero, int8 groups w = q * scale, bit for
-    bit in float32 (the products are exact, so float64 then one rounding is the oracle's)."""
+    """In the kernels' forms: int4 w = (q - 8) * scale + zero, int8 groups w = q * scale (Q5's:
+    + zero), bit for bit in float32 (the products are exact, so float64 then one rounding is
+    the oracle's)."""
     tensors, expected = blocks_file
     for name, want in expected.items():
         kind = tensors.type_of(name)
@@ -71,9 +76,11 @@ def test_each_block_type_decodes_to_the_oracles_weights_exactly(blocks_file):
             if kind == "Q6_K":
                 assert -32 <= int(q.min()) and int(q.max()) <= 31
             groups = q.double().view(q.shape[0], -1, group) * scale.double()[..., None]
-        else:       # Q5_0: no kernel's form; read dequantized
-            assert torch.equal(tensors.dequantized(name), torch.from_numpy(want)), name
-            continue
+        else:       # Q5_0, Q5_1, Q5_K: 8-bit groups of 32 with a zero point, q the 5-bit value
+            q, scale, zero = tensors.int8_groups(name)
+            assert q.dtype == torch.uint8 and int(q.max()) <= 31 and scale.shape[1] == HIDDEN // 32 == zero.shape[1]
+            assert tensors.int8_group(name) == 32
+            groups = q.double().view(q.shape[0], -1, 32) * scale.double()[..., None] + zero.double()[..., None]
         assert torch.equal(groups.view(q.shape).float(), torch.from_numpy(want)), (name, kind)
 
 
@@ -147,12 +154,13 @@ def test_our_float_read_of_a_gguf_is_transformers_own(mix_file, exact):
 def test_every_quantized_tensor_a_kernel_takes_is_served_as_stored(as_stored):
     report = as_stored.weights.as_dict()
     assert report["served"] == {"Q4_K": "int4 as stored (group 32)", "Q6_K": "int8 as stored (group 16)",
-                                "Q8_0": "int8 as stored (group 32)", "Q5_0": "bfloat16 (dequantized: no kernel takes Q5_0)"}
-    assert (report["quantized_linears"], report["linears"]) == (4 * 4 + 1 - 2, 4 * 4 + 1)     # all but two Q5_0 downs
+                                "Q8_0": "int8 as stored (group 32)", "Q5_0": "int8 as stored (group 32)"}
+    assert (report["quantized_linears"], report["linears"]) == (4 * 4 + 1, 4 * 4 + 1)     # the Q5_0 downs too
     for i, layer in enumerate(as_stored.model.layers):
         for name, m in layer.named_modules():
-            if isinstance(m, Linear) and not (name == "mlp.down_proj" and i < 2):
+            if isinstance(m, Linear):
                 assert m.quant is not None and m.weight.is_meta, (i, name)
+    assert [layer.mlp.down_proj.quant.describe() for layer in as_stored.model.layers[:2]] == ["int8 (group 32)"] * 2
     head = as_stored.model.lm_head
     # the tied embedding's rows are looked up in the head's stored bytes: no float table
     embedding = as_stored.model.embed_tokens
@@ -182,10 +190,10 @@ def test_served_as_stored_logits_stay_as_close_to_exact_as_bf16(mix_file, as_sto
 
 
 def test_a_tensor_served_as_stored_is_never_read_in_float(mix_file, monkeypatch):
-    """Only the norms and the Q5_0 tensors no kernel takes are dequantized at load (and the
-    last down projection and every 997th embedding row, for the weights' fingerprint, which a
-    draft head checks: engine.models.eagle_head); every other tensor goes from its blocks to
-    its kernel, the embedding's lookups included."""
+    """Only the norms are dequantized at load (and the last down projection and every 997th
+    embedding row, for the weights' fingerprint, which a draft head checks:
+    engine.models.eagle_head); every other tensor goes from its blocks to its kernel, the Q5_0
+    downs and the embedding's lookups included."""
     if _kernels_refuse():
         pytest.skip(f"no quantized kernel here: {_kernels_refuse()}")
     read = []
@@ -194,10 +202,9 @@ def test_a_tensor_served_as_stored_is_never_read_in_float(mix_file, monkeypatch)
                         read.append(name if rows == slice(None) else f"{name}[{rows.start}:{rows.stop}:{rows.step}]")
                         or original(self, name, dtype, rows))
     loaded = load_model(str(mix_file), dtype=torch.bfloat16)
-    assert loaded.weights.quantized == 15
+    assert loaded.weights.quantized == 17
     assert sorted(n for n in read if not n.endswith("norm.weight")) == [
-        "model.embed_tokens.weight[None:None:997]", "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight",
-        "model.layers.3.mlp.down_proj.weight"]
+        "model.embed_tokens.weight[None:None:997]", "model.layers.3.mlp.down_proj.weight"]
 
 
 def test_a_large_tensor_is_packed_in_slices_of_rows_with_the_same_results(mix_file, as_stored, monkeypatch):
@@ -224,7 +231,7 @@ def test_the_header_is_read_as_gguf_reads_it(mix_file):
 
 def test_bench_load_measures_a_gguf_against_its_file_size(mix_file):
     """`bench load` on a GGUF: peak RSS against the file's size, and how each stored type is
-    served (here Q5_0 is not as stored, so not every quantized tensor is)."""
+    served (Q5_0 too: every quantized tensor as stored)."""
     from engine.bench.load import RSS_FACTOR, RSS_SLACK, run_load_bench
     result = run_load_bench(str(mix_file), None, "cpu", None)
     assert result["gguf"] and result["dtype"] == "bfloat16" and result["file_bytes"] == mix_file.stat().st_size
@@ -232,4 +239,4 @@ def test_bench_load_measures_a_gguf_against_its_file_size(mix_file):
     assert result["rss_target_bytes"] == int(RSS_FACTOR * result["file_bytes"] + RSS_SLACK)
     assert result["stored_types"] == ["Q4_K", "Q5_0", "Q6_K", "Q8_0"]
     assert result["weights"]["served"]["Q4_K"] == "int4 as stored (group 32)" or _kernels_refuse()
-    assert result["all_quantized_as_stored"] is False       # Q5_0: dequantized
+    assert result["all_quantized_as_stored"] is (not _kernels_refuse())       # Q5_0 too

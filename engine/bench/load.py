@@ -205,7 +205,7 @@ def measure(folder: Path, device: str, dtype_name: str) -> dict:
     from engine.cache.memory_plan import weights_bytes
     from engine.engine import pick_device
     from engine.loading.loader import load_config, load_model, open_checkpoint
-    from engine.loading.weight_quant import FLOAT_TYPES
+    from engine.loading.stored_formats import FLOAT_TYPES
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401 - imports are not part of a load
     device = str(pick_device(device))
     checkpoint = open_checkpoint(folder, load_config(folder))

@@ -1,5 +1,7 @@
 """Weight-only quantized linears: 4-bit weights in groups of 32 along the input dim, 8-bit
-weights in groups (Q8_0: 32, Q6_K: 16) or per output channel.
+weights in groups (Q8_0, Q5_0, Q5_1, Q5_K: 32; Q6_K: 16) or per output channel. Which stored
+format is served in which form, on which device, is engine.loading.stored_formats' table;
+this module only builds, checks and runs the forms.
 
 Two kernels, each tried before it serves:
   - ours (engine.kernels.cpu_quant, `workbench_cpu::linear_q`): every kind, fp32 or bf16
@@ -14,7 +16,8 @@ A kind neither kernel takes here is served as float by the loader, which says wh
 (`unsupported`). The forms the loaders hand over:
   - int4: q 0..15 with w = (q - 8) * scale + zero per group (llama.cpp's Q4_1, w = d * q + m:
     scale = d, zero = m + 8d; Q4_0, w = d * (q - 8): scale = d, zero = 0);
-  - int8 groups: q -128..127 with w = q * scale per group;
+  - int8 groups: q -128..127 with w = q * scale per group, or, for a format with a zero point
+    (Q5_0, Q5_1, Q5_K), q 0..255 with w = q * scale + zero;
   - int8 per channel: q -128..127 with w = q * scale per output row.
 Quantization of a float weight is round-to-nearest, as gpt-fast's: int8 symmetric per
 channel, int4 asymmetric per group (min/max over the group), its scale and minimum rounded to
@@ -33,7 +36,7 @@ from engine.errors import first_line
 from engine.kernels import cpu_quant
 
 INT4, INT8 = "int4", "int8"
-INT8_GROUPS = "int8-groups"     # 8-bit weights with a float scale per group (Q8_0: 32, Q6_K: 16)
+INT8_GROUPS = "int8-groups"     # 8-bit weights with a float scale (and zero) per group (Q6_K: 16; others 32)
 BITS = {INT4: 4, INT8: 8, INT8_GROUPS: 8}
 INT4_GROUP = 32                 # llama.cpp's Q4 block; gpt-fast's default is 32 too
 OURS, TORCH = "ours", "torch"
@@ -157,22 +160,30 @@ def from_int4_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, d
     return QuantizedWeight(INT4, data, scales_and_zeros, (out, inp), group, TORCH, dtype)
 
 
-def from_int8_groups(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
-    """q [out, in] integers -128..127; scale [out, in / group] with w = q * scale (Q8_0: group
-    32; Q6_K: group 16, scale d * sc and q the 6-bit value minus 32). Only our kernel takes it
-    (`unsupported` says where it does not)."""
+def from_int8_groups(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                     zero: torch.Tensor | None = None) -> QuantizedWeight:
+    """q [out, in]; scale (and zero) [out, in / group] with w = q * scale (+ zero). Without a
+    zero q is int8 -128..127 (Q8_0: group 32; Q6_K: group 16, scale d * sc and q the 6-bit
+    value minus 32); with one q is uint8 0..255 (Q5_0: q the 5-bit value, zero -16 d; Q5_K:
+    scale d * sc, zero -dmin * m). Only our kernel takes it (`unsupported` says where it does
+    not)."""
     out, inp = q.shape
     group = inp // scale.shape[1]
     why = _our_refusal(INT8_GROUPS, (out, inp), group)
     if why:
         raise ValueError(f"8-bit groups cannot be served here: {why}")
-    w, scales = _pack8(q, scale.float())
+    w, scales = _pack8(q, scale.float(), None if zero is None else zero.float())
     return QuantizedWeight(INT8_GROUPS, w, scales, (out, inp), group, OURS, dtype)
 
 
-def _pack8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 q and a scale per group -> our kernel's bytes u = q + 128, with m = -128 d."""
-    return cpu_quant.pack(q.to(torch.int16) + cpu_quant.OFFSET8, scale, -cpu_quant.OFFSET8 * scale, 8)
+def _pack8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit q, a scale and a zero per group -> our kernel's bytes, w = d * u + m: an unsigned q
+    (uint8) as it is, u = q, m = zero; a signed one (int8) as u = q + 128, m = zero - 128 d
+    (-128 d without a zero: the bits Q8_0 and Q6_K have always had)."""
+    if q.dtype == torch.uint8:
+        return cpu_quant.pack(q, scale, torch.zeros_like(scale) if zero is None else zero, 8)
+    offset = -cpu_quant.OFFSET8 * scale
+    return cpu_quant.pack(q.to(torch.int16) + cpu_quant.OFFSET8, scale, offset if zero is None else zero + offset, 8)
 
 
 @dataclass

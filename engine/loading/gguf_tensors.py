@@ -1,6 +1,7 @@
 """A GGUF file's tensors as stored, under transformers' names: which quantization each one
-has, its blocks decoded exactly into the quantized kernels' forms (engine.layers.quantized_linear),
-and a per-tensor float read for what no kernel takes.
+has, its blocks decoded exactly into the quantized kernels' forms (engine.layers.quantized_linear;
+which form each type is served in is engine.loading.stored_formats' table), and a per-tensor
+float read for what no kernel takes.
 
 The file's header is parsed here (`read_header`: the tensors' names, types, shapes and
 offsets, and the scalar metadata; the tokenizer's arrays are skipped, where the `gguf`
@@ -20,6 +21,16 @@ Block layouts (ggml-common.h), forms given to the kernels:
         of 32, 128 bytes of nibbles; w = d*sc * q - dmin*m    int4 (group 32): scale d*sc,
         zero 8*d*sc - dmin*m. Bytes 32j..32j+31 hold sub-block 2j in their low nibbles and
         sub-block 2j + 1 in their high ones.
+  Q5_0  fp16 d, 4 bytes qh, 16 bytes of nibbles: w = d * (q - 16), q 0..31: the low 4 bits
+        as Q4_0's nibbles, bit 4 of element j in bit j of qh (a little-endian uint32)
+                                                              int8 groups of 32: q, scale d,
+                                                              zero -16d
+  Q5_1  fp16 d, fp16 m, qh, nibbles as Q5_0: w = d * q + m    int8 groups of 32: q, scale d,
+                                                              zero m
+  Q5_K  super-block of 256: Q4_K's d, dmin and 12 bytes of (sc, m), 32 bytes qh, 128 bytes
+        of nibbles as Q4_K's; bit 4 of value l of sub-block j in bit j of qh[l];
+        w = d*sc * q - dmin*m, q 0..31                        int8 groups of 32: q, scale
+                                                              d*sc, zero -dmin*m
   Q8_0  fp16 d, 32 int8: w = d * q                            int8 groups of 32: scale d
   Q6_K  super-block of 256: ql 128 bytes (low 4 bits), qh 64 bytes (high 2 bits), int8
         scales[16], fp16 d; w = d*sc * (q - 32)               int8 groups of 16: q - 32 in
@@ -27,10 +38,11 @@ Block layouts (ggml-common.h), forms given to the kernels:
   MXFP4 block of 32: E8M0 exponent byte e, 16 bytes of E2M1 codes (byte j: value j in its
         low nibble, value j + 16 in its high one); w = fp4 * 2^(e - 127). No kernel takes
         it: dequantized as read (gpt-oss's experts), exactly (a 4-bit float times a power of two).
-Every product above is exact in float32 (an fp16 times a 6- or 8-bit integer), so the
-kernel's form gives the same float32 weights as `gguf.quants.dequantize` (Q4_K's zero is one
-float32 subtraction, exact while d*sc and dmin*m are within 2^7 of each other, as
-llama.cpp's quantizer makes them).
+Every product above is exact in float32 (an fp16 times a 5-, 6- or 8-bit integer, d*sc times
+a 5-bit q), so the kernel's form gives the same float32 weights as `gguf.quants.dequantize`,
+which rounds once where the form adds its zero (Q4_K's zero is one float32 subtraction,
+exact while d*sc and dmin*m are within 2^7 of each other, as llama.cpp's quantizer makes
+them). Any other type is read through `gguf.quants.dequantize`.
 
 Mixture-of-experts files (qwen3moe, gpt-oss) stack each layer's experts into one 3-D tensor
 per projection, `blk.N.ffn_{gate,up,down}_exps` ([E, out, in] in torch's order; gpt-oss's
@@ -56,10 +68,10 @@ import numpy as np
 import torch
 
 from engine.errors import CheckpointError
+from engine.layers.quantized_linear import INT4, INT8_GROUPS
+from engine.loading.stored_formats import format_of
 
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")           # served as int4 as stored (groups of 32)
-INT8_GROUP_TYPES = {"Q8_0": 32, "Q6_K": 16}     # served as int8 groups as stored: type -> group
-FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
+FLOAT_READS = {"F32": np.float32, "F16": np.float16}      # float types read as they are
 BLOCK = 32
 READ_BYTES = 16 * 2**20         # stored bytes decoded per slice of rows
 # transformers' names of the tensors a Llama-family GGUF may hold (per layer: the rest)
@@ -139,23 +151,26 @@ class GGUFTensors:
         return BLOCK
 
     def int8_group(self, hf_name: str) -> int:
-        return INT8_GROUP_TYPES[self.type_of(hf_name)]
+        return format_of(self.type_of(hf_name)).group
 
     def int4_groups(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [out, in] uint8 0..15, scale, zero [out, in / 32] float32) with
         w = (q - 8) * scale + zero, rows in transformers' order (`rows`: only those)."""
-        kind = self.type_of(hf_name)
-        if kind not in INT4_TYPES:
-            raise ValueError(f"{hf_name} is {kind}, not one of {INT4_TYPES}")
-        return self._decoded(hf_name, _INT4_DECODERS[kind], rows=rows)
+        return self._decoded(hf_name, self._decoder(hf_name, INT4), rows=rows)
 
-    def int8_groups(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [out, in] int8, scale [out, in / group] float32) with w = q * scale (group 32
-        for Q8_0, 16 for Q6_K), rows in transformers' order (`rows`: only those)."""
+    def int8_groups(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor, ...]:
+        """(q [out, in], scale [out, in / group] float32) with w = q * scale, q int8 (Q8_0:
+        group 32; Q6_K: 16); or, for a type with a zero point (Q5_0, Q5_1, Q5_K: group 32),
+        (q uint8 0..31, scale, zero) with w = q * scale + zero. Rows in transformers' order
+        (`rows`: only those)."""
+        return self._decoded(hf_name, self._decoder(hf_name, INT8_GROUPS), rows=rows)
+
+    def _decoder(self, hf_name: str, form: str):
+        """The decoder of the tensor's type into `form`, which the table must give that type."""
         kind = self.type_of(hf_name)
-        if kind not in INT8_GROUP_TYPES:
-            raise ValueError(f"{hf_name} is {kind}, not one of {tuple(INT8_GROUP_TYPES)}")
-        return self._decoded(hf_name, _INT8_DECODERS[kind], rows=rows)
+        if format_of(kind).cpu.form != form or kind not in _DECODERS:
+            raise ValueError(f"{hf_name} is {kind}, which is not served as {form} (engine.loading.stored_formats)")
+        return _DECODERS[kind]
 
     def dequantized(self, hf_name: str, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
         """The tensor in `dtype`, as `gguf.quants.dequantize` gives it (then rounded to
@@ -163,8 +178,8 @@ class GGUFTensors:
         a time, so no float32 copy of a large tensor is made on the way to a bf16 one."""
         t = self._tensor(hf_name)
         qtype = t.tensor_type
-        if t.tensor_type.name in FLOAT_TYPES:
-            decode = lambda raw: (raw.reshape(raw.shape[0], -1).view(FLOAT_TYPES[qtype.name]),)   # noqa: E731
+        if t.tensor_type.name in FLOAT_READS:
+            decode = lambda raw: (raw.reshape(raw.shape[0], -1).view(FLOAT_READS[qtype.name]),)   # noqa: E731
         elif t.tensor_type.name in _FLOAT_DECODERS:
             decode = lambda raw: (_FLOAT_DECODERS[qtype.name](raw),)                               # noqa: E731
         else:
@@ -259,6 +274,34 @@ def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, m
 
 
+def _q5_values(qh: np.ndarray, nibbles: np.ndarray) -> np.ndarray:
+    """Q5_0's and Q5_1's 32 five-bit values per block: element j < 16 in the low nibble of
+    byte j, element j + 16 in its high nibble, bit 4 of element j in bit j of qh (4 bytes, a
+    little-endian uint32)."""
+    high = np.unpackbits(qh, axis=-1, bitorder="little")                # [rows, blocks, 32]: bit j
+    return np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1) | (high << 4)
+
+
+def _q5_0(raw: np.ndarray):
+    d = _fp16(raw, 0)
+    return _rows(_q5_values(raw[..., 2:6], raw[..., 6:])), d, -16 * d
+
+
+def _q5_1(raw: np.ndarray):
+    return _rows(_q5_values(raw[..., 4:8], raw[..., 8:])), _fp16(raw, 0), _fp16(raw, 2)
+
+
+def _q5_k(raw: np.ndarray):
+    rows, blocks = raw.shape[:2]
+    d, dmin = _fp16(raw, 0)[..., None], _fp16(raw, 2)[..., None]
+    sc, m = _k_scale_min(raw[..., 4:16])                        # [rows, blocks, 8] each
+    qh = raw[..., 16:48].reshape(rows, blocks, 1, 32)           # bit j of byte l: value l of sub-block j
+    high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+    nibbles = raw[..., 48:].reshape(rows, blocks, 4, 1, 32)     # as Q4_K's
+    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=3).reshape(rows, blocks, 8, 32)
+    return _rows(low | (high << 4)), _rows(d * sc.astype(np.float32)), _rows(-(dmin * m.astype(np.float32)))
+
+
 def _q8_0(raw: np.ndarray):
     return _rows(raw[..., 2:].copy().view(np.int8)), _fp16(raw, 0)
 
@@ -285,8 +328,9 @@ def _mxfp4(raw: np.ndarray) -> np.ndarray:
     return _rows(np.ldexp(values, raw[..., :1].astype(np.int32) - 128))
 
 
-_INT4_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
-_INT8_DECODERS = {"Q8_0": _q8_0, "Q6_K": _q6_k}
+# each GGUF type the table serves in a kernel's form, decoded into it
+_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q5_K": _q5_k,
+             "Q6_K": _q6_k, "Q8_0": _q8_0}
 _FLOAT_DECODERS = {"MXFP4": _mxfp4}     # decoded here, faster than gguf.quants (the same values)
 
 

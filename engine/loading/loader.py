@@ -36,6 +36,7 @@ import torch
 from engine.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from engine.loading.awq_gptq import GPTQ_CONFIG_FILE, AWQGPTQTensors, read_quantization_config
 from engine.loading.checkpoint import Checkpoint
+from engine.loading.stored_formats import format_of
 from engine.loading.weight_quant import AUTO, FLOAT, WeightReport, release_freed_memory, serve_weights, served_as_stored
 from resources import DRAFTS_DIR
 
@@ -431,7 +432,8 @@ def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.
     weights = serve_weights(model, weight_dtype, torch.device(device), stored)
     if getattr(checkpoint, "mxfp4", False):
         weights.served.pop("MXFP4", None)          # a GGUF's: said once, below
-        weights.served["MXFP4 experts"] = f"dequantized at load to {str(dtype).removeprefix('torch.')} (no MXFP4 kernel yet)"
+        weights.served["MXFP4 experts"] = (f"dequantized at load to {str(dtype).removeprefix('torch.')} "
+                                           f"({format_of('MXFP4').on(torch.device(device)).why})")
     name = "SmolLM2-135M-Instruct (embedded)" if reference in (None, "", DEFAULT_MODEL) else Path(str(reference)).name
     progress("model ready", 1.0)
     identity = identity_of(folder, checkpoint.files) + weights.identity_tag

@@ -1,10 +1,10 @@
 """Random-weight GGUF files of real shapes, quantized as llama.cpp's recipes quantize them
-(Q4_K_M, MXFP4_MOE), for tests and `bench load`.
+(Q4_K_M, Q5_K_M, MXFP4_MOE), for tests and `bench load`.
 
 `write_gguf(path, "qwen3-1.7b", "Q4_K_M")` writes a GGUF with the architecture's metadata,
 the embedded default model's tokenizer (its vocabulary padded by the embedding's extra
 rows, as real files often are), and every weight quantized to the type the recipe gives
-it. gguf-py cannot quantize k-quants, so Q4_K and Q6_K blocks are packed here, in numpy:
+it. gguf-py cannot quantize k-quants, so Q4_K, Q5_K and Q6_K blocks are packed here, in numpy:
 round-to-nearest per (sub-)block, the layouts of ggml-common.h (decoded in
 engine.loading.gguf_tensors); the other types come from `gguf.quants.quantize`.
 Memory stays small at any size: each tensor is generated and quantized a slice of rows at
@@ -27,6 +27,8 @@ Q4_K_M (src/llama-quant.cpp, llama_tensor_get_type): Q4_K everywhere, except
   - in a model of exactly 8 experts, `attn_k` and `attn_v` Q8_0 and `attn_output` Q5_K;
   - a tensor whose rows are not whole 256-value super-blocks falls back (Q4_K -> Q5_0,
     Q5_K -> Q5_1, Q6_K -> Q8_0).
+Q5_K_M: the same with Q5_K where Q4_K_M has Q4_K (the 8-expert attn_output stays Q5_K).
+Any other recipe (Q4_0, Q5_0, Q8_0, ...) gives every quantized tensor that type.
 MXFP4_MOE (what ggml-org's gpt-oss GGUFs are): the 3-D expert weights MXFP4 (ggml's block of
 32: one E8M0 exponent byte, then 16 bytes whose low nibbles hold values 0-15 and high
 nibbles 16-31, gguf.quants' quantizer), every other quantized weight Q8_0.
@@ -45,12 +47,14 @@ QK_K = 256
 SLICE_VALUES = 2**22             # values generated and quantized at a time
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}   # llama.cpp's, for rows not whole super-blocks
 # llama_ftype: general.file_type of a recipe
-FILE_TYPES = {"Q4_K_M": 15, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "MXFP4_MOE": 38}
+FILE_TYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "Q8_0": 7, "MXFP4_MOE": 38}
+K_MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}      # llama.cpp's _M recipes: the type of most tensors
 # Qwen3-MoE at reduced size with rows of whole super-blocks (so the experts are Q4_K, as in
 # Qwen3-30B-A3B's Q4_K_M) and tiny-qwen3-moe's 8 experts (so llama.cpp's 8-expert rules apply)
 TINY_QWEN3_MOE_Q4_K = {"preset": "tiny-qwen3-moe", "hidden_size": 256, "moe_intermediate_size": 256,
                        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
 SYNTHETIC_GGUF_PRESETS = {"qwen3-1.7b-q4_k_m": ("qwen3-1.7b", "Q4_K_M"),
+                          "qwen3-1.7b-q5_k_m": ("qwen3-1.7b", "Q5_K_M"),
                           "tiny-qwen3-moe-q4_k_m": (TINY_QWEN3_MOE_Q4_K, "Q4_K_M"),
                           "tiny-gpt-oss-mxfp4": ("tiny-gpt-oss", "MXFP4_MOE")}
 ROUTERS = ("mlp.gate.weight", "mlp.router.weight")      # llama.cpp's ffn_gate_inp: never quantized
@@ -69,9 +73,9 @@ def recipe_type(hf_name: str, shape: tuple[int, ...], config, recipe: str = "Q4_
         return "F32"
     if recipe == "MXFP4_MOE":
         return "MXFP4" if len(shape) == 3 else "Q8_0"
-    if recipe != "Q4_K_M":
+    if recipe not in K_MIXES:
         return recipe
-    layers, kind = config.num_hidden_layers, "Q4_K"
+    layers, kind = config.num_hidden_layers, K_MIXES[recipe]
     eight_experts = _num_experts(config) == 8
     if hf_name == "lm_head.weight" or (hf_name == "model.embed_tokens.weight" and config.tie_word_embeddings):
         kind = "Q6_K"

@@ -1,12 +1,13 @@
 """The `weight_dtype` setting at load: which linears are served quantized, and from what.
 
-  auto   as stored: a GGUF's 4-bit tensors (Q4_0, Q4_1, Q4_K) and an AWQ/GPTQ checkpoint's
-         int4 linears stay 4-bit in the int4 kernel's format, a GGUF's Q8_0 and Q6_K stay
-         8-bit in the int8 group kernel's (groups of 32 / 16), exactly
-         (engine.loading.gguf_tensors, engine.loading.awq_gptq). A fused linear whose parts
-         are stored in different types (q, k in Q4_K and v in Q6_K) runs each part in its
-         own kernel (quantized_linear.stack). A type no kernel takes (Q5_0, Q5_K, ...) is
-         dequantized, and the report says so; every tensor of a float checkpoint is served
+  auto   as stored, in the form engine.loading.stored_formats gives each stored type on this
+         device: a GGUF's Q4_0, Q4_1, Q4_K and an AWQ/GPTQ checkpoint's int4 linears in the
+         int4 kernel's groups, a GGUF's Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 in the 8-bit group
+         kernel's (groups of 32, Q6_K's of 16), exactly (engine.loading.gguf_tensors,
+         engine.loading.awq_gptq). A fused linear whose parts are stored in different types
+         (q, k in Q4_K and v in Q6_K) runs each part in its own kernel (quantized_linear.stack).
+         A type the table gives no form here (MXFP4, Q2_K, ...; every type on CUDA) is
+         dequantized, and the report says why; every tensor of a float checkpoint is served
          in the compute dtype (the `dtype` setting).
   float  every weight dequantized to the compute dtype.
   int8   every linear quantized at load, round-to-nearest per channel (a quantized source
@@ -29,18 +30,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.layers import quantized_linear
-from engine.layers.quantized_linear import INT4, INT8, INT8_GROUPS
-from engine.loading.awq_gptq import METHODS as AWQ_GPTQ_TYPES
-from engine.loading.gguf_tensors import INT4_TYPES, INT8_GROUP_TYPES
-
-STORED_INT4_TYPES = INT4_TYPES + AWQ_GPTQ_TYPES      # served as int4 as stored
-STORED_KINDS = {**{t: INT4 for t in STORED_INT4_TYPES}, **{t: INT8_GROUPS for t in INT8_GROUP_TYPES}}
+from engine.layers.quantized_linear import INT4, INT8
+from engine.loading.stored_formats import AT_LOAD_FORMATS, CHECKPOINT_GROUP, FLOAT_SOURCE, FLOAT_TYPES, format_of
 
 AUTO, FLOAT = "auto", "float"
 PART_VALUES = 2**25             # a stored tensor larger than this is packed in slices of rows
 PART_ROWS = 256                 # ... of a multiple of this many rows (the kernels' row tiles divide it)
-FLOAT_SOURCE = "float"          # a tensor of a float checkpoint
-FLOAT_TYPES = (FLOAT_SOURCE, "F32", "F16", "BF16")      # and a GGUF's float tensors
 
 
 @dataclass
@@ -76,9 +71,10 @@ class LinearPlan:
     module: torch.nn.Module
     parts: list[str]            # the stored tensors its weight is made of
     types: list[str]            # each part's stored type: "float", "Q4_K", "Q6_K", "AWQ", ...
-    kind: str | None            # INT4 | INT8 (at load) | "stored" (each part its own kind) | None (float)
+    kind: str | None            # INT4 | INT8 (at load) | "stored" (each part its own form) | None (float)
     how: str                    # "stored" | "rtn" | ""
     why_not: str | None         # why `kind` cannot be served here (then: float)
+    forms: list[tuple[str, int]] = field(default_factory=list)     # as stored: each part's (form, group)
 
     @property
     def source_type(self) -> str:
@@ -90,8 +86,10 @@ class LinearPlan:
 
 
 def plan_linears(model, weight_dtype: str, device: torch.device, stored, dtype: torch.dtype) -> list[LinearPlan]:
-    """Per linear: what `weight_dtype` asks for it. `stored` gives the stored type and the
-    quantized groups of a quantized source (a GGUF, an AWQ/GPTQ checkpoint), or is None."""
+    """Per linear: what `weight_dtype` asks for it, and what the table of stored formats
+    (engine.loading.stored_formats) gives each of its parts on `device`. `stored` gives the
+    stored type and the quantized groups of a quantized source (a GGUF, an AWQ/GPTQ
+    checkpoint), or is None."""
     from engine.models.llama import Linear
     sources = {s.param: s for s in model.weight_sources()}
     plans = []
@@ -100,26 +98,31 @@ def plan_linears(model, weight_dtype: str, device: torch.device, stored, dtype: 
             continue
         parts = [(part, shape) for part, shape in _source(sources, name, m, model).parts]
         types = [stored.type_of(p) or FLOAT_SOURCE for p, _ in parts] if stored is not None else [FLOAT_SOURCE]
-        kind, how = _choice(weight_dtype, types)
+        kind, how = _choice(weight_dtype, types, device)
+        forms = [_form(source_type, stored, shape, device) for (_, shape), source_type in zip(parts, types)]
         if how == "stored":
-            why_not = _why_not_stored(parts, types, stored, device, dtype, weight_dtype == AUTO)
-        else:
-            why_not = kind and quantized_linear.unsupported(kind, tuple(m.weight.shape), device, dtype,
-                                                            quantized_linear.INT4_GROUP)
-            if kind and weight_dtype == AUTO and not why_not:     # auto never picks a slow kernel
-                why_not = quantized_linear.slow_in(dtype)
-        if not why_not and weight_dtype == AUTO and how != "stored":
-            why_not = _no_kernel(types)
-        plans.append(LinearPlan(name, m, [p for p, _ in parts], types, kind, how, why_not or None))
+            why_not = _why_not_stored(parts, forms, device, dtype, weight_dtype == AUTO)
+        elif how == "rtn":
+            why_not = _why_not_at_load(kind, tuple(m.weight.shape), device, dtype)
+        else:       # auto, with a part the table gives no form here (a float checkpoint: none to give)
+            why_not = next((format_of(t).on(device).why for t in types if t not in FLOAT_TYPES), None)
+        plans.append(LinearPlan(name, m, [p for p, _ in parts], types, kind, how, why_not or None,
+                                forms if how == "stored" else []))
     return plans
 
 
-def _why_not_stored(parts, types: list[str], stored, device, dtype, auto: bool) -> str | None:
-    """Why some part of a linear cannot be served in its stored kind here (None: all can)."""
-    for (part, shape), source_type in zip(parts, types):
-        kind = STORED_KINDS[source_type]
-        group = stored.int4_group(shape[1]) if kind == INT4 else stored.int8_group(part)
-        why_not = quantized_linear.unsupported(kind, tuple(shape), device, dtype, group)
+def _form(source_type: str, stored, shape, device: torch.device) -> tuple[str | None, int | None]:
+    """(the kernel form the table gives a stored type on `device`, its group): a GGUF type's
+    group is the table's, an AWQ/GPTQ checkpoint's its config's."""
+    fmt = format_of(source_type)
+    group = stored.int4_group(shape[1]) if fmt.group is CHECKPOINT_GROUP and fmt.cpu.form else fmt.group
+    return fmt.on(device).form, group
+
+
+def _why_not_stored(parts, forms, device, dtype, auto: bool) -> str | None:
+    """Why some part of a linear cannot be served in its stored form here (None: all can)."""
+    for (_, shape), (form, group) in zip(parts, forms):
+        why_not = quantized_linear.unsupported(form, tuple(shape), device, dtype, group)
         if not why_not and auto:                    # auto never picks a slow kernel
             why_not = quantized_linear.slow_in(dtype)
         if why_not:
@@ -127,10 +130,12 @@ def _why_not_stored(parts, types: list[str], stored, device, dtype, auto: bool) 
     return None
 
 
-def _no_kernel(types: list[str]) -> str | None:
-    """Under auto, why a quantized source is dequantized: a stored type no kernel takes."""
-    missing = sorted({t for t in types if t not in FLOAT_TYPES and t not in STORED_KINDS})
-    return f"no kernel takes {', '.join(missing)}" if missing else None
+def _why_not_at_load(kind: str, shape: tuple[int, int], device, dtype) -> str | None:
+    """Why `weight_dtype` int4 / int8 cannot quantize a weight of this shape at load here."""
+    serving = AT_LOAD_FORMATS[kind].on(device)
+    if serving.form is None:
+        return serving.why
+    return quantized_linear.unsupported(kind, shape, device, dtype, AT_LOAD_FORMATS[kind].group)
 
 
 def served_as_stored(model, weight_dtype: str, device: torch.device, stored, dtype: torch.dtype) -> set[str]:
@@ -138,23 +143,18 @@ def served_as_stored(model, weight_dtype: str, device: torch.device, stored, dty
     read (`dtype`: the compute dtype the model is loaded in)."""
     plans = plan_linears(model, weight_dtype, device, stored, dtype)
     names = {f"{p.name}.weight" for p in plans if p.as_stored}
-    if any(_embedding_in_head(model, p, stored) for p in plans):
+    if any(_embedding_in_head(model, p) for p in plans):
         names.add("embed_tokens.weight")          # looked up in the head's stored bytes, never read in float
     return names
 
 
-def _embedding_in_head(model, plan: LinearPlan, stored) -> bool:
+def _embedding_in_head(model, plan: LinearPlan) -> bool:
     """Whether the embedding's lookups come from this plan's weight: a head tied to it, served
     as stored by our kernel (whose rows can be read), so no float table is held."""
     if plan.name != "lm_head" or not plan.as_stored or model.lm_head.weight is not model.embed_tokens.weight:
         return False
     shape = tuple(model.lm_head.weight.shape)
-    for part, source_type in zip(plan.parts, plan.types):
-        kind = STORED_KINDS[source_type]
-        group = stored.int4_group(shape[1]) if kind == INT4 else stored.int8_group(part)
-        if not quantized_linear.ours_takes(kind, shape, group):
-            return False
-    return True
+    return all(quantized_linear.ours_takes(form, shape, group) for form, group in plan.forms)
 
 
 def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> WeightReport:
@@ -174,7 +174,7 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> Wei
             continue
         if p.how == "stored":
             qw = stored_weight(p, stored, dtype)
-            forms = {t: _stored_form(t, part, stored, p.module.weight.shape[1]) for t, part in zip(p.types, p.parts)}
+            forms = {t: format_of(t).describe(group) for t, (_, group) in zip(p.types, p.forms)}
         else:
             qw = quantized_linear.quantize(p.module.weight, p.kind, dtype)
             forms = {p.source_type: f"{qw.describe()} round-to-nearest at load"}
@@ -184,7 +184,7 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> Wei
     for p, qw, forms in chosen:
         why = next((broken[k] for k in _kinds(qw) if k in broken), None)
         if why is None:
-            looked_up = _embedding_in_head(model, p, stored) and quantized_linear.can_look_up(qw)
+            looked_up = _embedding_in_head(model, p) and quantized_linear.can_look_up(qw)
             p.module.quantize(qw, keep_plain=id(p.module.weight) in embeddings and not looked_up)
             if looked_up:
                 model.embed_tokens.serve_from(qw)
@@ -195,7 +195,7 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> Wei
         # a quantized row would depend on its batch: this linear is served in float instead
         if p.module.weight.is_meta:         # never read in float: its values from the stored groups
             p.module.weight = torch.nn.Parameter(quantized_linear.dequantize(qw).to(dtype), requires_grad=False)
-            if _embedding_in_head(model, p, stored):        # the tied table comes back with it
+            if _embedding_in_head(model, p):        # the tied table comes back with it
                 model.embed_tokens.weight = p.module.weight
         report.served[p.source_type] = f"{float_name} (quantized kernels not batch-invariant here: {why})"
     report.quantized = served
@@ -221,26 +221,33 @@ def _row_variant_kinds(weights: list) -> dict[str, str]:
 
 
 def stored_weight(plan: LinearPlan, stored, dtype: torch.dtype):
-    """The linear's weight from its stored parts: each run of parts of one kind concatenated
-    into one kernel's weight, runs of different kinds stacked (a q/k in Q4_K with a v in Q6_K)."""
-    runs: list[tuple[str, list[str]]] = []
-    for part, source_type in zip(plan.parts, plan.types):
-        kind = STORED_KINDS[source_type]
-        group = None if kind == INT4 else stored.int8_group(part)
-        if runs and runs[-1][0] == (kind, group):
+    """The linear's weight from its stored parts: each run of parts of one form and group
+    concatenated into one kernel's weight, runs of different forms stacked (a q/k in Q4_K with
+    a v in Q6_K)."""
+    runs: list[tuple[tuple[str, int], list[str]]] = []
+    for part, form in zip(plan.parts, plan.forms):
+        if runs and runs[-1][0] == form:
             runs[-1][1].append(part)
         else:
-            runs.append(((kind, group), [part]))
+            runs.append((form, [part]))
     weights = []
-    for (kind, _), parts in runs:
-        groups = stored.int4_groups if kind == INT4 else stored.int8_groups
-        make = quantized_linear.from_int4_groups if kind == INT4 else quantized_linear.from_int8_groups
+    for (form, _), parts in runs:
+        groups = stored.int4_groups if form == INT4 else stored.int8_groups
         for rows in _row_slices(plan, parts):
             tensors = _cat([groups(part) if rows == slice(None) else groups(part, rows) for part in parts])
-            weights.append(make(*tensors, dtype))
+            weights.append(_from_groups(form, tensors, dtype))
             del tensors
             release_freed_memory()
     return quantized_linear.stack(weights)
+
+
+def _from_groups(form: str, tensors: tuple[torch.Tensor, ...], dtype: torch.dtype):
+    """A kernel's weight from a stored form's tensors: int4 (q, scale, zero); 8-bit groups
+    (q, scale) or, where the format has a zero point (Q5_0, Q5_1, Q5_K), (q, scale, zero)."""
+    if form == INT4:
+        return quantized_linear.from_int4_groups(*tensors, dtype)
+    q, scale, *zero = tensors
+    return quantized_linear.from_int8_groups(q, scale, dtype, *zero)
 
 
 def release_freed_memory() -> None:
@@ -283,18 +290,12 @@ def _cat(groups: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     return groups[0] if len(groups) == 1 else tuple(torch.cat(t) for t in zip(*groups))
 
 
-def _stored_form(source_type: str, part: str, stored, in_features: int) -> str:
-    """How a stored type is served: "int4 as stored (group 32)", "int8 as stored (group 16)"."""
-    if STORED_KINDS[source_type] == INT4:
-        return f"int4 as stored (group {stored.int4_group(in_features)})"
-    return f"int8 as stored (group {stored.int8_group(part)})"
-
-
-def _choice(weight_dtype: str, types: list[str]) -> tuple[str | None, str]:
+def _choice(weight_dtype: str, types: list[str], device: torch.device) -> tuple[str | None, str]:
     """(kernel kind or None, "stored" | "rtn") for a linear whose parts have these types."""
-    if weight_dtype == AUTO and all(t in STORED_KINDS for t in types):
+    forms = [format_of(t).on(device).form for t in types]
+    if weight_dtype == AUTO and all(forms):
         return "stored", "stored"
-    if weight_dtype == INT4 and all(t in STORED_INT4_TYPES for t in types):
+    if weight_dtype == INT4 and all(form == INT4 for form in forms):
         return INT4, "stored"
     if weight_dtype in (INT4, INT8):
         return weight_dtype, "rtn"

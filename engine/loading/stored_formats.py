@@ -1,0 +1,128 @@
+"""How each stored weight format is served, on each device, and why: the one table.
+
+A row names a format (a GGUF block type, an AWQ/GPTQ checkpoint's int4, a float weight, or
+`weight_dtype` int4 / int8 quantizing a float weight at load), the kernel form it is served
+in on the CPU and on CUDA (engine.layers.quantized_linear: INT4 groups, INT8_GROUPS, INT8 per
+channel; None: the compute dtype), the form's group along the input, and why. Everything
+else reads this table: the plan (engine.loading.weight_quant), the GGUF reader
+(engine.loading.gguf_tensors, whose decoders give each GGUF row's form exactly, its block
+layouts beside them), the loader's report. The kernels stay leaf ops: they say whether they
+take a weight of a shape here (quantized_linear.unsupported), never which format they serve.
+
+  format   CPU                                   CUDA          group  why
+  Q4_0     int4 groups                           dequantized   32     w = d(q - 8): 4-bit as stored
+  Q4_1     int4 groups                           dequantized   32     w = dq + m: 4-bit as stored
+  Q4_K     int4 groups                           dequantized   32     w = d·sc·q - dmin·m per 32
+  Q5_0     int8 groups, u = q5, zero -16d        dequantized   32     a 5-bit value fits 8 bits exactly
+  Q5_1     int8 groups, u = q5, zero m           dequantized   32     the same, with its min
+  Q5_K     int8 groups, u = q5, zero -dmin·m     dequantized   32     the same, per sub-block of 32
+  Q6_K     int8 groups, q - 32                   dequantized   16     its sub-blocks of 16
+  Q8_0     int8 groups                           dequantized   32     8-bit as stored
+  MXFP4    dequantized (exact)                   dequantized   -      no MXFP4 kernel yet
+  AWQ      int4 groups                           dequantized   ckpt   w = (q - z)s: 4-bit as stored
+  GPTQ     int4 groups                           dequantized   ckpt   the same (no act-order)
+  int4     int4 groups, round-to-nearest         dequantized   32     weight_dtype int4 on a float weight
+  int8     int8 per channel, round-to-nearest    dequantized   0      weight_dtype int8 on any weight
+  float, F32, F16, BF16: the compute dtype everywhere.
+Any other GGUF type (Q2_K, Q3_K, the IQ types, ...) has no row: it is dequantized to the
+compute dtype at load, "no kernel takes" it (`format_of`).
+
+On the CPU a form is served by our kernel (engine.kernels.cpu_quant), or for int4 groups and
+int8 per channel by torch's weight-only kernels where ours does not run; a form no kernel
+takes there, for a shape, falls back to the compute dtype and the report says why. On CUDA
+no quantized kernel runs in this release: every format is dequantized at load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.layers.quantized_linear import INT4, INT8, INT8_GROUPS
+from engine.loading.awq_gptq import AWQ, GPTQ
+
+GGUF, CHECKPOINT, AT_LOAD, FLOAT = "GGUF", "AWQ/GPTQ", "at load", "float"      # where a format comes from
+FLOAT_SOURCE = "float"          # a tensor of a float checkpoint (the source type the report names)
+INT4_AT_LOAD, INT8_AT_LOAD = "int4 at load", "int8 at load"
+CHECKPOINT_GROUP = None         # the group the checkpoint's config says (AWQ/GPTQ's group_size)
+PER_CHANNEL = 0
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How a format is served on one device."""
+    form: str | None            # INT4 | INT8_GROUPS | INT8; None: in the compute dtype (dequantized)
+    why: str
+
+
+@dataclass(frozen=True)
+class StoredFormat:
+    name: str                   # "Q5_K", "AWQ", "int4 at load", "F16"
+    source: str                 # GGUF | CHECKPOINT | AT_LOAD | FLOAT
+    group: int | None           # the form's group along the input (CHECKPOINT_GROUP; PER_CHANNEL)
+    zero: bool                  # the form carries a zero point per group (w = u * scale + zero)
+    cpu: Serving
+    cuda: Serving
+
+    def on(self, device: torch.device) -> Serving:
+        """How it is served on `device` (any accelerator as CUDA)."""
+        return self.cpu if torch.device(device).type == "cpu" else self.cuda
+
+    def describe(self, group: int) -> str:
+        """How the report names it when served in its form: "int8 as stored (group 32)"."""
+        width = "int4" if self.cpu.form == INT4 else "int8"
+        return f"{width} as stored (group {group})"
+
+
+def _gpu(form: str | None) -> Serving | None:
+    """On CUDA: no quantized kernel in this release (None: as on the CPU, already float)."""
+    if form is None:
+        return None
+    width = {INT4: "int4", INT8_GROUPS: "int8", INT8: "int8"}[form]
+    return Serving(None, f"{width} weights run on the CPU only in this release (CUDA keeps them dequantized)")
+
+
+def _row(name: str, source: str, form: str | None, group: int | None, why: str, zero: bool = False) -> StoredFormat:
+    cpu = Serving(form, why)
+    return StoredFormat(name, source, group, zero, cpu, _gpu(form) or cpu)
+
+
+FORMATS: dict[str, StoredFormat] = {f.name: f for f in (
+    _row("Q4_0", GGUF, INT4, 32, "4-bit as stored: w = d(q - 8) is int4 groups of 32 exactly"),
+    _row("Q4_1", GGUF, INT4, 32, "4-bit as stored: w = dq + m is int4 groups of 32 exactly"),
+    _row("Q4_K", GGUF, INT4, 32, "4-bit as stored: w = d·sc·q - dmin·m per sub-block of 32, int4 groups"),
+    _row("Q5_0", GGUF, INT8_GROUPS, 32, "no 5-bit kernel; 8-bit groups hold w = d(q - 16) exactly: u = q, "
+         "scale d, zero -16d", zero=True),
+    _row("Q5_1", GGUF, INT8_GROUPS, 32, "no 5-bit kernel; 8-bit groups hold w = dq + m exactly: u = q, "
+         "scale d, zero m", zero=True),
+    _row("Q5_K", GGUF, INT8_GROUPS, 32, "no 5-bit kernel; 8-bit groups hold w = d·sc·q - dmin·m exactly per "
+         "sub-block of 32: u = q, scale d·sc, zero -dmin·m", zero=True),
+    _row("Q6_K", GGUF, INT8_GROUPS, 16, "8-bit groups of 16 hold w = d·sc·(q - 32) exactly"),
+    _row("Q8_0", GGUF, INT8_GROUPS, 32, "8-bit as stored: w = dq, int8 groups of 32"),
+    _row("MXFP4", GGUF, None, None, "no MXFP4 kernel yet"),
+    _row(AWQ, CHECKPOINT, INT4, CHECKPOINT_GROUP, "4-bit as stored: w = (q - z)s is int4 groups exactly"),
+    _row(GPTQ, CHECKPOINT, INT4, CHECKPOINT_GROUP, "4-bit as stored: w = (q - z)s is int4 groups exactly"),
+    _row(INT4_AT_LOAD, AT_LOAD, INT4, 32, "weight_dtype int4: round-to-nearest per group of 32 (gpt-fast's)"),
+    _row(INT8_AT_LOAD, AT_LOAD, INT8, PER_CHANNEL, "weight_dtype int8: round-to-nearest per output channel"),
+    *(_row(name, FLOAT, None, None, "a float weight: the compute dtype") for name in (FLOAT_SOURCE, "F32", "F16", "BF16")),
+)}
+FLOAT_TYPES = tuple(name for name, f in FORMATS.items() if f.source == FLOAT)
+AT_LOAD_FORMATS = {INT4: FORMATS[INT4_AT_LOAD], INT8: FORMATS[INT8_AT_LOAD]}    # weight_dtype -> its row
+
+
+def format_of(name: str) -> StoredFormat:
+    """The row of a stored type; a type with none (a GGUF's Q2_K, IQ4_XS, ...) is dequantized."""
+    if name in FORMATS:
+        return FORMATS[name]
+    no_kernel = Serving(None, f"no kernel takes {name}")
+    return StoredFormat(name, GGUF, None, False, no_kernel, no_kernel)
+
+
+def form_on(name: str, device: torch.device) -> str | None:
+    """The kernel form a stored type is served in on `device` (None: the compute dtype)."""
+    return format_of(name).on(device).form
+
+
+def gguf_forms() -> dict[str, StoredFormat]:
+    """The GGUF types served in a kernel's form on the CPU (gguf_tensors decodes each)."""
+    return {name: f for name, f in FORMATS.items() if f.source == GGUF and f.cpu.form is not None}
