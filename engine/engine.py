@@ -88,12 +88,18 @@ class DtypeTrial:
         self.model_format = model_format(reference, config, load_options.get("allow_hub", False))
         self.reference, self.config, self.progress, self.load_options = reference, config, progress, load_options
         self.kept: tuple[float, torch.dtype, loader.LoadedModel] | None = None
+        self.tried, self.shown = 0, 0.0          # candidates loaded so far; the progress bar's fraction
 
     def step_seconds(self, dtype: torch.dtype) -> float:
         """Seconds per decode step of the model in `dtype` (the median of TRIAL_RUNS replies)."""
-        name = str(dtype).removeprefix("torch.")
-        said = lambda message, fraction: self.progress(f"dtype auto: timing {name} once on this CPU: {message}",  # noqa: E731
-                                                       fraction)
+        from engine.runtime.cpu_dtype import CANDIDATES
+        name, index, share = str(dtype).removeprefix("torch."), self.tried, loader.WEIGHTS_START / len(CANDIDATES)
+        self.tried += 1
+
+        def said(message: str, fraction: float) -> None:
+            # each candidate's load and compile within its share of the bar before the weights', never going back
+            self.shown = max(self.shown, share * (index + min(fraction, 1.0)))
+            self.progress(f"dtype auto: timing {name} once on this CPU: {message}", self.shown)
         if self.kept is not None and not _room_for_another(self.kept[2].model):
             self.kept = None                 # the winner, if it was this one, is loaded again
         loaded = loader.load_model(self.reference, device="cpu", dtype=dtype, progress=said,
