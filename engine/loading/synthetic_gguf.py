@@ -80,7 +80,7 @@ def recipe_type(hf_name: str, shape: tuple[int, ...], config, recipe: str = "Q4_
     if hf_name == "lm_head.weight" or (hf_name == "model.embed_tokens.weight" and config.tie_word_embeddings):
         kind = "Q6_K"
     elif hf_name.endswith(("self_attn.v_proj.weight", "mlp.down_proj.weight", "mlp.experts.down_proj.weight")):
-        kind = "Q6_K" if use_more_bits(int(hf_name.split(".")[2]), layers) else "Q4_K"
+        kind = "Q6_K" if use_more_bits(int(hf_name.split(".")[2]), layers) else kind
     if eight_experts and hf_name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
         kind = "Q8_0"
     elif eight_experts and hf_name.endswith("self_attn.o_proj.weight"):

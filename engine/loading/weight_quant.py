@@ -105,7 +105,7 @@ def plan_linears(model, weight_dtype: str, device: torch.device, stored, dtype: 
         elif how == "rtn":
             why_not = _why_not_at_load(kind, tuple(m.weight.shape), device, dtype)
         else:       # auto, with a part the table gives no form here (a float checkpoint: none to give)
-            why_not = next((format_of(t).on(device).why for t in types if t not in FLOAT_TYPES), None)
+            why_not = _no_form(types, device)
         plans.append(LinearPlan(name, m, [p for p, _ in parts], types, kind, how, why_not or None,
                                 forms if how == "stored" else []))
     return plans
@@ -117,6 +117,13 @@ def _form(source_type: str, stored, shape, device: torch.device) -> tuple[str | 
     fmt = format_of(source_type)
     group = stored.int4_group(shape[1]) if fmt.group is CHECKPOINT_GROUP and fmt.cpu.form else fmt.group
     return fmt.on(device).form, group
+
+
+def _no_form(types: list[str], device: torch.device) -> str | None:
+    """Under auto, why a quantized source is dequantized: the table's reason for each stored
+    type it gives no kernel form on `device`."""
+    servings = [format_of(t).on(device) for t in sorted(set(types)) if t not in FLOAT_TYPES]
+    return "; ".join(dict.fromkeys(s.why for s in servings if s.form is None)) or None
 
 
 def _why_not_stored(parts, forms, device, dtype, auto: bool) -> str | None:
