@@ -212,7 +212,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("weight_dtype", str, "auto", ENGINE, LOAD, "Weights as served",
             choices={"auto": "as stored (a 4-bit GGUF stays 4-bit)", "float": "dequantized (the dtype above)",
                      "int8": "int8 (per channel)", "int4": "int4 (groups of 32)"},
-            help="auto: a GGUF's Q4_0/Q4_1 tensors run as int4, as stored; every other weight in the dtype above. "
+            help="auto: a GGUF's or AWQ/GPTQ checkpoint's quantized weights run as stored where a kernel takes "
+            "them (Q4_*, AWQ, GPTQ as int4; Q5_*, Q6_K, Q8_0 as 8-bit groups); every other weight in the dtype above. "
             "int8 / int4: every linear quantized at load (round-to-nearest), a 4-bit GGUF's tensors kept as stored. "
             "CPU kernels only in this release (engine.loading.weight_quant)"),
     Setting("max_model_len", int, None, ENGINE, LOAD, "Context length", low=1, optional=True,
