@@ -199,3 +199,21 @@ def test_a_part_of_a_type_without_a_row_dequantizes_its_linear_and_says_why():
     gate_up = plans["layers.0.mlp.gate_up_proj"]
     assert gate_up.source_type == "Q3_K+Q8_0" and gate_up.why_not == "no kernel takes Q3_K" and not gate_up.as_stored
     assert plans["layers.0.self_attn.qkv_proj"].as_stored or _kernel_refuses()
+
+
+def test_a_fused_linear_of_q5_0_and_q8_0_parts_is_one_8_bit_weight(tmp_path):
+    """Q4_K_M on a width that is not whole super-blocks (320): q, k fall back to Q5_0 and, in
+    the layers use_more_bits picks, v to Q8_0. The 8-bit groups with and without a zero point
+    concatenate into one weight (no stacking), the file's weights exactly."""
+    if _kernel_refuses():
+        pytest.skip(f"our kernel does not run here: {_kernel_refuses()}")
+    path = write_gguf(tmp_path / "narrow-q4_k_m.gguf", {**MIX, "hidden_size": 320}, "Q4_K_M")
+    loaded = load_model(str(path), dtype=torch.float32)
+    exact = load_model(str(path), dtype=torch.float32, weight_dtype="float")
+    assert loaded.weights.quantized == loaded.weights.linears == 17
+    for i in (0, 2):
+        qkv = loaded.model.layers[i].self_attn.qkv_proj
+        assert (qkv.quant.kind, qkv.quant.group_size, qkv.quant.shape) == (INT8_GROUPS, 32, (512, 320)), i
+        want = exact.model.layers[i].self_attn.qkv_proj.dense_weight()
+        assert torch.equal(quantized_linear.dequantize(qkv.quant), want), i
+    assert {loaded.weights.served[t] for t in ("Q5_0", "Q8_0")} == {"int8 as stored (group 32)"}

@@ -177,13 +177,20 @@ def from_int8_groups(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
 
 
 def _pack8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """8-bit q, a scale and a zero per group -> our kernel's bytes, w = d * u + m: an unsigned q
-    (uint8) as it is, u = q, m = zero; a signed one (int8) as u = q + 128, m = zero - 128 d
-    (-128 d without a zero: the bits Q8_0 and Q6_K have always had)."""
+    """8-bit q, a scale (and zero) per group -> our kernel's bytes, w = d * u + m."""
+    return cpu_quant.pack(*unsigned8(q, scale, zero), 8)
+
+
+def unsigned8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """8-bit groups as (u uint8 0..255, scale, zero) with w = u * scale + zero, our kernel's
+    form: an unsigned q as it is; a signed one (int8) as u = q + 128, zero - 128 * scale
+    (-128 * scale without a zero: the bytes Q8_0 and Q6_K have always had). Parts of both
+    kinds (a Q5_0 q/k with a Q8_0 v) concatenate in this form into one weight."""
     if q.dtype == torch.uint8:
-        return cpu_quant.pack(q, scale, torch.zeros_like(scale) if zero is None else zero, 8)
+        return q, scale, torch.zeros_like(scale) if zero is None else zero
     offset = -cpu_quant.OFFSET8 * scale
-    return cpu_quant.pack(q.to(torch.int16) + cpu_quant.OFFSET8, scale, offset if zero is None else zero + offset, 8)
+    return (q.to(torch.int16) + cpu_quant.OFFSET8).to(torch.uint8), scale, offset if zero is None else zero + offset
 
 
 @dataclass

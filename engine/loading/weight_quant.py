@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.layers import quantized_linear
-from engine.layers.quantized_linear import INT4, INT8
+from engine.layers.quantized_linear import INT4, INT8, INT8_GROUPS
 from engine.loading.stored_formats import AT_LOAD_FORMATS, CHECKPOINT_GROUP, FLOAT_SOURCE, FLOAT_TYPES, format_of
 
 AUTO, FLOAT = "auto", "float"
@@ -241,7 +241,7 @@ def stored_weight(plan: LinearPlan, stored, dtype: torch.dtype):
     for (form, _), parts in runs:
         groups = stored.int4_groups if form == INT4 else stored.int8_groups
         for rows in _row_slices(plan, parts):
-            tensors = _cat([groups(part) if rows == slice(None) else groups(part, rows) for part in parts])
+            tensors = _cat(form, [groups(part) if rows == slice(None) else groups(part, rows) for part in parts])
             weights.append(_from_groups(form, tensors, dtype))
             del tensors
             release_freed_memory()
@@ -292,9 +292,15 @@ def _row_slices(plan: LinearPlan, parts: list[str]) -> list[slice]:
     return [slice(start, min(start + step, out)) for start in range(0, out, step)]
 
 
-def _cat(groups: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    """The parts' (q, scale[, zero]) stacked along the rows (one part: as it is, no copy)."""
-    return groups[0] if len(groups) == 1 else tuple(torch.cat(t) for t in zip(*groups))
+def _cat(form: str, groups: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """The parts' (q, scale[, zero]) stacked along the rows (one part: as it is, no copy); 8-bit
+    groups with and without a zero point (a Q5_0 q/k with a Q8_0 v) all in the unsigned form
+    with a zero (quantized_linear.unsigned8), the same bytes as each packed alone."""
+    if len(groups) == 1:
+        return groups[0]
+    if form == INT8_GROUPS and len({len(g) for g in groups}) > 1:
+        groups = [quantized_linear.unsigned8(*g) for g in groups]
+    return tuple(torch.cat(t) for t in zip(*groups))
 
 
 def _choice(weight_dtype: str, types: list[str], device: torch.device) -> tuple[str | None, str]:
