@@ -6,6 +6,10 @@ bash scripts/setup.sh
 # First: this CPU's ISA flags and which path each CPU-specific kernel took here (each is tried
 # before the engine relies on it; the next machine may have another ISA).
 .venv/bin/python -m engine.runtime.cpu_paths >&2
+# dtype auto for the default model: its whole-step trial (fp32 and bf16 loaded and timed, once
+# per CPU: engine.runtime.cpu_dtype) and its compiled step, here rather than inside the first
+# test that loads it, so no test's load timeout pays for them.
+.venv/bin/python -c 'from engine import LLMEngine; print("test: default model, dtype", LLMEngine.load().dtype_why)' >&2
 # The remote-backend tests run a real llama.cpp server: built once per machine into the
 # user cache (docs/remote.md; 6-22 min on 2 cores), instant when already built. Only the
 # tests need it, so launching the app never waits for it.
