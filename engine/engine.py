@@ -152,11 +152,21 @@ def decode_step_seconds(engine: "LLMEngine") -> float:
 def _room_for_another(model) -> bool:
     """Whether a second copy of `model`'s weights fits in the memory free now, with as much again to spare."""
     from engine.cache.memory_plan import weights_bytes
+    return _available_ram() > 3 * weights_bytes(model)
+
+
+def _available_ram() -> int:
+    """Bytes of memory free for a new allocation now (0 when it cannot be read: nothing is kept)."""
     try:
         import psutil
+        return psutil.virtual_memory().available
     except ImportError:
-        return False
-    return psutil.virtual_memory().available > 3 * weights_bytes(model)
+        pass
+    try:
+        with open("/proc/meminfo") as meminfo:
+            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
 
 
 class LLMEngine:
@@ -494,6 +504,8 @@ class LLMEngine:
                                             max(w.proposal.tree.depths, default=0))
                 elif w.drafts:
                     self.policy.record_verdict(self.proposer_in_effect(), event.accepted_per_position)
+                if w.proposal is not None and w.proposal.source:    # the suffix proposer's, by source
+                    self.suffix_cache.record(w.proposal.source, len(w.proposal.tree), event.accepted)
             if w.request.finished:
                 self._forget(w.request)
         step = self._step_stats(plan, work, stepped, pass_s, time.perf_counter() - t0, compiles)
