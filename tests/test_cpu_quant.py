@@ -91,3 +91,25 @@ def test_forcing_an_instruction_set_is_checked_and_undone():
         cpu_quant.force_isa("sse9")
     cpu_quant.force_isa(None)
     assert cpu_quant.isa() == chosen
+
+
+def test_an_instruction_set_only_the_quantized_linear_has_leaves_the_other_ops_their_widest(monkeypatch):
+    """WORKBENCH_CPU_ISA=avx_vnni forces our quantized linear; the float linear, which has no
+    such path, keeps the widest it passed instead of refusing to serve."""
+    from engine.kernels import cpu_linear
+    monkeypatch.setenv(cpu_linear.ISA_ENV, "avx_vnni")
+    chosen = {}
+    assert cpu_linear.choose_isa(chosen, {"scalar": (), "avx2": ()}, lambda isa: None, "a float op") is None
+    assert chosen["isa"] == "avx2"
+    chosen = {}
+    why = cpu_linear.choose_isa(chosen, {"scalar": (), "avx_vnni": ("no-such-flag",)}, lambda isa: None, "ours")
+    assert "avx_vnni" in why and "did not pass" in why
+
+
+def test_the_avx_vnni_code_is_tried_only_where_the_cpu_has_it():
+    """The 256-bit VNNI code runs in its VEX form (AVX-VNNI) only on a CPU with the flag, and in
+    AVX-512 VL's form only with AVX-512 VNNI: a CPU without either never runs it."""
+    assert "avx_vnni" in cpu_quant.NEEDS["avx_vnni"] and "avx512_vnni" in cpu_quant.NEEDS["avx512vl_vnni"]
+    assert ("avx_vnni" in RUNNABLE) == ("avx_vnni" in cpu_features.flags())
+    if "avx512_vnni" in cpu_features.flags() and "avx512vl" in cpu_features.flags():
+        assert cpu_quant._trial("avx512vl_vnni") is None

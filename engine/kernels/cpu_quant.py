@@ -1,13 +1,18 @@
 """Our quantized CPU linear (cpu_quant_linear.cpp, the torch op `workbench_cpu::linear_q`):
 4-bit weights in groups of 32 and 8-bit weights in groups of 32 or 16, each weight w = d * u + m
 with u an unsigned integer, activations quantized per row to int8 in blocks of 32. Each group's
-dot is an exact integer (AVX-512 VNNI, AVX2, scalar), the floats are accumulated in order over
-K, so a row's bits depend neither on the row count nor on the instruction set.
+dot is an exact integer (AVX-512 VNNI; AVX-VNNI; AVX2; scalar), the floats are accumulated in
+order over K, so a row's bits depend neither on the row count nor on the instruction set.
+The 256-bit paths are one source (cpu_quant_tile256.h) built three ways: AVX2, AVX-VNNI (its
+VEX vpdpbusd: Intel's Alder Lake and later desktops), and the same code in AVX-512 VL's
+encoding (`avx512vl_vnni`), which AVX-512 machines run in the tests so the AVX-VNNI code is
+tested where no AVX-VNNI CPU is at hand.
 
 Built with our CPU linear, into the same library (engine.kernels.cpu_linear.load). Tried before
 it is used (`refusal`): on random weights of both widths, each instruction set this CPU offers
 must give the scalar path's bits for 1, 5 and 9 rows and agree with the dequantized weight.
-The widest set that passes runs; `force_isa` (or WORKBENCH_CPU_ISA=avx2|scalar) picks another.
+The widest set that passes runs; `force_isa` (or WORKBENCH_CPU_ISA=avx2|avx_vnni|scalar...) picks
+another.
 
 Scales are stored in fp16 when every d and m is exactly an fp16 number (a GGUF's are), else
 in fp32: exact either way, and fp16 saves a sixth of a 4-bit weight's bytes.
@@ -24,7 +29,9 @@ from engine.kernels import cpu_linear
 COLS, XBLOCK = 16, 32           # output columns per tile; activation block
 GROUPS = {4: (32,), 8: (32, 16)}
 ISAS = cpu_linear.ISAS
-NEEDS = {"scalar": (), "avx2": ("avx2", "fma", "f16c"), "avx512": ("avx512f", "avx512bw", "avx512_vnni")}
+NEEDS = {"scalar": (), "avx2": ("avx2", "fma", "f16c"), "avx_vnni": ("avx2", "fma", "f16c", "avx_vnni"),
+         "avx512vl_vnni": ("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512_vnni"),
+         "avx512": ("avx512f", "avx512bw", "avx512_vnni")}
 OFFSET8 = 128                   # an 8-bit q is stored as u = q + 128
 _chosen: dict[str, str] = {}
 
@@ -70,7 +77,8 @@ def isa() -> str:
 
 
 def force_isa(name: str | None) -> None:
-    """Run with `name` ('avx512' meaning VNNI, 'avx2', 'scalar'), or None: the widest that passed."""
+    """Run with `name` ('avx512' meaning VNNI, 'avx512vl_vnni', 'avx_vnni', 'avx2', 'scalar'), or
+    None: the widest that passed."""
     cpu_linear.force(_chosen, name, refusal)
 
 

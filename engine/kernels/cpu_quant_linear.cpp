@@ -10,12 +10,14 @@
 //                                          acc = fma(m, sx * float(sum(xq)), acc)
 // A 4-bit format's zero point lives in m; an 8-bit q in -128..127 is stored as u = q + 128 with
 // m = -128 d (Q6_K: u = q6 in 0..63, m = -32 d). U is an integer, so how a path computes it does
-// not matter: AVX-512 VNNI (vpdpbusd), AVX2 (vpmaddubsw + vpmaddwd, no saturation: bounded
-// below) and scalar code give the same U, then the same float steps. Vectors run across
+// not matter: AVX-512 VNNI (vpdpbusd on 512 bits), AVX-VNNI (vpdpbusd on 256), AVX2 (vpmaddubsw +
+// vpmaddwd, no saturation: bounded below) and scalar code give the same U, then the same float
+// steps. Vectors run across
 // output columns, never across k, so a row's bits depend neither on the row count nor on the
 // instruction set nor on the thread count (threads split column tiles, never K). Each weight
-// tile is decoded once per call for every group of rows that uses it (llama.cpp's CPU
-// method, written for this project).
+// tile is decoded once per call for every group of (up to 4) rows that uses it, and 4-bit
+// tiles read by more than 4 rows are decoded once per call (llama.cpp's CPU method, written
+// for this project).
 //
 // Packed layout, per tile of 16 output columns (t = N / 16) and group g of G k:
 //   4-bit (G = 32): w[t, g, 256] uint8, byte j*64 + c*4 + i (j < 4, c < 16, i < 4) holds
@@ -36,7 +38,7 @@
 namespace {
 
 constexpr int64_t COLS = 16, XB = 32;
-enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX_VNNI = 3, AVX512VL_VNNI = 4 };
 
 using workbench_bf16::bf16_to_float;
 using workbench_bf16::float_to_bf16;
@@ -237,69 +239,37 @@ void tile_vnni(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64
     for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + r * ldy + t * COLS, acc[r][t]);
 }
 
-// ---- AVX2: one tile (two halves of 8 columns) by R rows ------------------------------------
-// 4-bit: vpmaddubsw pairs are at most 2 * 15 * 127 = 3810, and the 8 of a group sum to at most
-// 30480 < 32767 in int16 before one vpmaddwd. 8-bit: u = q + 128 would overflow a pair, so the
-// product is taken as |q| * sign(xq, q) (at most 2 * 128 * 127 = 32512 per pair) and U restored
-// as sum(q * xq) + 128 * sum(xq), exactly.
-template <int BITS, int R, typename S>
-__attribute__((target("avx2,fma,f16c")))
-void tile_avx2(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64_t ldy) {
-  const int64_t K = rows.K, G = rows.G, groups = K / G, gb = group_bytes(BITS, G), xblocks = K / XB;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const S* sc = static_cast<const S*>(wt.s);
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* xg = rows.xq + row0 * K + g * G;
-    __m256i isum[R][2];
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (BITS == 4) {
-        __m256i p16[R];
-        for (int r = 0; r < R; ++r) p16[r] = _mm256_setzero_si256();
-        for (int j = 0; j < 4; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt.w + g * gb + j * 64 + h * 32));
-          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          for (int r = 0; r < R; ++r) {
-            int32_t a, c;
-            std::memcpy(&a, xg + r * K + 4 * j, 4);
-            std::memcpy(&c, xg + r * K + 16 + 4 * j, 4);
-            p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
-            p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(c)));
-          }
-        }
-        for (int r = 0; r < R; ++r) isum[r][h] = _mm256_madd_epi16(p16[r], ones);
-      } else {
-        for (int r = 0; r < R; ++r) isum[r][h] = _mm256_setzero_si256();
-        for (int j = 0; j < G / 4; ++j) {
-          const __m256i q = _mm256_xor_si256(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt.w + g * gb + j * 64 + h * 32)), flip);
-          const __m256i aq = _mm256_abs_epi8(q);
-          for (int r = 0; r < R; ++r) {
-            int32_t a;
-            std::memcpy(&a, xg + r * K + 4 * j, 4);
-            const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(_mm256_set1_epi32(a), q));
-            isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(p, ones));
-          }
-        }
-        for (int r = 0; r < R; ++r)
-          isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_set1_epi32(128 * rows.xsum[(row0 + r) * groups + g]));
-      }
-    }
-    const S* s = sc + g * 2 * COLS;
-    const int64_t xb = g * G / XB;
-    for (int h = 0; h < 2; ++h) {
-      const __m256 dv = scales8_256<S>(s + h * 8), mv = scales8_256<S>(s + COLS + h * 8);
-      for (int r = 0; r < R; ++r) {
-        const float sx = rows.sx[(row0 + r) * xblocks + xb], sxs = rows.sxs[(row0 + r) * groups + g];
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), _mm256_mul_ps(dv, _mm256_set1_ps(sx)), acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sxs), acc[r][h]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + r * ldy + h * 8, acc[r][h]);
-}
+// ---- 256-bit: AVX2, AVX-VNNI, and AVX-VNNI's code in AVX-512 VL's encoding -----------------
+// One body (cpu_quant_tile256.h), compiled once per instruction set: the EVEX build lets an
+// AVX-512 machine run and test the code an AVX-VNNI one (Alder Lake and later) runs.
+constexpr int64_t PREFETCH_BYTES = 2048;
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define TILE256 TileAvx2
+#define DOT_VNNI 0
+#include "cpu_quant_tile256.h"
+#undef TILE256
+#undef DOT_VNNI
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+#define TILE256 TileAvxVnni
+#define DOT_VNNI 1
+#include "cpu_quant_tile256.h"
+#undef TILE256
+#undef DOT_VNNI
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
+#define TILE256 TileAvx512VlVnni
+#define DOT_VNNI 1
+#include "cpu_quant_tile256.h"
+#undef TILE256
+#undef DOT_VNNI
+#pragma GCC pop_options
 
 // ---- scalar: the definition -----------------------------------------------------------------
 template <int BITS, typename S>
@@ -353,22 +323,43 @@ void vnni_rows(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t 
   if (M - i == 1) group_of(std::integral_constant<int, 1>{});
 }
 
+// 256-bit: rows four at a time. The first row group streams the packed weights and, for 4-bit
+// weights read by more rows, leaves them decoded for the others (the same u, so the same bits).
+template <typename Tile, int BITS, typename S>
+void rows256(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t ldy, uint8_t* scratch) {
+  constexpr int SRC = BITS == 4 ? 4 : 8;
+  const bool reuse = BITS == 4 && M > 4;
+  const Weight decoded{scratch, wt.s, 0, wt.sstride};
+  int64_t i = 0;
+  auto group_of = [&](auto rows_now) {
+    constexpr int RN = decltype(rows_now)::value;
+    if (i == 0) Tile::template tile<SRC, RN, S>(rows, 0, wt, y, ldy, reuse ? scratch : nullptr);
+    else if (reuse) Tile::template tile<5, RN, S>(rows, i, decoded, y + i * ldy, ldy, nullptr);
+    else Tile::template tile<SRC, RN, S>(rows, i, wt, y + i * ldy, ldy, nullptr);
+    i += RN;
+  };
+  while (i + 4 <= M) group_of(std::integral_constant<int, 4>{});
+  if (M - i == 3) group_of(std::integral_constant<int, 3>{});
+  if (M - i == 2) group_of(std::integral_constant<int, 2>{});
+  if (M - i == 1) group_of(std::integral_constant<int, 1>{});
+}
+
 template <int BITS, typename S>
 void run_tiles(Isa isa, const Rows& rows, int64_t M, int64_t t0, int64_t t1, const Weight& base, float* y, int64_t N) {
   const S* s0 = static_cast<const S*>(base.s);
   auto at = [&](int64_t t) { return Weight{base.w + t * base.wstride, s0 + t * base.sstride, base.wstride, base.sstride}; };
+  static thread_local std::vector<uint8_t> scratch;       // each worker thread's decoded tiles
+  scratch.resize(BITS == 4 && M > 4 ? 2 * (rows.K / 32) * 32 * COLS : 0);
   int64_t t = t0;
   if (isa == AVX512) {
-    static thread_local std::vector<uint8_t> scratch;       // each worker thread's decoded tiles
-    scratch.resize(BITS == 4 && M > 4 ? 2 * (rows.K / 32) * 32 * COLS : 0);
     for (; t + 2 <= t1; t += 2) vnni_rows<BITS, S, 2>(rows, M, at(t), y + t * COLS, N, scratch.data());
     for (; t < t1; ++t) vnni_rows<BITS, S, 1>(rows, M, at(t), y + t * COLS, N, scratch.data());
   } else if (isa == AVX2) {
-    for (; t < t1; ++t) {
-      int64_t i = 0;
-      for (; i + 2 <= M; i += 2) tile_avx2<BITS, 2, S>(rows, i, at(t), y + i * N + t * COLS, N);
-      if (i < M) tile_avx2<BITS, 1, S>(rows, i, at(t), y + i * N + t * COLS, N);
-    }
+    for (; t < t1; ++t) rows256<TileAvx2, BITS, S>(rows, M, at(t), y + t * COLS, N, scratch.data());
+  } else if (isa == AVX_VNNI) {
+    for (; t < t1; ++t) rows256<TileAvxVnni, BITS, S>(rows, M, at(t), y + t * COLS, N, scratch.data());
+  } else if (isa == AVX512VL_VNNI) {
+    for (; t < t1; ++t) rows256<TileAvx512VlVnni, BITS, S>(rows, M, at(t), y + t * COLS, N, scratch.data());
   } else {
     for (; t < t1; ++t)
       for (int64_t i = 0; i < M; ++i) tile_scalar<BITS, S>(rows, i, at(t), y + i * N + t * COLS);
@@ -385,7 +376,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   TORCH_CHECK(scales.dim() == 4 && scales.size(0) == w.size(0) && scales.size(1) == w.size(1) && scales.size(2) == 2 &&
               scales.size(3) == COLS, "linear_q: scales [N / 16, K / group, 2, 16] expected");
   TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf, "linear_q: fp32 or fp16 scales");
-  TORCH_CHECK(isa >= SCALAR && isa <= AVX512, "linear_q: isa 0 scalar, 1 avx2, 2 avx512 (VNNI)");
+  TORCH_CHECK(isa >= SCALAR && isa <= AVX512VL_VNNI, "linear_q: isa 0 scalar, 1 avx2, 2 avx512 (VNNI), 3 avx_vnni, 4 avx512vl_vnni");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_q: fp32 or bf16 activations");
   const int64_t M = x.size(0), K = x.size(1), tiles = w.size(0), N = tiles * COLS, groups = K / group;
   // bf16 in and out without a torch conversion per call (a decode step makes 121 of these calls)
@@ -410,13 +401,19 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
     } else {
       xr = xc.data_ptr<float>() + i * K;
     }
-    (isa == AVX512 ? quantize_row_avx512 : isa == AVX2 ? quantize_row_avx2 : quantize_row_scalar)(
+    (isa == AVX512 ? quantize_row_avx512 : isa == SCALAR ? quantize_row_scalar : quantize_row_avx2)(
         xr, K, group, xq.data() + i * K, sx.data() + i * (K / XB), sxs.data() + i * groups, xsum.data() + i * groups);
   }
   const Rows rows{xq.data(), sx.data(), sxs.data(), xsum.data(), K, group};
   at::Tensor out = at::empty({M, N}, x.options());
   float* yp = bf16 ? accumulated.data() : out.data_ptr<float>();
   const Weight base{wc.data_ptr<uint8_t>(), sc.data_ptr(), groups * group_bytes(bits, group), groups * 2 * COLS};
+  // the bias is added in fp32, then the sum is rounded once to bf16 (to nearest even); each
+  // thread finishes its own columns as soon as its tiles are done (no second parallel region)
+  const bool biased = bias.has_value() && bias->defined();
+  const at::Tensor b = biased ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = biased ? b.data_ptr<float>() : nullptr;
+  uint16_t* op = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   if (M > 0) {
     // grain: two tiles, so the AVX-512 path keeps its 32-column pairs
     at::parallel_for(0, tiles, 2, [&](int64_t t0, int64_t t1) {
@@ -428,20 +425,13 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
         half ? run_tiles<8, at::Half>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N)
              : run_tiles<8, float>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N);
       }
-    });
-  }
-  // the bias is added in fp32, then the sum is rounded once to bf16 (to nearest even)
-  const bool biased = bias.has_value() && bias->defined();
-  const at::Tensor b = biased ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* bp = biased ? b.data_ptr<float>() : nullptr;
-  if (biased || bf16) {
-    uint16_t* op = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
-    at::parallel_for(0, M * N, 16384, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const float v = biased ? yp[i] + bp[i % N] : yp[i];
-        if (bf16) op[i] = float_to_bf16(v);
-        else yp[i] = v;
-      }
+      if (!biased && !bf16) return;
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t n = t0 * COLS; n < t1 * COLS; ++n) {
+          const float v = biased ? yp[i * N + n] + bp[n] : yp[i * N + n];
+          if (bf16) op[i * N + n] = float_to_bf16(v);
+          else yp[i * N + n] = v;
+        }
     });
   }
   return out;
