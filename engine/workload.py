@@ -98,13 +98,10 @@ CHAT_PROMPTS = [
 PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a "
            "single step. All that glitters is not gold. Actions speak louder than words. Every cloud "
            "has a silver lining. Fortune favours the bold. Knowledge is power. Time is money.")
-PASSAGE_2 = ("The library opens at nine in the morning and closes at six in the evening. Books may be "
-             "borrowed for three weeks and renewed twice. Quiet rooms on the second floor can be booked "
-             "at the front desk. Printing costs ten cents a page.")
-REPEAT_PROMPTS = [f"{ask}\n\n{passage}" for passage in (PASSAGE, PASSAGE_2)
-                  for ask in ("Repeat the following passage exactly, word for word:", "Copy this text exactly:",
-                              "Please write out this passage again without changes:",
-                              "Echo back the text below verbatim.")]
+REPEAT_PROMPTS = [f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
+                  f"Copy this text exactly:\n\n{PASSAGE}",
+                  f"Please write out this passage again without changes:\n\n{PASSAGE}",
+                  f"Echo back the text below verbatim.\n\n{PASSAGE}"]
 
 # Multi-turn chats in which the assistant rewrites or extends its own earlier answer: what
 # coding tools and agents send (fix a function, rename a variable, add a paragraph). Each is

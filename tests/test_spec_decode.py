@@ -147,7 +147,7 @@ def _no_blocks_in_use(eng) -> bool:
 
 
 @pytest.mark.parametrize("proposer,kv,prefix,compile",
-                         list(itertools.product(["ngram", "draft"], KV_SCHEMES, [True, False], ["off", "on"])))
+                         list(itertools.product(["ngram", "suffix", "draft"], KV_SCHEMES, [True, False], ["off", "on"])))
 def test_greedy_speculation_is_token_identical(make_tiny_engine, tiny_prompts, tiny_reference, proposer, kv, prefix,
                                                compile):
     eng = make_tiny_engine(kv_cache_dtype=kv, enable_prefix_caching=prefix, compile=compile)

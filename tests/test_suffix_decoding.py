@@ -113,18 +113,39 @@ def test_the_request_drafts_from_its_own_text_and_then_from_earlier_replies():
     cache = SuffixCache(1000)
     first = SuffixProposer(cache)
     first.begin(TEXT[:9])                                   # the prompt
-    assert _propose(first, TEXT).tokens == [4, 9, 2]        # "1 2 3" before: what followed it
-    first.accepted(TEXT + [4, 9, 7])                        # 4, 9 accepted, then another token
-    assert (cache.drafted, cache.accepted) == ({REQUEST: 3, GLOBAL: 0}, {REQUEST: 2, GLOBAL: 0})
+    proposal = _propose(first, TEXT)
+    assert (proposal.tokens, proposal.source) == ([4, 9, 2], REQUEST)     # "1 2 3" before: what followed it
     first.finished(TEXT + [4, 9, 7, 20, 21, 22, 23], prompt_len=9)
     assert cache.index.num_tokens == 10                     # its output, not its prompt
     second = SuffixProposer(cache)
     second.begin([30, 31, 7, 20])                           # "7 20" is in the first reply only
-    assert _propose(second, [30, 31, 7, 20]).tokens == [21, 22]
-    assert cache.drafted == {REQUEST: 3, GLOBAL: 2}
+    proposal = _propose(second, [30, 31, 7, 20])
+    assert (proposal.tokens, proposal.source) == ([21, 22], GLOBAL)
+    assert proposal.trimmed(1).source == GLOBAL
+    cache.record(GLOBAL, 2, 1)
+    cache.record(REQUEST, 3, 2)
+    counters = cache.counters()
+    assert (counters["draft_tokens_from_request"], counters["accepted_from_request"]) == (3, 2)
+    assert (counters["draft_tokens_from_global"], counters["accepted_from_global"]) == (2, 1)
+    assert counters["proposal_ms_median"] >= 0
     cache.clear()
     assert cache.index.num_tokens == 0 and cache.drafted == {REQUEST: 0, GLOBAL: 0}
     assert _propose(second, [30, 31, 7, 20]).tokens == []
+
+
+def test_a_tree_keeps_to_the_shape_it_is_asked_for():
+    index = SuffixIndex()
+    for continuation in ([5, 6, 7], [5, 6, 8], [9, 1, 2], [10, 3, 4]):
+        index.add_document([1, 2, 3] + continuation)
+    match = index.match([1, 2, 3])
+    assert match.lengths == [3, 3, 3, 3]
+    tree, _ = best_draft(index, match, 8, 2.0, 0.1)                        # 2.0 x 3: 6 nodes
+    assert tree.tokens == [5, 6, 10, 9, 3, 1]          # 1/2, 1/2, then the 1/4s: shallower, then more recent first
+    assert [len(c) for c in tree.children()] == [3, 1, 0, 1, 1, 0, 0]
+    narrow, _ = best_draft(index, match, 8, 2.0, 0.1, top_k=1)
+    assert narrow.tokens == [5, 6, 8] and narrow.is_chain()                # one child a node: a chain
+    shallow, _ = best_draft(index, match, 8, 2.0, 0.1, max_depth=1)
+    assert sorted(shallow.tokens) == [5, 9, 10] and max(shallow.depths) == 1
 
 
 def test_the_request_index_grows_by_appending():

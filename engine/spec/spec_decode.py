@@ -54,6 +54,7 @@ class Proposal:
     probs: torch.Tensor | None    # [len(tree), V] a chain's draft distribution q; None: point masses
     time_s: float = 0.0
     grown: bool = False           # grown by propose_tree: a tree step, its scores the draft's confidences
+    source: str = ""              # where a retrieval draft came from (the suffix proposer: request, global)
 
     @property
     def tokens(self) -> list[int]:
@@ -61,7 +62,7 @@ class Proposal:
 
     def trimmed(self, nodes: int) -> "Proposal":
         """A grown tree cut to its `nodes` best nodes (engine.spec.tree.select)."""
-        return Proposal(select(self.tree, nodes), None, self.time_s, grown=True)
+        return Proposal(select(self.tree, nodes), None, self.time_s, grown=True, source=self.source)
 
 
 class Proposer:

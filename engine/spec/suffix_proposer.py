@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 
 from engine.spec.spec_decode import Proposal, Proposer
 from engine.spec.suffix_index import MAX_MATCH, Match, SuffixIndex
 from engine.spec.tree import DraftTree
 
 MAX_LENGTHS_TRIED = 4      # distinct match lengths tried per index, longest first
+KEEP_TIMES = 100_000       # drafting times kept for the median and p99
 REQUEST, GLOBAL = "request", "global"
 
 
@@ -37,14 +39,14 @@ class SuffixCache:
 
     def __init__(self, max_tokens: int):
         self.index = SuffixIndex(max_tokens)
-        self.drafted = {REQUEST: 0, GLOBAL: 0}
-        self.accepted = {REQUEST: 0, GLOBAL: 0}
+        self.clear()
 
     def clear(self) -> None:
         """An empty global index and zero counters (a bench arm starts here)."""
         self.index.clear()
         self.drafted = {REQUEST: 0, GLOBAL: 0}
         self.accepted = {REQUEST: 0, GLOBAL: 0}
+        self.propose_s: deque[float] = deque(maxlen=KEEP_TIMES)     # the recent steps' drafting seconds
 
     def add_output(self, tokens: list[int], max_tokens: int) -> None:
         self.index.max_tokens = max_tokens
@@ -53,10 +55,20 @@ class SuffixCache:
         else:
             self.index.evict()
 
+    def record(self, source: str, drafted: int, accepted: int) -> None:
+        """A verified draft from `source` (its nodes as verified, after any trim)."""
+        self.drafted[source] += drafted
+        self.accepted[source] += accepted
+
     def counters(self) -> dict:
+        """Draft tokens by source, drafted and accepted; the global index's size; the median and
+        99th percentile of a step's drafting time (ms; a busy machine's preemptions show in p99)."""
+        times = sorted(self.propose_s)
         return {"draft_tokens_from_request": self.drafted[REQUEST], "draft_tokens_from_global": self.drafted[GLOBAL],
                 "accepted_from_request": self.accepted[REQUEST], "accepted_from_global": self.accepted[GLOBAL],
-                "global_tokens": self.index.num_tokens, "global_requests": len(self.index.documents)}
+                "global_tokens": self.index.num_tokens, "global_requests": len(self.index.documents),
+                "proposal_ms_median": 1e3 * times[len(times) // 2] if times else None,
+                "proposal_ms_p99": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))] if times else None}
 
 
 class SuffixProposer(Proposer):
@@ -64,7 +76,6 @@ class SuffixProposer(Proposer):
                  cache_tokens: int = 1 << 18):
         self.cache, self.spec_factor, self.min_prob, self.cache_tokens = cache, spec_factor, min_prob, cache_tokens
         self.own = SuffixIndex()
-        self.last: tuple[int, DraftTree, str] | None = None    # (context length, tree, source) of the last draft
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.own.extend(prompt_ids)
@@ -94,31 +105,12 @@ class SuffixProposer(Proposer):
             theirs = best_draft(shared, shared.match(context), *rule)
             if theirs is not None and (best is None or theirs[1] > best[1]):
                 best, source = theirs, GLOBAL
-        if best is None:
-            self.last = None
-            return Proposal(DraftTree([], [], []), None, time.perf_counter() - t0, grown=grown)
-        tree = best[0]
-        self.cache.drafted[source] += len(tree)
-        self.last = (len(token_ids), tree, source)
-        return Proposal(tree, None, time.perf_counter() - t0, grown=grown)
-
-    def accepted(self, token_ids: list[int]) -> None:
-        """Count the last draft's accepted nodes: the path its emitted tokens follow (the
-        token after the accepted path never matches a tried child)."""
-        if self.last is None:
-            return
-        start, tree, source = self.last
-        self.last = None
-        children, row, kept = tree.children(), 0, 0
-        for token in token_ids[start:]:
-            row = next((c + 1 for c in children[row] if tree.tokens[c] == token), None)
-            if row is None:
-                break
-            kept += 1
-        self.cache.accepted[source] += kept
+        tree = DraftTree([], [], []) if best is None else best[0]
+        seconds = time.perf_counter() - t0
+        self.cache.propose_s.append(seconds)
+        return Proposal(tree, None, seconds, grown=grown, source=source if len(tree) else "")
 
     def finished(self, token_ids: list[int], prompt_len: int) -> None:
-        self.accepted(token_ids)
         self.cache.add_output(token_ids[prompt_len:], self.cache_tokens)
 
 
