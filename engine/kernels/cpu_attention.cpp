@@ -296,9 +296,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
+// A pass's new keys and values into their slots of a float pool ([blocks, BS, H_kv, D], fp32 or
+// bf16), rounded to the pool's dtype: one call a layer where the torch path took six ops.
+void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+  TORCH_CHECK(k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16,
+              "store_kv writes fp32 or bf16 pools (an FP8 pool is quantized in torch)");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && slots.scalar_type() == at::kLong,
+              "store_kv: contiguous pools and int64 slots expected");
+  k_pool.flatten(0, 1).index_copy_(0, slots, k.to(k_pool.scalar_type()));
+  v_pool.flatten(0, 1).index_copy_(0, slots, v.to(v_pool.scalar_type()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
+  m.def("store_kv(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor k, Tensor v, Tensor slots) -> ()");
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, Tensor tables, "
         "Tensor row_seq, Tensor prefix, Tensor extra_start, Tensor extra_keys, float scale, int window, Tensor? sinks, "
         "int kind, int isa) -> Tensor");
@@ -306,4 +318,5 @@ TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("store_kv", &store_kv);
 }

@@ -90,6 +90,11 @@ def attend(q: torch.Tensor, cache, rows: PassRows, scale: float, window: int = 0
     return _call(q, cache, rows, scale, ISAS[isa()], window, sinks)
 
 
+def store(cache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v [N, H_kv, D] into their slots of a float (fp32 or bf16) layer cache, in one call."""
+    torch.ops.workbench_cpu.store_kv(cache.k, cache.v, k, v, slots)
+
+
 def _call(q, cache, rows: PassRows, scale: float, isa_code: int, window: int = 0,
           sinks: torch.Tensor | None = None) -> torch.Tensor:
     kind = KINDS[cache.k.dtype]

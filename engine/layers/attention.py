@@ -324,10 +324,14 @@ def _attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float
         return torch.cat([_kernel_attention(q[s.start:s.start + s.count], k[s.start:s.start + s.count],
                                             v[s.start:s.start + s.count], cache, launch, scale, window, sinks)
                           for s, launch in zip(meta.seqs, meta.layout)])
-    store_kv(cache, k, v, meta.slot_mapping)
     if meta.mode == CPU:
         from engine.kernels import cpu_attention
+        if cache.k_scale is None:           # a float pool: stored by our kernel library, one call
+            cpu_attention.store(cache, k, v, meta.slot_mapping)
+        else:
+            store_kv(cache, k, v, meta.slot_mapping)
         return cpu_attention.attend(q, cache, meta.layout, scale, window, sinks)
+    store_kv(cache, k, v, meta.slot_mapping)
     return paged_attention_ref(q, cache, meta, scale, window, sinks)
 
 

@@ -45,10 +45,10 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
         raise RuntimeError("workbench::paged_attention ran outside attention_op.serving (no pass to attend in)")
     kv, meta = current
     n = meta.positions.shape[0]
+    if q.shape[0] == n:
+        return attention(q, k, v, kv.layer(layer), meta, scale, window, sinks)
     out = attention(q[:n], k[:n], v[:n], kv.layer(layer), meta, scale, window, sinks)
-    if q.shape[0] > n:                                   # padding rows repeat the last real one
-        out = torch.cat([out, out[-1:].expand(q.shape[0] - n, *out.shape[1:])])
-    return out
+    return torch.cat([out, out[-1:].expand(q.shape[0] - n, *out.shape[1:])])   # padding rows repeat the last
 
 
 def _paged_attention_shape(q, k, v, layer, scale, window, sinks):
