@@ -20,12 +20,17 @@ torch.manual_seed(0)
 #   "quant-ours-refused": our quantized linear did not build: torch's int4/int8 kernels serve,
 #     8-bit groups are dequantized;
 #   "quant-avx2": ours on its AVX2 path (vpmaddubsw), forced on an AVX-512 VNNI CPU;
+#   "quant-avx-vnni": ours on its AVX-VNNI path (256-bit vpdpbusd), where the CPU has it;
+#   "quant-vnni256": the same code in AVX-512 VL's encoding, where the CPU has AVX-512 VNNI;
 #   "quant-refused": neither runs, so quantized weights are served as float.
 # The FP8 cache read (engine.kernels.cpu_fp8):
 #   "fp8-refused": our FP8 cache read did not build: torch's index_select and dequantize serve.
 FALLBACKS = ("ours-refused", "onednn-refused", "both-refused", "row-tiles", "avx2",
-             "quant-ours-refused", "quant-avx2", "quant-refused", "fp8-refused", "attention-refused",
+             "quant-ours-refused", "quant-avx2", "quant-avx-vnni", "quant-vnni256", "quant-refused", "fp8-refused", "attention-refused",
              "attention-scalar")
+
+
+QUANT_PATHS = {"quant-avx2": "avx2", "quant-avx-vnni": "avx_vnni", "quant-vnni256": "avx512vl_vnni"}
 
 
 @contextlib.contextmanager
@@ -51,10 +56,11 @@ def forced_fallback(name: str | None):
             mp.setattr(cpu_quant, "refusal", lambda: "our quantized linear refused (forced by a test)")
             if name == "quant-refused":
                 mp.setattr(quantized_linear, "refusal", lambda kind, dtype: f"{kind} kernel refused (forced by a test)")
-        elif name == "quant-avx2":
-            if cpu_quant.refusal() or not all(f in cpu_features.flags() for f in cpu_quant.NEEDS["avx2"]):
-                pytest.skip(f"our quantized linear does not run here: {cpu_quant.refusal()}")
-            mp.setitem(cpu_quant._chosen, "isa", "avx2")
+        elif name in QUANT_PATHS:
+            isa = QUANT_PATHS[name]
+            if cpu_quant.refusal() or not all(f in cpu_features.flags() for f in cpu_quant.NEEDS[isa]):
+                pytest.skip(f"our quantized linear's {isa} path does not run here ({cpu_quant.refusal() or 'no such CPU'})")
+            mp.setitem(cpu_quant._chosen, "isa", isa)
         elif name == "fp8-refused":
             mp.setattr(cpu_fp8, "refusal", lambda: "our FP8 cache read refused (forced by a test)")
         elif name == "attention-refused":

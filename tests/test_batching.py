@@ -62,17 +62,21 @@ COMPILE: dict[int, str] = {}         # the compile setting each loaded model's e
 FALLBACK_PATHS = {"fp32-ours-refused": (torch.float32, "ours-refused"), "fp32-row-tiles": (torch.float32, "row-tiles"),
                   "bf16-onednn-refused": (torch.bfloat16, "onednn-refused"),
                   "bf16-both-refused": (torch.bfloat16, "both-refused"), "fp32-avx2": (torch.float32, "avx2"),
-                  "bf16-avx2": (torch.bfloat16, "avx2")}
+                  "bf16-avx2": (torch.bfloat16, "avx2"),
+                  # our quantized linear's 256-bit paths, its weights int4 at load (row groups of 4, a
+                  # decoded tile reused past 4 rows): AVX2, and the AVX-VNNI code in AVX-512 VL's form
+                  "bf16-int4-quant-avx2": (torch.bfloat16, "quant-avx2", "int4"),
+                  "fp32-int4-quant-vnni256": (torch.float32, "quant-vnni256", "int4")}
 
 
 @pytest.fixture(scope="module", params=list(FALLBACK_PATHS))
 def tiny_fallback(request, tmp_path_factory):
     from engine.loading.loader import load_model
     from engine.loading.synthetic import write_checkpoint
-    dtype, fallback = FALLBACK_PATHS[request.param]
+    dtype, fallback, *weights = FALLBACK_PATHS[request.param]
     folder = write_checkpoint(tmp_path_factory.mktemp("tiny-fallback"), "tiny", seed=0)
     with forced_fallback(fallback):
-        yield load_model(str(folder), dtype=dtype)
+        yield load_model(str(folder), dtype=dtype, weight_dtype=weights[0] if weights else "auto")
 
 
 def engine(loaded, **config) -> LLMEngine:

@@ -101,14 +101,15 @@ def test_without_our_quantized_kernel_torchs_serve_int4_and_8bit_groups_are_dequ
         assert len(eng.generate_text(PROMPT, GREEDY)[1]) == GREEDY.max_tokens
 
 
-def test_our_quantized_kernel_on_avx2_gives_the_vnni_paths_tokens(folder):
-    """Every group's dot is an exact integer on both paths, the floats in the same order: the
+@pytest.mark.parametrize("path", ["quant-avx2", "quant-avx-vnni", "quant-vnni256"])
+def test_our_quantized_kernel_on_each_256_bit_path_gives_the_widest_paths_tokens(folder, path):
+    """Every group's dot is an exact integer on every path, the floats in the same order: the
     same bits, so the same text."""
     def tokens():
         loaded = load_model(str(folder), dtype=torch.bfloat16, weight_dtype="int4")
         return LLMEngine(loaded, EngineConfig(num_blocks=32, compile="off"), CPU).generate_text(PROMPT, GREEDY)[1]
     widest = tokens()
-    with forced_fallback("quant-avx2"):
+    with forced_fallback(path):
         assert tokens() == widest
 
 

@@ -6,6 +6,8 @@ The default model, loaded as the app loads it (dtype auto, weight_dtype auto: th
 tensors as stored); every quantized linear called once per pass in model order on random
 activations, timed over REPEATS passes (median). The head (the tied Q8_0 embedding) is
 timed apart: a decode step runs it on one row whatever the verify width.
+`linear_rows_gb_s` is the body's bytes over its one-row time, beside `read_bandwidth_gb_s`,
+what a large reduction reads per second in the same run (engine.spec.step_costs).
 """
 from __future__ import annotations
 
@@ -43,13 +45,23 @@ def linear_rows_bench(reference: str = "default", repeats: int = REPEATS) -> dic
             times.append(time.perf_counter() - start)
         return statistics.median(times[1:]) * 1e3
 
+    from engine.spec.step_costs import read_bandwidth
+    bandwidth = read_bandwidth()
     rows_ms = {str(n): round(timed(body, n), 3) for n in ROWS}
+    body_bytes = sum(qw.nbytes for qw in body)
     result = {"model": reference, "dtype": f"{str(dtype).removeprefix('torch.')} ({why})",
               "weights": loaded.weights.summary(), "kernel": quantized_linear.path(),
               "threads": torch.get_num_threads(), "linears": len(body),
-              "bytes": sum(qw.nbytes for qw in body), "repeats": repeats,
+              "bytes": body_bytes, "repeats": repeats,
               "linear_rows": rows_ms,
-              "ratio_to_1_row": {n: round(ms / rows_ms["1"], 3) for n, ms in rows_ms.items()}}
+              "ratio_to_1_row": {n: round(ms / rows_ms["1"], 3) for n, ms in rows_ms.items()},
+              # one row reads every weight byte once: how close that comes to what this machine reads
+              "linear_rows_gb_s": round(body_bytes / rows_ms["1"] / 1e6, 2),
+              "read_bandwidth_gb_s": round(bandwidth / 1e9, 2)}
+    result["fraction_of_bandwidth"] = round(result["linear_rows_gb_s"] / result["read_bandwidth_gb_s"], 3)
     if head is not None:
-        result["head_rows"] = {str(n): round(timed([head], n), 3) for n in ROWS}
+        head_ms = {str(n): round(timed([head], n), 3) for n in ROWS}
+        result["head_rows"] = head_ms
+        result["head_ratio_to_1_row"] = {n: round(ms / head_ms["1"], 3) for n, ms in head_ms.items()}
+        result["head_gb_s"] = round(head.nbytes / head_ms["1"] / 1e6, 2)
     return result
