@@ -49,6 +49,10 @@ def test_every_stored_format_says_how_each_device_serves_it_and_why():
     assert FORMATS["Q5_K"].on(CUDA).why == "int8 weights run on the CPU only in this release (CUDA keeps them dequantized)"
     assert FORMATS["MXFP4"].on(CPU).why == FORMATS["MXFP4"].on(CUDA).why == "no MXFP4 kernel yet"
     assert {name for name, f in FORMATS.items() if f.zero} == {"Q5_0", "Q5_1", "Q5_K"}
+    table = stored_formats.__doc__.splitlines()       # the docstring's table names every quantized row
+    for name, f in FORMATS.items():
+        if f.cpu.form:
+            assert any(line.startswith(f"  {name.split()[0]} ") for line in table), name
 
 
 def test_a_type_without_a_row_is_dequantized_and_named():
