@@ -15,9 +15,9 @@
 // steps. Vectors run across
 // output columns, never across k, so a row's bits depend neither on the row count nor on the
 // instruction set nor on the thread count (threads split column tiles, never K). Each weight
-// tile is decoded once per call for every group of (up to 4) rows that uses it, and 4-bit
-// tiles read by more than 4 rows are decoded once per call (llama.cpp's CPU method, written
-// for this project).
+// tile is decoded once per call for every group of (up to 4) rows that uses it (llama.cpp's
+// CPU method, written for this project); AVX-512 keeps a 4-bit tile read by more than 4 rows
+// decoded for the later groups, where the 256-bit paths re-decode it from L1 (faster there).
 //
 // Packed layout, per tile of 16 output columns (t = N / 16) and group g of G k:
 //   4-bit (G = 32): w[t, g, 256] uint8, byte j*64 + c*4 + i (j < 4, c < 16, i < 4) holds
@@ -50,7 +50,23 @@ struct Rows {
   const float* sxs;        // [M, K / G]: sx * sum(xq) over each weight group
   const int32_t* xsum;     // [M, K / G]: sum(xq) over each weight group
   int64_t K, G;
+  // the same xq, rows four by four, each group of 4 k of the 4 rows side by side:
+  // [ceil(M / 4), K / 4, 4 rows, 4] (the last group's missing rows zero). A 256-bit tile reads
+  // every row's bytes from one pointer at fixed offsets (no address per row).
+  const int8_t* xq4;
 };
+
+// xq [M, K] -> Rows::xq4's layout
+inline void interleave4(const int8_t* xq, int64_t M, int64_t K, int8_t* xq4) {
+  for (int64_t i0 = 0; i0 < M; i0 += 4) {
+    int8_t* out = xq4 + i0 * K;
+    for (int64_t c = 0; c < K / 4; ++c)
+      for (int64_t r = 0; r < 4; ++r) {
+        if (i0 + r < M) std::memcpy(out + c * 16 + r * 4, xq + (i0 + r) * K + c * 4, 4);
+        else std::memset(out + c * 16 + r * 4, 0, 4);
+      }
+  }
+}
 
 inline float round_even(float v) {     // |v| <= 127 < 2^22: the classic shift, no libm call (IEEE
   constexpr float shift = 12582912.0f;  // arithmetic: without -ffast-math the compiler keeps both steps)
@@ -323,19 +339,14 @@ void vnni_rows(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t 
   if (M - i == 1) group_of(std::integral_constant<int, 1>{});
 }
 
-// 256-bit: rows four at a time. The first row group streams the packed weights and, for 4-bit
-// weights read by more rows, leaves them decoded for the others (the same u, so the same bits).
+// 256-bit: rows four at a time, each group of rows streaming the packed tile (re-decoding it
+// from L1 costs less here than reading a decoded copy: measured)
 template <typename Tile, int BITS, typename S>
-void rows256(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t ldy, uint8_t* scratch) {
-  constexpr int SRC = BITS == 4 ? 4 : 8;
-  const bool reuse = BITS == 4 && M > 4;
-  const Weight decoded{scratch, wt.s, 0, wt.sstride};
+void rows256(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t ldy) {
   int64_t i = 0;
   auto group_of = [&](auto rows_now) {
     constexpr int RN = decltype(rows_now)::value;
-    if (i == 0) Tile::template tile<SRC, RN, S>(rows, 0, wt, y, ldy, reuse ? scratch : nullptr);
-    else if (reuse) Tile::template tile<5, RN, S>(rows, i, decoded, y + i * ldy, ldy, nullptr);
-    else Tile::template tile<SRC, RN, S>(rows, i, wt, y + i * ldy, ldy, nullptr);
+    Tile::template tile<BITS, RN, S>(rows, i, wt, y + i * ldy, ldy);
     i += RN;
   };
   while (i + 4 <= M) group_of(std::integral_constant<int, 4>{});
@@ -348,18 +359,18 @@ template <int BITS, typename S>
 void run_tiles(Isa isa, const Rows& rows, int64_t M, int64_t t0, int64_t t1, const Weight& base, float* y, int64_t N) {
   const S* s0 = static_cast<const S*>(base.s);
   auto at = [&](int64_t t) { return Weight{base.w + t * base.wstride, s0 + t * base.sstride, base.wstride, base.sstride}; };
-  static thread_local std::vector<uint8_t> scratch;       // each worker thread's decoded tiles
-  scratch.resize(BITS == 4 && M > 4 ? 2 * (rows.K / 32) * 32 * COLS : 0);
   int64_t t = t0;
   if (isa == AVX512) {
+    static thread_local std::vector<uint8_t> scratch;       // each worker thread's decoded tiles
+    scratch.resize(BITS == 4 && M > 4 ? 2 * (rows.K / 32) * 32 * COLS : 0);
     for (; t + 2 <= t1; t += 2) vnni_rows<BITS, S, 2>(rows, M, at(t), y + t * COLS, N, scratch.data());
     for (; t < t1; ++t) vnni_rows<BITS, S, 1>(rows, M, at(t), y + t * COLS, N, scratch.data());
   } else if (isa == AVX2) {
-    for (; t < t1; ++t) rows256<TileAvx2, BITS, S>(rows, M, at(t), y + t * COLS, N, scratch.data());
+    for (; t < t1; ++t) rows256<TileAvx2, BITS, S>(rows, M, at(t), y + t * COLS, N);
   } else if (isa == AVX_VNNI) {
-    for (; t < t1; ++t) rows256<TileAvxVnni, BITS, S>(rows, M, at(t), y + t * COLS, N, scratch.data());
+    for (; t < t1; ++t) rows256<TileAvxVnni, BITS, S>(rows, M, at(t), y + t * COLS, N);
   } else if (isa == AVX512VL_VNNI) {
-    for (; t < t1; ++t) rows256<TileAvx512VlVnni, BITS, S>(rows, M, at(t), y + t * COLS, N, scratch.data());
+    for (; t < t1; ++t) rows256<TileAvx512VlVnni, BITS, S>(rows, M, at(t), y + t * COLS, N);
   } else {
     for (; t < t1; ++t)
       for (int64_t i = 0; i < M; ++i) tile_scalar<BITS, S>(rows, i, at(t), y + i * N + t * COLS);
@@ -383,7 +394,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = scales.contiguous();
   // per-call buffers, kept by the calling thread: a decode step makes 121 calls
-  static thread_local std::vector<int8_t> xq;
+  static thread_local std::vector<int8_t> xq, xq4;
   static thread_local std::vector<float> sx, sxs, widened, accumulated;
   static thread_local std::vector<int32_t> xsum;
   xq.resize(M * K);
@@ -404,7 +415,10 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
     (isa == AVX512 ? quantize_row_avx512 : isa == SCALAR ? quantize_row_scalar : quantize_row_avx2)(
         xr, K, group, xq.data() + i * K, sx.data() + i * (K / XB), sxs.data() + i * groups, xsum.data() + i * groups);
   }
-  const Rows rows{xq.data(), sx.data(), sxs.data(), xsum.data(), K, group};
+  const bool by4 = isa == AVX2 || isa == AVX_VNNI || isa == AVX512VL_VNNI;
+  xq4.resize(by4 ? (M + 3) / 4 * 4 * K : 0);
+  if (by4) interleave4(xq.data(), M, K, xq4.data());
+  const Rows rows{xq.data(), sx.data(), sxs.data(), xsum.data(), K, group, xq4.data()};
   at::Tensor out = at::empty({M, N}, x.options());
   float* yp = bf16 ? accumulated.data() : out.data_ptr<float>();
   const Weight base{wc.data_ptr<uint8_t>(), sc.data_ptr(), groups * group_bytes(bits, group), groups * 2 * COLS};

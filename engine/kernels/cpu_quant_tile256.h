@@ -10,28 +10,23 @@
 // the tile's other 32 bytes of each line from L1). The arithmetic is the file's: U exact, then
 // the two fmas in order over K, whatever the pass.
 //
-// SRC says what the weight bytes hold:
-//   4  packed nibbles (the 4-bit layout); `keep`, when given, receives them decoded (5's layout)
-//   5  4-bit u already decoded to one byte each: the 8-bit layout with G = 32, j < 8, where
-//      j < 4 holds the low nibbles and j >= 4 the high (what `keep` was given)
-//   8  8-bit u
 struct TILE256 {
-  template <int SRC, int R, typename S>
-  static void tile(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64_t ldy, uint8_t* keep) {
+  template <int BITS, int R, typename S>
+  static void tile(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64_t ldy) {
     static_assert(R >= 1 && R <= 4, "one to four rows a tile");
     if constexpr (R <= 2) {
-      pass<SRC, R, 2, S>(rows, row0, wt, y, ldy, keep, 0);
+      pass<BITS, R, 2, S>(rows, row0, wt, y, ldy, 0);
     } else {
-      pass<SRC, R, 1, S>(rows, row0, wt, y, ldy, keep, 0);
-      pass<SRC, R, 1, S>(rows, row0, wt, y, ldy, keep, 1);
+      pass<BITS, R, 1, S>(rows, row0, wt, y, ldy, 0);
+      pass<BITS, R, 1, S>(rows, row0, wt, y, ldy, 1);
     }
   }
 
   // halves h0 .. h0 + NH - 1 of the tile, over all of K
-  template <int SRC, int R, int NH, typename S>
-  static void pass(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64_t ldy, uint8_t* keep, int h0) {
+  template <int BITS, int R, int NH, typename S>
+  static void pass(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64_t ldy, int h0) {
     const int64_t K = rows.K, G = rows.G, groups = K / G, xblocks = K / XB;
-    const int64_t gb = SRC == 4 ? 256 : G * COLS;
+    const int64_t gb = BITS == 4 ? 256 : G * COLS;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const S* sc = static_cast<const S*>(wt.s);
     __m256 acc[R][NH];
@@ -39,14 +34,14 @@ struct TILE256 {
       for (int h = 0; h < NH; ++h) acc[r][h] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* wg = wt.w + g * gb;
-      const int8_t* xg = rows.xq + row0 * K + g * G;
+      const int8_t* xg = rows.xq4 + row0 * K + g * G * 4;     // row0 is a multiple of 4
       if (h0 == 0) {    // the stream ahead (tiles lie one after another): weights, scales (a quarter the bytes)
         for (int64_t line = 0; line < gb; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(wg + PREFETCH_BYTES + line), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(sc + g * 2 * COLS) + PREFETCH_BYTES / 4, _MM_HINT_T0);
       }
       __m256i isum[R][NH];
-      if constexpr (SRC != 8) {       // u <= 15: every vpmaddubsw pair fits int16
+      if constexpr (BITS == 4) {      // u <= 15: every vpmaddubsw pair fits int16
 #if DOT_VNNI
         __m256i a0[R][NH], a1[R][NH];   // two chains each: the low and the high nibbles
         for (int r = 0; r < R; ++r)
@@ -61,24 +56,14 @@ struct TILE256 {
           __m256i lo[NH], hi[NH];
           for (int h = 0; h < NH; ++h) {
             const int64_t at = j * 64 + (h0 + h) * 32;
-            if constexpr (SRC == 4) {
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + at));
-              lo[h] = _mm256_and_si256(v, low);
-              hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-              if (keep) {
-                uint8_t* out = keep + g * 32 * COLS;
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + at), lo[h]);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + at + 256), hi[h]);
-              }
-            } else {
-              lo[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + at));
-              hi[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + at + 256));
-            }
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + at));
+            lo[h] = _mm256_and_si256(v, low);
+            hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           }
           for (int r = 0; r < R; ++r) {
             int32_t a, c;
-            std::memcpy(&a, xg + r * K + 4 * j, 4);
-            std::memcpy(&c, xg + r * K + 16 + 4 * j, 4);
+            std::memcpy(&a, xg + j * 16 + r * 4, 4);
+            std::memcpy(&c, xg + (4 + j) * 16 + r * 4, 4);
             const __m256i xa = _mm256_set1_epi32(a), xc = _mm256_set1_epi32(c);
             for (int h = 0; h < NH; ++h) {
 #if DOT_VNNI
@@ -113,7 +98,7 @@ struct TILE256 {
             v[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64 + (h0 + h) * 32));
           for (int r = 0; r < R; ++r) {
             int32_t a;
-            std::memcpy(&a, xg + r * K + 4 * j, 4);
+            std::memcpy(&a, xg + j * 16 + r * 4, 4);
             const __m256i xa = _mm256_set1_epi32(a);
             for (int h = 0; h < NH; ++h)
               part[r][h][j % P] = __m256i(__builtin_ia32_vpdpbusd_v8si(__v8si(part[r][h][j % P]), __v8si(v[h]), __v8si(xa)));
@@ -137,7 +122,7 @@ struct TILE256 {
           }
           for (int r = 0; r < R; ++r) {
             int32_t a;
-            std::memcpy(&a, xg + r * K + 4 * j, 4);
+            std::memcpy(&a, xg + j * 16 + r * 4, 4);
             const __m256i xa = _mm256_set1_epi32(a);
             for (int h = 0; h < NH; ++h) {
               const __m256i p = _mm256_maddubs_epi16(aq[h], _mm256_sign_epi8(xa, q[h]));
