@@ -140,7 +140,10 @@ SETTINGS: tuple[Setting, ...] = (
     # ---- speculative decoding ----
     Setting("proposer", str, "off", ENGINE, LIVE, "Proposer",
             choices={"off": "Off", "draft": "Draft model", "eagle": "EAGLE head", "ngram": "N-gram (prompt lookup)",
-                     "suffix": "Suffix (earlier text and replies)"},
+                     "suffix": "Suffix (earlier text and replies)", "auto": "Auto (the one that pays, measured)"},
+            help="auto: each step drafts with the proposer whose measured tokens per second is highest (suffix, "
+            "n-gram, the EAGLE head where one fits the model, the draft model where one is loaded), or none; "
+            "each is measured again every so often (engine.spec.proposer_choice)",
             group=SPECULATION_GROUP),
     Setting("num_speculative_tokens", int, 4, ENGINE, LIVE, "k (draft tokens)", low=1, high=MAX_SPEC_TOKENS,
             help="draft tokens proposed per step, verified in one target pass", group=SPECULATION_GROUP),

@@ -29,7 +29,7 @@ from engine.config import (BY_KEY, ENGINE, LIVE, NEXT_REQUEST, SCHEDULER_DEFAULT
                            SamplingParams, TreeShape, keys, parse_tree)
 from engine.errors import CacheTooSmallError, ConfigError, PromptTooLongError, WorkbenchError
 from engine.loading import loader
-from engine.metrics import EngineStep, RequestStats, StepEvent
+from engine.metrics import EngineStep, ProposerCounts, RequestStats, StepEvent
 from engine.models.eagle_head import EagleHead
 from engine.request import Request
 from engine.runtime import cpu_paths
@@ -37,6 +37,7 @@ from engine.runtime.model_runner import ModelRunner, PassItem, prepare_model
 from engine.scheduler import Scheduler
 from engine.spec.eagle_proposer import EagleProposer
 from engine.spec.policy import SpeculationPolicy
+from engine.spec.proposer_choice import OFF, ProposerChoice
 from engine.spec.spec_decode import DraftModelProposer, NgramProposer, Proposer, check_draft_compatible
 from engine.spec.suffix_proposer import SuffixCache, SuffixProposer
 from engine.spec.step_costs import PlainStepClock, weight_bytes_per_token
@@ -196,6 +197,8 @@ class LLMEngine:
         self.last_step: EngineStep | None = None
         self.policy = SpeculationPolicy()
         self.suffix_cache = SuffixCache(config.suffix_cache_tokens)     # earlier replies, for proposer `suffix`
+        self.proposer_choice = ProposerChoice()                          # proposer `auto`'s counters and choice
+        self.eagle_refused: tuple[str | None, str] | None = None         # (head, why) auto could not load
         self.settings_version = 0      # bumped whenever settings() may answer differently
         self._pending: dict = {}
         self.eos_ids = _eos_ids(target)
@@ -206,6 +209,8 @@ class LLMEngine:
             self.set_draft_model(config.draft_model)
         if config.proposer == "eagle":
             self.load_eagle_head(config.eagle_head)
+        elif config.proposer == "auto":
+            self.load_eagle_head_if_it_fits(config.eagle_head)
 
     # ---- construction ----------------------------------------------------------
     @classmethod
@@ -285,6 +290,8 @@ class LLMEngine:
         new = self.config.with_changes(**changes)       # validate before touching anything
         if new.proposer == "eagle":
             self.load_eagle_head(new.eagle_head)           # a missing or foreign head fails here
+        elif new.proposer == "auto":
+            self.load_eagle_head_if_it_fits(new.eagle_head)
         self._pending.update(changes)
         if not self.has_work:
             self.apply_pending(live_only=False)
@@ -325,11 +332,13 @@ class LLMEngine:
 
     def settings(self) -> dict:
         """The settings in effect (what the UI shows)."""
-        c = self.config
+        c, auto = self.config, self.config.proposer == "auto"
         return {"kv_cache_dtype": self.runner.kv_dtype_name, "block_size": c.block_size,
-                "enable_prefix_caching": c.enable_prefix_caching, "proposer": self.proposer_in_effect(),
+                "enable_prefix_caching": c.enable_prefix_caching,
+                "proposer": "auto" if auto else self.proposer_in_effect(),
+                "proposer_choice": self.describe_proposer_choice() if auto else None,
                 "num_speculative_tokens": c.num_speculative_tokens, "draft_model": self.draft_name,
-                "draft_tree": str(self.tree_in_effect() or "off"),
+                "draft_tree": str(parse_tree(c.draft_tree) or "off") if auto else str(self.tree_in_effect() or "off"),
                 "eagle_head": None if self.eagle is None else (self.eagle[0] or "shipped"),
                 "kv_pool_blocks": self.runner.kv.num_blocks, "kernels": self.runner.use_kernels,
                 "threads": torch.get_num_threads(), "thread_policy": self.thread_governor.describe(),
@@ -362,10 +371,37 @@ class LLMEngine:
         return parse_tree(self.config.draft_tree)
 
     def proposer_in_effect(self) -> str:
+        """The proposer that drafts this step: the setting's, "off" when it has nothing to draft
+        with, and under `auto` the one ProposerChoice picked for the step."""
         p = self.config.proposer
+        if p == "auto":
+            return self.proposer_choice.chosen
         if (p == "draft" and self.draft_runner is None) or (p == "eagle" and self.eagle is None):
             return "off"
         return p
+
+    def auto_candidates(self) -> list[str]:
+        """What `proposer: auto` chooses among: suffix and n-gram, EAGLE where a head for this
+        model is loaded, the draft model where one is, and "off" (engine.spec.proposer_choice)."""
+        return (["suffix", "ngram"] + ["eagle"] * (self.eagle is not None)
+                + ["draft"] * (self.draft_runner is not None) + [OFF])
+
+    def describe_proposer_choice(self) -> dict:
+        """`auto`'s choice, why, and each candidate's measured figures; what it left out, and why."""
+        left_out = {} if self.draft_runner is not None else {"draft": "no draft model loaded"}
+        if self.eagle is None:
+            left_out["eagle"] = self.eagle_refused[1] if self.eagle_refused else "no EAGLE head loaded"
+        return self.proposer_choice.describe() | {"left_out": left_out}
+
+    def load_eagle_head_if_it_fits(self, reference: str | None) -> None:
+        """`auto`: the EAGLE head joins the candidates where one fits this model; a missing or
+        foreign head leaves it out (describe_proposer_choice says why), once per reference."""
+        if self.eagle_refused is not None and self.eagle_refused[0] == reference:
+            return
+        try:
+            self.load_eagle_head(reference)
+        except WorkbenchError as e:
+            self.eagle_refused = (reference, str(e))
 
     def load_eagle_head(self, reference: str | None) -> None:
         """Load the EAGLE head (a few MB) unless this one is loaded; raises a clear error."""
@@ -449,7 +485,8 @@ class LLMEngine:
                 "shorten it or start a new chat")
         max_new = min(params.max_tokens, self.max_model_len - len(token_ids))
         self._check_fits(len(token_ids), max_new)
-        if self.proposer_in_effect() != "off" and not self.has_work:   # the baseline of "does speculation pay"
+        speculates = self.proposer_in_effect() != "off" or self.config.proposer == "auto"
+        if speculates and not self.has_work:            # the baseline of "does speculation pay"
             self.plain_steps.calibrate(self.plain_step_key(), self.runner)
         request = Request(self, next(self._ids), token_ids, max_new, params)
         self.requests[request.request_id] = request
@@ -492,7 +529,7 @@ class LLMEngine:
         pass_s = time.perf_counter() - t_pass
         compile_s = sum(r.take_compile_s() for r in self.runners())     # drafting's compile included
         compiles = sum(r.take_compiles() for r in self.runners())
-        stepped = []
+        stepped, drafted = [], ProposerCounts()
         for w, (logits, hidden) in zip(work, results):
             start = w.item.seq.num_computed - len(w.item.tokens)
             event = w.request.finish_pass(start, w.item.tokens, logits, hidden, w.proposal, pass_s, compile_s)
@@ -506,8 +543,13 @@ class LLMEngine:
                     self.policy.record_verdict(self.proposer_in_effect(), event.accepted_per_position)
                 if w.proposal is not None and w.proposal.source:    # the suffix proposer's, by source
                     self.suffix_cache.record(w.proposal.source, len(w.proposal.tree), event.accepted)
+                if w.proposal is not None or (w.decode and self.proposer_in_effect() == OFF):
+                    drafted.add(_drafted(w, event))
             if w.request.finished:
+                self._remember_output(w.request)
                 self._forget(w.request)
+        if self.config.proposer == "auto":
+            self.proposer_choice.record(self.proposer_in_effect(), self.step_count, drafted)
         step = self._step_stats(plan, work, stepped, pass_s, time.perf_counter() - t0, compiles)
         figures = step.as_dict()                  # one plain-data copy for every event of the step
         for event in stepped:
@@ -563,20 +605,42 @@ class LLMEngine:
         return proposal
 
     def _k_for_step(self) -> int:
-        """Draft tokens per decoding sequence this step: k, or the policy's choice by batch size."""
-        c, proposer = self.config, self.proposer_in_effect()
+        """Draft tokens per decoding sequence this step: k, or the policy's choice by batch size.
+        Under `proposer: auto` the step's proposer is chosen first (its payoff already weighs
+        whether drafting pays, so its trees are grown and trimmed, and a measuring step drafts k)."""
+        c, auto = self.config, self.config.proposer == "auto"
+        decoding = max(sum(1 for r in self.scheduler.running if r.decoding), 1)
+        if auto:
+            self._choose_proposer(decoding)
+        proposer = self.proposer_in_effect()
         if proposer == "off":
             return 0
         tree = self.tree_in_effect()
         if tree is not None:
             others = sum(r.num_uncomputed for r in self.scheduler.running) - 1
-            if c.speculation_policy == "fixed" or self.policy.grow_tree(1 + max(others, 0)):
+            if c.speculation_policy == "fixed" or auto or self.policy.grow_tree(1 + max(others, 0)):
                 return tree.nodes
             return 0
-        if c.speculation_policy == "fixed":
+        if c.speculation_policy == "fixed" or (auto and self.proposer_choice.is_measuring):
             return c.num_speculative_tokens
-        decoding = sum(1 for r in self.scheduler.running if r.decoding)
-        return self.policy.choose_k(proposer, max(decoding, 1), c.num_speculative_tokens)
+        own_draft_s = self.proposer_choice.counts(proposer).draft_s_per_token if auto else None
+        return self.policy.choose_k(proposer, decoding, c.num_speculative_tokens, draft_token_s=own_draft_s)
+
+    def _choose_proposer(self, decoding: int) -> None:
+        """`auto`: the proposer of this step (engine.spec.proposer_choice). A new winner (not a
+        measuring step) changes the settings the next event carries."""
+        others = sum(r.num_uncomputed for r in self.scheduler.running if not r.decoding)
+        before = self.proposer_choice.chosen, self.proposer_choice.is_measuring
+        chosen = self.proposer_choice.choose(self.auto_candidates(), self.step_count, self.policy.predicted_pass_s,
+                                             decoding, others)
+        if not self.proposer_choice.is_measuring and (chosen, False) != before:
+            self.settings_version += 1
+
+    def _remember_output(self, request: Request) -> None:
+        """`auto`: a reply the suffix proposer never drafted for still joins its global index
+        (the suffix proposer adds the replies it drafted for itself, SuffixProposer.finished)."""
+        if self.config.proposer == "auto" and "suffix" not in request.proposers_used:
+            self.suffix_cache.add_output(request.token_ids[request.prompt_len:], self.config.suffix_cache_tokens)
 
     def _step_stats(self, plan, work: list["_Work"], events: list[StepEvent], pass_s: float, step_s: float,
                     compiles: int = 0) -> EngineStep:
@@ -639,6 +703,13 @@ class _Work:
     @property
     def drafts(self) -> list[int]:
         return self.proposal.tokens if self.proposal is not None else []
+
+
+def _drafted(work: _Work, event: StepEvent) -> ProposerCounts:
+    """One sequence's part of a step, as proposer `auto` counts it."""
+    proposal = work.proposal
+    return ProposerCounts(asked=1, drafted=int(event.proposed > 0), proposed=event.proposed, accepted=event.accepted,
+                          draft_s=proposal.time_s if proposal is not None else 0.0)
 
 
 def reconfigurable() -> tuple[str, ...]:

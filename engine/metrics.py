@@ -56,6 +56,16 @@ def expected_accepted_len(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else float(k + 1)
 
 
+def decode_step_rate(batch: int, tokens_per_sequence: float, pass_s: float, draft_s_per_sequence: float) -> float:
+    """Expected tokens per second of a decode step in which `batch` sequences each emit
+    tokens_per_sequence tokens (tau: 1 without drafts, the bonus token included) from one
+    target pass of pass_s seconds, after drafting for draft_s_per_sequence seconds each:
+        batch * tau / (pass_s + batch * draft_s)
+    The speculation policy's k (tau = expected_accepted_len) and `proposer: auto`'s choice
+    (tau measured, ProposerCounts) both weigh a step by it."""
+    return batch * tokens_per_sequence / (pass_s + batch * draft_s_per_sequence)
+
+
 def predicted_speedup(alpha: float, k: int, draft_cost: float, verify_cost: float = 1.0) -> float:
     """Decode speedup of speculation over plain decoding under the i.i.d. model:
     tau / (k * draft_cost + verify_cost), costs relative to one plain target step
@@ -149,6 +159,53 @@ class PositionCounts:
         return ratio(sum(self.accepts), sum(self.attempts))
 
 
+@dataclass
+class ProposerCounts:
+    """One proposer's additive counters over decode steps it was asked to draft in (what
+    `proposer: auto` weighs; "off" counts its plain steps). Per asked sequence:
+      tokens_per_step    = tau = 1 + accepted / asked (tokens per target pass; empty drafts,
+                           trimmed trees and rejections included)
+      verified_per_step  = draft tokens (tree nodes) verified / asked: the pass's extra rows
+      draft_s_per_step   = drafting seconds / asked
+      draft_s_per_token  = drafting seconds / draft tokens verified (0.0 before any)
+      acceptance_rate    = accepted / proposed"""
+    asked: int = 0             # sequence-steps it was asked to draft for (one per sequence per step)
+    drafted: int = 0           # of those, with at least one draft token verified
+    proposed: int = 0          # draft tokens verified
+    accepted: int = 0
+    draft_s: float = 0.0
+
+    def add(self, other: "ProposerCounts") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        per = ratio(self.accepted, self.asked)
+        return None if per is None else 1 + per
+
+    @property
+    def verified_per_step(self) -> float | None:
+        return ratio(self.proposed, self.asked)
+
+    @property
+    def draft_s_per_step(self) -> float | None:
+        return ratio(self.draft_s, self.asked)
+
+    @property
+    def draft_s_per_token(self) -> float:
+        return ratio(self.draft_s, self.proposed) or 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return ratio(self.accepted, self.proposed)
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"tokens_per_step": self.tokens_per_step, "verified_per_step": self.verified_per_step,
+                               "draft_ms_per_step": None if self.draft_s_per_step is None else 1e3 * self.draft_s_per_step,
+                               "acceptance_rate": self.acceptance_rate}
+
+
 # ---- events and aggregates ------------------------------------------------------------
 @dataclass
 class StepEvent:
@@ -187,6 +244,8 @@ class StepEvent:
     compile_s: float = 0.0              # seconds of this step spent compiling (0.0: none); kept out of decode speed
     tree_nodes: int = 0                 # a draft tree's nodes verified in this step (0: a chain, or none)
     tree_predicted_accepted: float | None = None   # what the draft's confidences predicted it accepts
+    proposer: str | None = None         # which proposer drafted this step (suffix, ngram, eagle, draft; None: none
+                                        # did), under `proposer: auto` the one it chose for the step
 
     @property
     def num_tokens(self) -> int:

@@ -60,6 +60,7 @@ class Request:
         self.stats = RequestStats(prompt_tokens=len(token_ids))
         self.detok = Detokenizer(engine.tokenizer)
         self.proposers: dict[str, Proposer] = {}
+        self.proposers_used: set[str] = set()  # every proposer it drafted with (proposer auto switches)
         self.last_pass: tuple | None = None    # (start position, hidden states) of the last target pass
         self.seq: RunnerSeq | None = None      # its KV blocks while RUNNING
         self.step_index = 0                    # events emitted
@@ -138,10 +139,13 @@ class Request:
         try:
             if tree is not None and proposer.supports_trees:
                 shape = TreeShape(tree.top_k, min(tree.depth, self.room - 1), min(k, tree.nodes))
-                return proposer.propose_tree(self.token_ids, shape, self.params, self.generator)
-            return proposer.propose(self.token_ids, min(k, self.room - 1), self.params, self.generator)
+                proposal = proposer.propose_tree(self.token_ids, shape, self.params, self.generator)
+            else:
+                proposal = proposer.propose(self.token_ids, min(k, self.room - 1), self.params, self.generator)
         except CacheTooSmallError:              # the draft model's own pool is full: draft later
             return None
+        proposal.proposer = self.engine.proposer_in_effect()
+        return proposal
 
     def _proposer(self) -> Proposer | None:
         name = self.engine.proposer_in_effect()
@@ -156,6 +160,7 @@ class Request:
             if self.last_pass is not None:
                 p.target_pass(*self.last_pass)
             self.proposers[name] = p
+            self.proposers_used.add(name)
         return self.proposers[name]
 
     # ---- after the pass ------------------------------------------------------------
@@ -183,13 +188,15 @@ class Request:
             runner.rollback(self.seq, self.seq.num_computed)     # blocks reserved for drafts not made
             runner.commit(self.seq, self.token_ids)
             return self._emit([sample(logits[-1], self.params, self.generator)], [TARGET], pass_s,
-                              draft_time=proposal.time_s if proposal is not None else 0.0)
+                              draft_time=proposal.time_s if proposal is not None else 0.0,
+                              proposer=proposal.proposer if proposal is not None else None)
         runner.commit(self.seq, self.token_ids + verdict.tokens)
         tree = proposal.tree
         event = self._emit(verdict.tokens, verdict.kinds, pass_s, draft_time=proposal.time_s, proposed=len(tree),
                            accepted=verdict.num_accepted, positions=verdict.accepted_per_position,
                            tree_nodes=len(tree) if proposal.grown else 0,
-                           tree_predicted=tree.predicted_accepted() if proposal.grown else None)
+                           tree_predicted=tree.predicted_accepted() if proposal.grown else None,
+                           proposer=proposal.proposer)
         for p in self.proposers.values():
             p.accepted(self.token_ids)
         return event
@@ -208,7 +215,8 @@ class Request:
 
     # ---- events ------------------------------------------------------------------
     def _emit(self, tokens, kinds, pass_s: float, draft_time=0.0, proposed=0, accepted=0,
-              positions=(), target_passes=1, cancelled=False, tree_nodes=0, tree_predicted=None) -> StepEvent:
+              positions=(), target_passes=1, cancelled=False, tree_nodes=0, tree_predicted=None,
+              proposer=None) -> StepEvent:
         eng, stats = self.engine, self.stats
         tokens, kinds, reason = self._clip(tokens, kinds)
         reason = "cancelled" if cancelled else reason
@@ -227,7 +235,8 @@ class Request:
             generated_tokens=stats.generated_tokens + len(tokens),
             ttft_s=(now - self.t_submit) if first else None, finished=reason is not None,
             finish_reason=reason, settings=self._settings_if_changed(), request_id=self.request_id,
-            compile_s=self.step_compile_s, tree_nodes=tree_nodes, tree_predicted_accepted=tree_predicted)
+            compile_s=self.step_compile_s, tree_nodes=tree_nodes, tree_predicted_accepted=tree_predicted,
+            proposer=proposer)
         self.t_last_event, self.step_compile_s = now, 0.0
         stats.record_step(event)
         event.running = stats.as_dict()

@@ -127,7 +127,7 @@ def test_builtin_profiles_hold_the_baseline_and_all_optimizations():
     baseline = read_profile(builtins["baseline"])
     assert (baseline.proposer, baseline.kv_cache_dtype, baseline.enable_prefix_caching) == ("off", "auto", False)
     best = read_profile(builtins["all_optimizations"])
-    assert best.proposer in ("ngram", "draft") and best.num_speculative_tokens == 4
+    assert best.proposer == "auto" and best.num_speculative_tokens == 4     # the proposer that pays, measured
     assert (best.kv_cache_dtype, best.enable_prefix_caching) == ("fp8_e4m3", True)
 
 

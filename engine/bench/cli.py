@@ -90,7 +90,9 @@ def main(argv=None) -> int:
                     "(the released model's shapes: " + ", ".join(sorted(PRESETS)) + "), " + ", ".join(BUILTIN_SHAPES))
     ap.add_argument("--context", type=int, default=4096, help="memory: tokens per sequence")
     ap.add_argument("--k", type=int, default=4, help="speculative: draft tokens per step")
-    ap.add_argument("--proposer", choices=["draft", "eagle", "ngram", "suffix"], default="eagle")
+    ap.add_argument("--proposer", choices=["draft", "eagle", "ngram", "suffix", "auto"], default="eagle",
+                    help="speculative: auto chooses each step among suffix, n-gram, the EAGLE head (where one fits) "
+                    "and the draft model (with --draft), or none")
     ap.add_argument("--tree", default="off", help="speculative: the draft_tree setting (off, auto, TOPK:DEPTH:NODES)")
     ap.add_argument("--speculation-policy", default="auto", choices=list(BY_KEY["speculation_policy"].choices),
                     help="speculative: the speculation_policy setting (fixed: every step drafts k tokens, or the "

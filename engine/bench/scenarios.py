@@ -361,6 +361,10 @@ def bench_speculative(args) -> dict:
         eng.reconfigure(proposer="eagle", eagle_head=args.draft)
     elif args.proposer == "suffix":
         draft = "suffix decoding (the request's own text and earlier replies)"
+    elif args.proposer == "auto":
+        if args.draft:
+            eng.set_draft_model(args.draft, progress=_progress)
+        draft = "auto: each step the proposer with the best measured payoff (engine.spec.proposer_choice)"
     else:
         draft = "n-gram prompt lookup"
     encoded = [eng.encode(p) for p in prompts]
@@ -368,6 +372,7 @@ def bench_speculative(args) -> dict:
     def run(proposer):
         eng.reconfigure(proposer=proposer, num_speculative_tokens=args.k, draft_tree=args.tree)
         eng.reset_suffix_cache()
+        eng.proposer_choice.clear()                  # auto measures its candidates again in each arm
         outs, stats = [], []
         for ids in encoded:
             _, out, s = eng.generate_text(ids, params)
@@ -392,13 +397,22 @@ def bench_speculative(args) -> dict:
             "proposal_ms_per_step": 1e3 * spec.draft_time_s / spec.target_passes if spec.target_passes else None,
             "dtype": _dtype(eng), "compile": eng.settings()["compile"], "threads": torch.get_num_threads(),
             "greedy_identical": spec_out == base_out, **_tree_figures(spec, plain_step_s, eng),
-            **_suffix_figures(eng, args.proposer)}
+            **_suffix_figures(eng, args.proposer), **_auto_figures(eng, args.proposer)}
+
+
+def _auto_figures(eng, proposer: str) -> dict:
+    """proposer auto: each candidate's counters over the timed arm (sequence-steps it drafted
+    for, verified and accepted draft tokens, drafting time), the last choice and why, and what
+    it left out."""
+    if proposer != "auto":
+        return {}
+    return {"auto": eng.describe_proposer_choice()}
 
 
 def _suffix_figures(eng, proposer: str) -> dict:
     """The suffix proposer's draft tokens by source (the request's own text, or the global index
     of earlier replies in this arm), drafted and accepted, and its settings."""
-    if proposer != "suffix":
+    if proposer not in ("suffix", "auto"):
         return {}
     c = eng.config
     return {"suffix": eng.suffix_cache.counters() | {

@@ -9,8 +9,8 @@ maximises expected tokens per second for the batch:
 
     throughput(k) = B * tau(alpha, k) / (pass_s(B * (k + 1) rows) + B * k * draft_s)
 
-with tau from engine.metrics.expected_accepted_len, alpha the proposer's measured per-token
-acceptance, pass_s the measured time of a pass that wide (interpolated between the widths
+(engine.metrics.decode_step_rate) with tau from engine.metrics.expected_accepted_len, alpha
+the proposer's measured per-token acceptance, pass_s the measured time of a pass that wide (interpolated between the widths
 measured so far, linearly) and draft_s the measured time to draft one token. A width past
 every measured one is tried once (k at its largest) before it is predicted.
 
@@ -35,7 +35,7 @@ from collections import deque
 
 import math
 
-from engine.metrics import PositionCounts, expected_accepted_len
+from engine.metrics import PositionCounts, decode_step_rate, expected_accepted_len
 
 KEEP = 32               # recent measurements per width
 PRIOR_ALPHA = 0.6       # until a proposer has been tried: optimistic, or it would never be tried
@@ -90,20 +90,23 @@ class SpeculationPolicy:
         return max(min(t for _, t in points), t0 + (t1 - t0) * (rows - r0) / (r1 - r0))
 
     # ---- the choice ----------------------------------------------------------------
-    def choose_k(self, proposer: str, batch: int, k_max: int, other_rows: int = 0) -> int:
+    def choose_k(self, proposer: str, batch: int, k_max: int, other_rows: int = 0,
+                 draft_token_s: float | None = None) -> int:
         """The k for a step with `batch` decoding sequences (and other_rows prefill rows in
-        the same pass). k_max until the pass width has any measurement."""
+        the same pass). k_max until the pass width has any measurement. draft_token_s: this
+        proposer's own drafting seconds per token (`proposer: auto` measures each apart);
+        None: the recent drafts' median, whichever proposer drafted them."""
         if batch < 1 or k_max < 1:
             return 0
         widest = batch * (k_max + 1) + other_rows
         if not self.pass_s or max(self.pass_s) < widest:
             return k_max                       # measure the widest pass once before predicting it
         alpha = min(self.alpha(proposer), 0.999)
-        draft = statistics.median(self.draft_s) if self.draft_s else 0.0
+        draft = draft_token_s if draft_token_s is not None else statistics.median(self.draft_s) if self.draft_s else 0.0
 
         def throughput(k: int) -> float:
-            seconds = self.predicted_pass_s(batch * (k + 1) + other_rows) + batch * k * draft
-            return batch * expected_accepted_len(alpha, k) / seconds
+            return decode_step_rate(batch, expected_accepted_len(alpha, k),
+                                    self.predicted_pass_s(batch * (k + 1) + other_rows), k * draft)
         return max(range(k_max + 1), key=throughput)
 
     # ---- trees -----------------------------------------------------------------------

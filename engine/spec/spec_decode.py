@@ -55,6 +55,7 @@ class Proposal:
     time_s: float = 0.0
     grown: bool = False           # grown by propose_tree: a tree step, its scores the draft's confidences
     source: str = ""              # where a retrieval draft came from (the suffix proposer: request, global)
+    proposer: str = ""            # which proposer drafted it (the engine's name for it: suffix, ngram, ...)
 
     @property
     def tokens(self) -> list[int]:
@@ -62,7 +63,8 @@ class Proposal:
 
     def trimmed(self, nodes: int) -> "Proposal":
         """A grown tree cut to its `nodes` best nodes (engine.spec.tree.select)."""
-        return Proposal(select(self.tree, nodes), None, self.time_s, grown=True, source=self.source)
+        return Proposal(select(self.tree, nodes), None, self.time_s, grown=True, source=self.source,
+                        proposer=self.proposer)
 
 
 class Proposer:

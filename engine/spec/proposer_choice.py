@@ -1,0 +1,123 @@
+"""`proposer: auto`: each step drafts with the proposer whose measured payoff is highest, or none.
+
+The candidates are the proposers the engine has (suffix and n-gram always, EAGLE where a
+head for the model loaded, the draft model where one is loaded) and "off". Each keeps
+additive counters (engine.metrics.ProposerCounts) over the recent steps it drafted in:
+sequences asked, draft tokens verified, accepted, drafting seconds. A candidate's payoff
+is the decode rate of the step it would make (engine.metrics.decode_step_rate):
+
+    rate = B * tau / (pass_s(B * (1 + verified) + other rows) + B * draft_s)
+
+with, per asked sequence, tau = 1 + accepted (tokens per target pass: empty drafts, trimmed
+trees and rejections included), verified = the draft tokens verified (the pass's extra rows)
+and draft_s = the drafting seconds; pass_s is the speculation policy's measured pass time at
+that width (SpeculationPolicy.predicted_pass_s), B the decoding sequences. "off" is tau 1,
+nothing verified, nothing drafted. The chosen proposer then drafts as it would alone: the
+policy picks a chain's k, or trims a tree to the nodes that pay.
+
+Exploration is deterministic, so greedy output stays reproducible (and whatever drafts,
+verification keeps the output the target's: greedy identical, sampled from its
+distribution). A candidate with fewer than MIN_STEPS measured steps is chosen first, in
+order; after that, one that has not drafted for EXPLORE_EVERY engine steps drafts for the
+next EXPLORE_STEPS steps, so a proposer that lost is measured again as the text changes.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from engine.metrics import ProposerCounts, decode_step_rate
+
+OFF = "off"
+MIN_STEPS = 4          # measured steps before a candidate's payoff is trusted
+EXPLORE_EVERY = 64     # engine steps without drafting before a candidate is measured again
+EXPLORE_STEPS = 4      # steps such a re-measurement lasts
+KEEP = 16              # recent steps per candidate its payoff is measured over
+
+
+class ProposerChoice:
+    def __init__(self):
+        self.recent: dict[str, deque[ProposerCounts]] = {}    # per candidate: its recent steps' counts
+        self.total: dict[str, ProposerCounts] = {}            # per candidate: every step's (the bench's)
+        self.last_step: dict[str, int] = {}                   # the engine step it last drafted (or ran plain) in
+        self.chosen, self.why = OFF, "nothing measured yet"
+        self.exploring: tuple[str, int] | None = None         # (candidate, steps left) of a re-measurement
+        self.rates: dict[str, float | None] = {}              # the last choice's payoffs (tokens per second)
+
+    def clear(self) -> None:
+        self.__init__()
+
+    # ---- measurements --------------------------------------------------------------
+    def record(self, name: str, step: int, counts: ProposerCounts) -> None:
+        """One engine step's counts of the candidate that drafted in it."""
+        if not counts.asked:
+            return
+        self.recent.setdefault(name, deque(maxlen=KEEP)).append(counts)
+        self.total.setdefault(name, ProposerCounts()).add(counts)
+        self.last_step[name] = step
+
+    def counts(self, name: str) -> ProposerCounts:
+        """The candidate's counters over its recent steps."""
+        total = ProposerCounts()
+        for counts in self.recent.get(name, ()):
+            total.add(counts)
+        return total
+
+    def rate(self, name: str, pass_s: Callable[[int], float | None], batch: int, other_rows: int = 0) -> float | None:
+        """Expected tokens per second of this step drafted by `name` (None: not measured)."""
+        counts = self.counts(name)
+        if counts.asked == 0:
+            return None
+        seconds = pass_s(round(batch * (1 + counts.verified_per_step)) + other_rows)
+        if seconds is None:
+            return None
+        return decode_step_rate(batch, counts.tokens_per_step, seconds, counts.draft_s_per_step)
+
+    # ---- the choice ----------------------------------------------------------------
+    def choose(self, candidates: list[str], step: int, pass_s: Callable[[int], float | None],
+               batch: int = 1, other_rows: int = 0) -> str:
+        """The candidate that drafts at engine step `step` (see the module doc); sets chosen
+        and why. pass_s(rows): the predicted seconds of a pass that wide (None: unmeasured)."""
+        self.rates = {name: self.rate(name, pass_s, batch, other_rows) for name in candidates}
+        name, why = self._measuring(candidates, step)
+        if name is None:
+            name = max(candidates, key=lambda c: (self.rates[c] or 0.0, c == OFF))    # on a tie, no drafting
+            counts = self.counts(name)
+            others = ", ".join(f"{c} {_tok_s(self.rates[c])}" for c in candidates if c != name)
+            why = (f"{name} has the highest expected rate, {_tok_s(self.rates[name])} (tau {counts.tokens_per_step:.2f}, "
+                   f"{1e3 * counts.draft_s_per_step:.2f} ms drafting a sequence); {others}")
+        self.chosen, self.why = name, why
+        return name
+
+    def _measuring(self, candidates: list[str], step: int) -> tuple[str | None, str]:
+        """(a candidate to measure this step, why), or (None, "") when none needs it."""
+        if self.exploring is not None:
+            name, left = self.exploring
+            self.exploring = (name, left - 1) if left > 1 else None
+            if name in candidates:
+                return name, f"measuring {name} again ({EXPLORE_STEPS} steps every {EXPLORE_EVERY})"
+        for name in candidates:
+            if len(self.recent.get(name, ())) < MIN_STEPS:
+                return name, f"measuring {name} (step {len(self.recent.get(name, ())) + 1} of {MIN_STEPS})"
+        stale = [c for c in candidates if step - self.last_step.get(c, step) >= EXPLORE_EVERY]
+        if not stale:
+            return None, ""
+        name = min(stale, key=lambda c: self.last_step[c])                 # the longest unmeasured
+        self.exploring = (name, EXPLORE_STEPS - 1) if EXPLORE_STEPS > 1 else None
+        return name, f"measuring {name} again ({EXPLORE_STEPS} steps every {EXPLORE_EVERY})"
+
+    @property
+    def is_measuring(self) -> bool:
+        """The current choice measures a candidate rather than picking the best."""
+        return self.why.startswith("measuring")
+
+    def describe(self) -> dict:
+        """What "In effect" shows: the choice, why, and each candidate's recent figures."""
+        return {"chosen": self.chosen, "why": self.why,
+                "candidates": {name: self.counts(name).as_dict() | {"expected_tok_s": self.rates.get(name)}
+                               for name in self.rates},
+                "totals": {name: counts.as_dict() for name, counts in self.total.items()}}
+
+
+def _tok_s(rate: float | None) -> str:
+    return "unmeasured" if rate is None else f"{rate:.1f} tok/s"

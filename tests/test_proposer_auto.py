@@ -1,0 +1,208 @@
+"""`proposer: auto` (engine.spec.proposer_choice): the choice by measured payoff from the
+counters (pure, no timing), deterministic re-measurement, "off" when nothing pays; in the
+engine, greedy output token-identical to plain decoding whichever proposer drafts, sampled
+output with the target's distribution, and events and "In effect" saying who drafted and why."""
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.metrics import ProposerCounts, decode_step_rate
+from engine.spec.proposer_choice import EXPLORE_EVERY, EXPLORE_STEPS, MIN_STEPS, OFF, ProposerChoice
+from tests.conftest import assert_second_token_follows_the_target, chat
+
+GREEDY = SamplingParams(max_tokens=24, stop_on_eos=False)
+CANDIDATES = ["suffix", "ngram", OFF]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def pass_s(rows: int) -> float:
+    """A made-up CPU: a pass costs 10 ms plus 1 ms a row."""
+    return 0.010 + 0.001 * rows
+
+
+def step(asked=1, proposed=0, accepted=0, draft_s=0.0) -> ProposerCounts:
+    return ProposerCounts(asked=asked, drafted=int(proposed > 0), proposed=proposed, accepted=accepted, draft_s=draft_s)
+
+
+def measured(choice: ProposerChoice, counts: dict[str, ProposerCounts], at: int = 0) -> int:
+    """MIN_STEPS steps of each candidate with these counts, as a fresh choice measures them."""
+    for name in CANDIDATES:
+        for _ in range(MIN_STEPS):
+            assert choice.choose(CANDIDATES, at, pass_s) == name and choice.is_measuring
+            choice.record(name, at, counts[name])
+            at += 1
+    return at
+
+
+# ---- the counters and the formula -------------------------------------------------------------
+def test_counters_add_up_and_their_ratios_are_per_asked_sequence():
+    counts = ProposerCounts()
+    counts.add(step(asked=2, proposed=8, accepted=6, draft_s=0.002))
+    counts.add(step(asked=2, proposed=0, accepted=0, draft_s=0.002))      # two sequences with no match
+    assert (counts.asked, counts.drafted, counts.proposed, counts.accepted) == (4, 1, 8, 6)
+    assert counts.tokens_per_step == pytest.approx(1 + 6 / 4)              # tau, the empty drafts included
+    assert counts.verified_per_step == pytest.approx(2.0)
+    assert counts.draft_s_per_step == pytest.approx(0.001)
+    assert counts.draft_s_per_token == pytest.approx(0.0005)
+    assert counts.acceptance_rate == pytest.approx(0.75)
+    assert decode_step_rate(4, 2.5, 0.02, 0.001) == pytest.approx(4 * 2.5 / (0.02 + 4 * 0.001))
+
+
+# ---- the choice (pure) ------------------------------------------------------------------------
+def test_a_fresh_choice_measures_each_candidate_in_order_then_picks_the_best_payoff():
+    choice = ProposerChoice()
+    counts = {"suffix": step(proposed=4, accepted=3, draft_s=0.0002),   # tau 4 over 5 rows: 4 / 15.2 ms
+              "ngram": step(proposed=4, accepted=0, draft_s=0.0001),    # tau 1 over 5 rows: 1 / 15.1 ms
+              OFF: step()}                                              # tau 1 over 1 row: 1 / 11 ms
+    at = measured(choice, counts)
+    assert choice.choose(CANDIDATES, at, pass_s) == "suffix" and not choice.is_measuring
+    assert choice.rates["suffix"] == pytest.approx(decode_step_rate(1, 4.0, pass_s(5), 0.0002))
+    assert choice.rates[OFF] == pytest.approx(1 / pass_s(1))
+    assert choice.rates["suffix"] > choice.rates[OFF] > choice.rates["ngram"]
+    assert "suffix" in choice.why and "ngram" in choice.why and "off" in choice.why
+    described = choice.describe()
+    assert described["chosen"] == "suffix"
+    assert described["candidates"]["suffix"]["tokens_per_step"] == pytest.approx(4.0)
+
+
+def test_the_batch_weighs_the_wider_verify_pass():
+    """Four sequences: each draft row is a quarter of a pass that costs more; with this CPU a
+    draft that accepts 1 of 4 no longer pays, while it did for one sequence alone."""
+    choice = ProposerChoice()
+    counts = {"suffix": step(proposed=4, accepted=1), "ngram": step(proposed=4, accepted=1), OFF: step()}
+    at = measured(choice, counts)
+
+    def costly_rows(rows):                          # rows past 8 cost 5 ms each
+        return 0.010 + 0.001 * min(rows, 8) + 0.005 * max(rows - 8, 0)
+    assert choice.choose(CANDIDATES, at, costly_rows, batch=1) == "suffix"
+    assert choice.choose(CANDIDATES, at + 1, costly_rows, batch=4) == OFF
+
+
+def test_nothing_pays_so_nothing_drafts():
+    choice = ProposerChoice()
+    rejected = step(proposed=4, accepted=0, draft_s=0.0001)        # drafts that never land cost a wider pass
+    at = measured(choice, {"suffix": rejected, "ngram": rejected, OFF: step()})
+    assert choice.choose(CANDIDATES, at, pass_s) == OFF
+    assert choice.why.startswith("off has the highest expected rate")
+
+
+def test_a_costly_draft_loses_to_a_cheap_one_that_accepts_less():
+    choice = ProposerChoice()
+    counts = {"suffix": step(proposed=4, accepted=2, draft_s=0.0001),
+              "ngram": step(proposed=4, accepted=3, draft_s=0.050),    # an EAGLE-like head slower than the pass
+              OFF: step()}
+    at = measured(choice, counts)
+    assert choice.choose(CANDIDATES, at, pass_s) == "suffix"
+
+
+def _run(steps: int, counts: dict[str, ProposerCounts]) -> list[str]:
+    choice, picks = ProposerChoice(), []
+    for at in range(steps):
+        name = choice.choose(CANDIDATES, at, pass_s)
+        choice.record(name, at, counts[name])
+        picks.append(name)
+    return picks
+
+
+def test_a_candidate_that_lost_is_measured_again_on_a_fixed_schedule():
+    counts = {"suffix": step(proposed=4, accepted=3), "ngram": step(proposed=4, accepted=0), OFF: step()}
+    picks = _run(400, counts)
+    assert picks == _run(400, counts)                              # deterministic: greedy stays reproducible
+    first = len(CANDIDATES) * MIN_STEPS
+    assert picks[:first] == [name for name in CANDIDATES for _ in range(MIN_STEPS)]
+    best = [i for i in range(first, 400) if picks[i] == "suffix"]
+    assert len(best) > 0.8 * (400 - first)                          # the winner drafts most steps
+    for loser in ("ngram", OFF):
+        again = [i for i in range(first, 400) if picks[i] == loser]
+        assert again, loser                                         # yet each loser is measured again...
+        runs = [again[0]] + [b for a, b in zip(again, again[1:]) if b != a + 1]
+        assert all(b - a >= EXPLORE_EVERY for a, b in zip(runs, runs[1:]))     # ...every EXPLORE_EVERY steps
+        assert len(again) == EXPLORE_STEPS * len(runs)              # for EXPLORE_STEPS steps in a row
+
+
+def test_a_re_measured_candidate_that_now_pays_takes_over():
+    choice = ProposerChoice()
+    counts = {"suffix": step(proposed=4, accepted=0), "ngram": step(proposed=4, accepted=0), OFF: step()}
+    at = measured(choice, counts)
+    counts["ngram"] = step(proposed=4, accepted=4)                 # the text turned repetitive
+    picks = []
+    for at in range(at, at + 4 * EXPLORE_EVERY):
+        name = choice.choose(CANDIDATES, at, pass_s)
+        choice.record(name, at, counts[name])
+        picks.append(name)
+    assert picks[-EXPLORE_EVERY // 2:].count("ngram") > EXPLORE_EVERY // 4
+
+
+# ---- in the engine ------------------------------------------------------------------------------
+def _together(eng, prompts, params=GREEDY) -> list[list[int]]:
+    ids = [eng.submit(p, params) for p in prompts]
+    got = {i: [] for i in ids}
+    while eng.has_work:
+        for ev in eng.step():
+            got[ev.request_id] += ev.token_ids
+    return [got[i] for i in ids]
+
+
+def test_greedy_with_auto_is_token_identical_alone_and_batched(make_tiny_engine):
+    base = make_tiny_engine()
+    prompts = [base.encode(chat(q)) for q in ("What is the capital of France?", "Name three colours.", "Count to five.")]
+    expected = [base.generate_text(p, GREEDY)[1] for p in prompts]
+    prompts.append(prompts[0] + expected[0] + prompts[0])            # repeats itself: long matches
+    expected.append(base.generate_text(prompts[3], GREEDY)[1])
+    eng = make_tiny_engine()
+    eng.reconfigure(proposer="auto", num_speculative_tokens=8)
+    drafted_by, outs = [], []
+    for p in prompts + prompts:                                       # every prompt twice: the choice moves on
+        events = list(eng.generate(p, GREEDY))
+        drafted_by += [e.proposer for e in events if e.proposed]
+        outs.append([t for e in events for t in e.token_ids])
+    assert outs == expected + expected
+    assert _together(eng, prompts) == expected                        # all four in the same steps
+    totals = eng.proposer_choice.total
+    assert {"suffix", "ngram", "off"} <= set(totals) and totals["suffix"].accepted > 0
+    assert {"suffix", "ngram"} <= set(drafted_by)                     # each event says who drafted it
+    settings = eng.settings()
+    assert settings["proposer"] == "auto"
+    choice = settings["proposer_choice"]
+    assert choice["chosen"] in ("suffix", "ngram", "off") and choice["why"]
+    assert set(choice["candidates"]) == {"suffix", "ngram", "off"}
+    assert "eagle" in choice["left_out"] and "draft" in choice["left_out"]   # no head fits the tiny model
+    assert all(r.blocks.num_used_blocks == 0 for r in eng.runners())
+
+
+def test_auto_replies_join_the_suffix_index_even_when_it_did_not_draft(make_tiny_engine):
+    eng = make_tiny_engine()
+    eng.reconfigure(proposer="auto")
+    eng.proposer_choice.chosen = OFF
+    eng.proposer_choice.recent = {name: [step()] * MIN_STEPS for name in CANDIDATES}   # measured: nothing pays
+    eng.proposer_choice.last_step = {name: 10**9 for name in CANDIDATES}
+    eng.generate_text(eng.encode(chat("Name three colours.")), SamplingParams(max_tokens=6, stop_on_eos=False))
+    assert eng.suffix_cache.index.num_tokens == 6
+
+
+def test_sampled_output_with_auto_keeps_the_target_distribution(make_tiny_engine):
+    """Temperature 1: the second token is verified from whichever proposer auto chose for that
+    step (suffix trees of earlier replies' second tokens, n-gram chains, or none); its
+    frequencies match the target's own probabilities (chi-square)."""
+    eng = make_tiny_engine()
+    eng.reconfigure(proposer="auto", num_speculative_tokens=4)
+    seen = []
+    step_fn = eng.step
+
+    def recording():
+        events = step_fn()
+        seen.extend((e.step, e.proposer, e.proposed) for e in events)
+        return events
+    eng.step = recording
+    assert_second_token_follows_the_target(eng, eng.encode(chat("Name a colour.")), max_tokens=4)
+    second = [(proposer, proposed) for index, proposer, proposed in seen if index == 1]
+    drafted = {proposer for proposer, proposed in second if proposed}
+    assert {"suffix", "ngram"} <= drafted
+    assert sum(1 for _, proposed in second if proposed) >= 50
