@@ -9,5 +9,6 @@ suffix_proposer.py suffix decoding: trees of the likeliest continuations of the 
 tree.py            draft trees (a chain is one): EAGLE-2 growth, selection, the verdict, greedy
                    and sibling-rejection verification
 policy.py          how many drafts (or tree nodes) a step verifies, from measured costs
+proposer_choice.py proposer `auto`: which proposer (or none) drafts each step, by measured payoff
 step_costs.py      measured step costs: the baseline of "does speculation pay here?"
 """
