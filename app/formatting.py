@@ -17,6 +17,8 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
     speculation = "off" if proposer == "off" else f"{proposer}, k={settings.get('num_speculative_tokens')}"
     if proposer != "off" and settings.get("draft_tree", "off") != "off":
         speculation += f", draft tree {escape(str(settings['draft_tree']))}"
+    if settings.get("proposer_choice"):          # proposer auto: which one drafts now, and why
+        speculation += f"; now {escape(settings['proposer_choice']['chosen'])}: {escape(settings['proposer_choice']['why'])}"
     if chosen and chosen.get("proposer") == "draft" and proposer == "off":
         speculation += " <i>(the draft proposer needs a draft model)</i>"
     draft = settings.get("draft_model")

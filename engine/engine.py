@@ -546,7 +546,6 @@ class LLMEngine:
                 if w.proposal is not None or (w.decode and self.proposer_in_effect() == OFF):
                     drafted.add(_drafted(w, event))
             if w.request.finished:
-                self._remember_output(w.request)
                 self._forget(w.request)
         if self.config.proposer == "auto":
             self.proposer_choice.record(self.proposer_in_effect(), self.step_count, drafted)
@@ -578,6 +577,10 @@ class LLMEngine:
         path (engine.spec.tree), the costlier attention. other_rows: the other requests' rows
         in the pass, before their drafts."""
         request, decode = scheduled.request, scheduled.request.decoding
+        if self.config.proposer == "auto" and not request.proposers:
+            # every candidate follows the request from its first pass: the EAGLE head sees the prompt's
+            # features, and a reply joins the suffix index whichever proposer drafted it
+            request.start_proposers([name for name in self.auto_candidates() if name != OFF])
         proposal = self._propose(request, scheduled.max_drafts, other_rows) if decode and scheduled.max_drafts else None
         start = request.num_computed
         if proposal is not None and proposal.tokens:
@@ -636,11 +639,6 @@ class LLMEngine:
         if not self.proposer_choice.is_measuring and (chosen, False) != before:
             self.settings_version += 1
 
-    def _remember_output(self, request: Request) -> None:
-        """`auto`: a reply the suffix proposer never drafted for still joins its global index
-        (the suffix proposer adds the replies it drafted for itself, SuffixProposer.finished)."""
-        if self.config.proposer == "auto" and "suffix" not in request.proposers_used:
-            self.suffix_cache.add_output(request.token_ids[request.prompt_len:], self.config.suffix_cache_tokens)
 
     def _step_stats(self, plan, work: list["_Work"], events: list[StepEvent], pass_s: float, step_s: float,
                     compiles: int = 0) -> EngineStep:

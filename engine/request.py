@@ -60,7 +60,6 @@ class Request:
         self.stats = RequestStats(prompt_tokens=len(token_ids))
         self.detok = Detokenizer(engine.tokenizer)
         self.proposers: dict[str, Proposer] = {}
-        self.proposers_used: set[str] = set()  # every proposer it drafted with (proposer auto switches)
         self.last_pass: tuple | None = None    # (start position, hidden states) of the last target pass
         self.seq: RunnerSeq | None = None      # its KV blocks while RUNNING
         self.step_index = 0                    # events emitted
@@ -147,8 +146,13 @@ class Request:
         proposal.proposer = self.engine.proposer_in_effect()
         return proposal
 
-    def _proposer(self) -> Proposer | None:
-        name = self.engine.proposer_in_effect()
+    def start_proposers(self, names: list[str]) -> None:
+        """Start these proposers now (proposer auto: each follows every pass, whichever drafts)."""
+        for name in names:
+            self._proposer(name)
+
+    def _proposer(self, name: str | None = None) -> Proposer | None:
+        name = name or self.engine.proposer_in_effect()
         if name == "off":
             return None
         if name not in self.proposers:
@@ -160,7 +164,6 @@ class Request:
             if self.last_pass is not None:
                 p.target_pass(*self.last_pass)
             self.proposers[name] = p
-            self.proposers_used.add(name)
         return self.proposers[name]
 
     # ---- after the pass ------------------------------------------------------------

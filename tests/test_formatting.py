@@ -40,3 +40,9 @@ def test_in_effect_says_when_other_programs_took_cores():
     assert "1 torch thread (1 of 2: other programs keep 1 of 2 cores busy)" in busy
     quiet = describe_settings({"device": "cpu", "dtype": "float32", "threads": 2, "thread_policy": "2 (OpenMP's default wait)"})
     assert quiet.endswith("2 torch threads")
+
+
+def test_auto_says_which_proposer_drafts_and_why():
+    html = describe_settings({"proposer": "auto", "num_speculative_tokens": 8,
+                              "proposer_choice": {"chosen": "suffix", "why": "suffix has the highest expected rate"}})
+    assert "auto, k=8; now suffix: suffix has the highest expected rate" in html
