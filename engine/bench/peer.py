@@ -195,14 +195,21 @@ def _busy(engine, peer: LlamaPeer, prompts, tokens: int, busy_cores: int, repeat
     from engine.remote.backend import RemoteBackend
     params = SamplingParams(max_tokens=tokens)
     runs = {f"{side}_{state}_tok_s": [] for side in ("local", "server") for state in ("quiet", "busy")}
+    compile_steps = {"quiet": 0, "busy": 0}     # steps of our timed replies whose pass compiled: none, we check
     with peer.server(threads=threads, dtype="") as process:
         backend = RemoteBackend(process.url)
         try:
             backend.reconfigure(enable_prefix_caching=False)
-            sides = {"local": lambda prompt: engine.generate_text(prompt, params)[2],
-                     "server": lambda prompt: _last_summary(backend, prompt, params)}
+            state = "quiet"
+
+            def local(prompt):
+                stats = engine.generate_text(prompt, params)[2]
+                compile_steps[state] += stats.compile_steps
+                return stats
+            sides = {"local": local, "server": lambda prompt: _last_summary(backend, prompt, params)}
             for run_one in sides.values():             # warm-up, unmeasured
                 run_one(prompts[0])
+            compile_steps["quiet"] = 0
             rounds = max(2, repeats + repeats % 2)          # as many quiet rounds as busy ones
             for round_ in range(rounds):
                 state = "busy" if round_ % 2 else "quiet"
@@ -213,6 +220,7 @@ def _busy(engine, peer: LlamaPeer, prompts, tokens: int, busy_cores: int, repeat
             backend.close()
     out = {name: statistics.median(values) for name, values in runs.items()}
     return {**out, "busy_cores": busy_cores, "rounds": rounds, "threads": threads,
+            "local_compile_steps": compile_steps,
             "local_busy_over_quiet": out["local_busy_tok_s"] / out["local_quiet_tok_s"],
             "server_busy_over_quiet": out["server_busy_tok_s"] / out["server_quiet_tok_s"], "runs": runs}
 
