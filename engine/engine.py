@@ -42,7 +42,7 @@ from engine.spec.spec_decode import DraftModelProposer, NgramProposer, Proposer,
 from engine.spec.suffix_proposer import SuffixCache, SuffixProposer
 from engine.spec.step_costs import PlainStepClock, weight_bytes_per_token
 from engine.stream import RequestStream
-from engine.thread_policy import ThreadGovernor
+from engine.thread_policy import ThreadGovernor, starting_threads
 
 SELF_DRAFT = "self"   # draft with the target itself (acceptance 1.0 in greedy mode; a test fixture)
 # Changing these reallocates the KV pool (and drops the prefix cache).
@@ -204,7 +204,7 @@ class LLMEngine:
         self.eos_ids = _eos_ids(target)
         self.eagle: tuple[str | None, EagleHead] | None = None     # (reference, head) once loaded
         self.plain_steps = PlainStepClock()
-        self.thread_governor = ThreadGovernor(torch.get_num_threads())    # fewer threads while cores are busy
+        self.thread_governor = ThreadGovernor(starting_threads())    # fewer threads while cores are busy
         if config.draft_model:
             self.set_draft_model(config.draft_model)
         if config.proposer == "eagle":
@@ -638,7 +638,6 @@ class LLMEngine:
                                              decoding, others)
         if not self.proposer_choice.is_measuring and (chosen, False) != before:
             self.settings_version += 1
-
 
     def _step_stats(self, plan, work: list["_Work"], events: list[StepEvent], pass_s: float, step_s: float,
                     compiles: int = 0) -> EngineStep:

@@ -55,6 +55,23 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+# (the count a governor last set, the most that governor allowed): a count an earlier engine's
+# governor lowered is not a count the user chose
+_last_set: tuple[int, int] | None = None
+
+
+def starting_threads() -> int:
+    """The most threads a new engine may use: torch's count, unless an earlier engine's
+    governor lowered it (its program left since, or the engine is gone), then the count that
+    governor started from, restored."""
+    import torch
+    now = torch.get_num_threads()
+    if _last_set is not None and _last_set[0] == now and _last_set[1] != now:
+        torch.set_num_threads(_last_set[1])
+        return _last_set[1]
+    return now
+
+
 class ThreadGovernor:
     """torch's thread count follows the cores other programs leave free, between `most`
     (the count when the engine started) and 1."""
@@ -83,7 +100,9 @@ class ThreadGovernor:
         if agreed < AGREE:
             return False
         import torch
+        global _last_set
         torch.set_num_threads(wanted)
+        _last_set = (wanted, self.most)
         self.threads, self.busy_cores, self._pending = wanted, busy, None
         return True
 

@@ -175,6 +175,7 @@ def test_the_governor_gives_up_a_busy_core_and_takes_it_back_once_samples_agree(
     from engine import thread_policy
     busy, now, set_to = [0], [0.0], []
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(thread_policy, "_last_set", None)
     governor = thread_policy.ThreadGovernor(2, sample=lambda: busy[0], clock=lambda: now[0], cores=2)
 
     def tick_at(t):
@@ -190,6 +191,25 @@ def test_the_governor_gives_up_a_busy_core_and_takes_it_back_once_samples_agree(
     assert not tick_at(2.0) and not tick_at(2.3) and governor.threads == 1
     busy[0] = 0
     assert not tick_at(2.6) and tick_at(2.9) and governor.threads == 2 and set_to == [1, 2]
+
+
+def test_a_new_engine_starts_from_the_count_an_earlier_engines_governor_lowered(monkeypatch):
+    """An engine gone while other programs were busy leaves torch at the count its governor set:
+    the next engine starts from the count that governor started from, not from 1 for good."""
+    from engine import thread_policy
+    current = [2]
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: current.__setitem__(0, n))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: current[0])
+    monkeypatch.setattr(thread_policy, "_last_set", None)
+    now = [0.0]
+    governor = thread_policy.ThreadGovernor(2, sample=lambda: 1, clock=lambda: now[0], cores=2)
+    for t in (1.0, 1.3, 1.6):
+        now[0] = t
+        governor.tick()
+    assert governor.threads == 1 and current == [1]
+    assert thread_policy.starting_threads() == 2 and current == [2]
+    current[0] = 3                                    # a count set since by the user is theirs
+    assert thread_policy.starting_threads() == 3
 
 
 def test_other_programs_spinning_threads_are_counted():
