@@ -12,11 +12,12 @@ from html import escape
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QFileDialog, QFormLayout, QGroupBox, QHBoxLayout,
+from PySide6.QtWidgets import (QAbstractItemView, QBoxLayout, QComboBox, QFileDialog, QFormLayout, QGroupBox, QHBoxLayout,
                                QHeaderView, QLabel, QProgressBar, QPushButton, QScrollArea, QSplitter,
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from app.load_history import FIGURE_LABELS, WINDOW_S, LoadHistory
+from app.plot_grid import place_plots
 from app.plot_title import PlotTitle
 from app.setting_controls import SettingControl
 from app.theme import LOAD_COLOURS as C, MUTED_COLOUR, PLOT_COLOURS
@@ -56,10 +57,11 @@ class LoadPanel(QWidget):
         splitter.setStretchFactor(0, 3)
         splitter.setStretchFactor(1, 2)
         self.splitter = splitter
-        layout = QHBoxLayout(self)
+        layout = self._body = QHBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self._controls_area())
         layout.addWidget(splitter, 1)
+        self.narrow = False
         self.timer = QTimer(self, interval=REFRESH_MS)
         self.timer.timeout.connect(self.refresh)
         self.timer.start()
@@ -199,6 +201,22 @@ class LoadPanel(QWidget):
         scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         scroll.setMinimumHeight(100)       # the plots keep their own height: this area scrolls
         return scroll
+
+    def set_narrow(self, narrow: bool) -> None:
+        """A narrow panel (beside the chat in a short window): the workload above the plots,
+        and one plot a row; else the workload on the left and three plots a row."""
+        if narrow == self.narrow:
+            return
+        self._body.setDirection(QBoxLayout.Direction.TopToBottom if narrow else QBoxLayout.Direction.LeftToRight)
+        columns = 1 if narrow else 3
+        places = {plot: (i // columns, i % columns if columns > 1 else 0, 3 if narrow else 1)
+                  for i, plot in enumerate(self._grid_order())}
+        self.graphics.setMinimumHeight(place_plots(self.graphics, places) * PLOT_ROW_MIN_HEIGHT)
+        self.narrow = narrow
+
+    def _grid_order(self) -> list[pg.PlotItem]:
+        return [self.requests_plot, self.kv_plot, self.throughput_plot, self.ttft_plot, self.itl_plot,
+                self.preemption_plot, self.spec_plot, self.experts_plot]
 
     def plots(self) -> list[pg.PlotItem]:
         return [self.requests_plot, self.kv_plot, self.throughput_plot, self.ttft_plot, self.itl_plot,

@@ -1,5 +1,6 @@
 """The main window: layout only. Chat in the centre, settings docked right, plots docked
-below, an error banner, and a status bar with the load progress.
+below (beside the chat in a short window), an error banner, and a status bar with the load
+progress.
 
 Menu actions and shortcuts emit intents; the controller acts on them.
 """
@@ -10,7 +11,7 @@ from pathlib import Path
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QIcon, QKeySequence, QShortcut
 from PySide6.QtWidgets import (QDockWidget, QFileDialog, QHBoxLayout, QInputDialog, QLabel, QMainWindow,
-                               QProgressBar, QPushButton, QScrollArea, QVBoxLayout, QWidget)
+                               QProgressBar, QPushButton, QScrollArea, QStyle, QVBoxLayout, QWidget)
 
 from app.chat_view import ChatView
 from app.load_history import LoadHistory
@@ -25,6 +26,11 @@ PROFILE_FILTER = "Workbench profiles (*.json)"
 SETTINGS_MIN_WIDTH = 340        # the settings' labels and spin boxes stay readable
 SETTINGS_WIDTH_SHARE = 0.22
 PLOTS_HEIGHT_SHARE = 0.45
+# Below this window height the plots under the chat would leave the transcript a few lines
+# (at 768 px, four): the plots and the load test go beside the chat instead, left of the
+# settings, and the conversation keeps the window's full height.
+PLOTS_BESIDE_BELOW_HEIGHT = 900
+PLOTS_WIDTH_SHARE = 0.3
 
 
 class MainWindow(QMainWindow):
@@ -87,23 +93,47 @@ class MainWindow(QMainWindow):
         scroll = QScrollArea()
         scroll.setWidgetResizable(True)
         scroll.setWidget(self.settings)
-        scroll.setMinimumWidth(SETTINGS_MIN_WIDTH)
+        # Never narrower than its widest row (it does not scroll sideways), with room for its scroll bar.
+        bar = scroll.style().pixelMetric(QStyle.PixelMetric.PM_ScrollBarExtent)
+        scroll.setMinimumWidth(max(SETTINGS_MIN_WIDTH, self.settings.minimumSizeHint().width() + bar + 2))
         scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)   # it scrolls down only
         self.settings_dock = self._dock("Settings", scroll, Qt.DockWidgetArea.RightDockWidgetArea)
         self.plots_dock = self._dock("Live metrics", self.plots, Qt.DockWidgetArea.BottomDockWidgetArea)
-        # The load test shares the bottom area with the live metrics, as a tab.
         self.load_dock = self._dock("Load test", self.load_panel, Qt.DockWidgetArea.BottomDockWidgetArea)
-        self.tabifyDockWidget(self.plots_dock, self.load_dock)
-        self.plots_dock.raise_()
+        self.plots_beside: bool | None = None         # not placed yet
         self.size_docks()
 
     def size_docks(self) -> None:
-        """Shares of the window, not pixels, so a laptop screen still leaves the chat room."""
+        """Place the plots for the window's height (under the chat, or beside it in a short
+        window: PLOTS_BESIDE_BELOW_HEIGHT) and size the docks as shares of the window, not
+        pixels. Called when the window opens; a layout the user left is restored after it."""
         size = self.size()
+        self._place_plots(beside=size.height() < PLOTS_BESIDE_BELOW_HEIGHT)
+        settings_width = max(self.settings_dock.widget().minimumWidth(), int(size.width() * SETTINGS_WIDTH_SHARE))
+        if self.plots_beside:
+            plots_width = int(size.width() * PLOTS_WIDTH_SHARE)
+            self.resizeDocks([self.plots_dock, self.load_dock, self.settings_dock],
+                             [plots_width, plots_width, settings_width], Qt.Orientation.Horizontal)
+            return
         self.resizeDocks([self.plots_dock, self.load_dock], [int(size.height() * PLOTS_HEIGHT_SHARE)] * 2,
                          Qt.Orientation.Vertical)
-        settings_width = max(SETTINGS_MIN_WIDTH, int(size.width() * SETTINGS_WIDTH_SHARE))
         self.resizeDocks([self.settings_dock], [settings_width], Qt.Orientation.Horizontal)
+
+    def _place_plots(self, beside: bool) -> None:
+        """The live metrics and the load test, as two tabs of one dock: under the chat, or
+        in the right area beside the chat, left of the settings (all three stay in view)."""
+        if beside == self.plots_beside:
+            return
+        if beside:
+            self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.plots_dock)
+            self.splitDockWidget(self.plots_dock, self.settings_dock, Qt.Orientation.Horizontal)
+        else:
+            self.addDockWidget(Qt.DockWidgetArea.BottomDockWidgetArea, self.plots_dock)
+        self.tabifyDockWidget(self.plots_dock, self.load_dock)
+        self.plots_dock.raise_()
+        self.plots.set_narrow(beside)
+        self.load_panel.set_narrow(beside)
+        self.plots_beside = beside
 
     def _dock(self, title: str, widget: QWidget, area) -> QDockWidget:
         dock = QDockWidget(title, self)

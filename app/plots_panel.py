@@ -20,6 +20,7 @@ from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QPushButton, QSc
 
 from app.formatting import speculation_verdict
 from app.metrics_history import SERVER, MetricsHistory
+from app.plot_grid import place_plots
 from app.plot_title import PlotTitle
 from app.theme import ERROR_COLOUR, PAYS_COLOUR, PLOT_COLOURS as C
 
@@ -34,6 +35,14 @@ DATA_HEADROOM = 1.1      # every legend sits in its plot's title row: a little r
 # Each row of plots keeps this height (the panel scrolls when its dock is shorter), so on a
 # 1366x768 screen no plot shrinks to a strip and no axis title is cut.
 PLOT_ROW_MIN_HEIGHT = 230
+NARROW_ROW_MIN_HEIGHT = 260     # a narrow panel's titles wrap to two lines: the data keeps its height
+# (row, column, column span) of each plot in a grid four columns wide: step series two
+# columns, bar charts one. Where the panel is narrow (beside the chat in a short window)
+# each plot takes a row of its own.
+WIDE_PLACES = {"acceptance_plot": (0, 0, 2), "kv_plot": (0, 2, 2), "decode_plot": (1, 0, 2),
+               "positions_plot": (1, 2, 1), "ttft_plot": (1, 3, 1), "tree_path_plot": (2, 0, 2),
+               "tree_nodes_plot": (2, 2, 2)}
+NARROW_PLACES = {name: (row, 0, 4) for row, name in enumerate(WIDE_PLACES)}
 PLOT_ROWS = 3
 TITLE_STYLE = {"size": "11pt"}      # pyqtgraph's title size
 LEGEND_TEXT_COLOUR = "#24292f"
@@ -65,6 +74,7 @@ class PlotsPanel(QWidget):
         self.graphics = pg.GraphicsLayoutWidget()
         self.graphics.setBackground("w")
         self._build_plots()
+        self.narrow = False
         self._lay_out()
         self.timer = QTimer(self)
         self.timer.setInterval(MIN_REFRESH_MS)
@@ -75,6 +85,7 @@ class PlotsPanel(QWidget):
     def _lay_out(self) -> None:
         self.status_label = QLabel("Plots fill in as you chat. Dashed lines: a setting changed.")
         self.status_label.setObjectName("plotHint")
+        self.status_label.setWordWrap(True)          # a narrow panel wraps it rather than widening
         clear = QPushButton("Clear")
         clear.clicked.connect(self.clearRequested)
         png = QPushButton("Export PNG…")
@@ -95,6 +106,15 @@ class PlotsPanel(QWidget):
         self.scroll.setWidget(self.graphics)
         self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         layout.addWidget(self.scroll, 1)
+
+    def set_narrow(self, narrow: bool) -> None:
+        """Lay the plots out for a narrow panel (NARROW_PLACES) or a wide one (WIDE_PLACES)."""
+        if narrow == self.narrow:
+            return
+        places = NARROW_PLACES if narrow else WIDE_PLACES
+        rows = place_plots(self.graphics, {getattr(self, name): place for name, place in places.items()})
+        self.graphics.setMinimumHeight(rows * (NARROW_ROW_MIN_HEIGHT if narrow else PLOT_ROW_MIN_HEIGHT))
+        self.narrow = narrow
 
     def ask_png_path(self) -> None:
         self._ask_path(self.exportPngRequested, "PNG image (*.png)", "workbench-plots.png")

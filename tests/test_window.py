@@ -51,6 +51,8 @@ for actions in sys.argv[2:]:
         "available": rect(window.screen().availableGeometry()), "geometry": rect(window.geometry()),
         "frame": rect(window.frameGeometry()), "minimum_size_hint": [hint.width(), hint.height()],
         "plots_height": window.plots_dock.height(), "plots_visible": window.plots_dock.isVisible(),
+        "plots_width": window.plots_dock.width(), "plots_beside": window.plots_beside,
+        "transcript_height": window.chat.transcript.height(),
         "settings_width": window.settings_dock.width()}), flush=True)
     window.close()
     app.processEvents()
@@ -128,9 +130,11 @@ def test_the_window_opens_inside_a_laptop_screen_with_room_for_chat_and_plots(tm
     assert abs(geometry.center().x() - available.center().x()) <= 1
     hint_width, hint_height = report["minimum_size_hint"]
     assert hint_width <= LAPTOP[0] * SCREEN_FRACTION and hint_height <= LAPTOP[1] * SCREEN_FRACTION
-    # The docks take shares of the window (not the 520 px that squeezed the chat on a laptop).
-    assert 0.3 <= report["plots_height"] / geometry.height() <= 0.55
-    assert report["settings_width"] < geometry.width() * 0.35
+    # Plots under the chat left the transcript four lines there: they sit beside it, and
+    # the docks take shares of the window (not the 520 px that squeezed the chat).
+    assert report["plots_beside"] and report["transcript_height"] >= 0.5 * geometry.height()
+    assert 0.25 <= report["plots_width"] / geometry.width() <= 0.4
+    assert report["settings_width"] < geometry.width() * 0.36
 
 
 def test_a_closed_window_opens_again_where_it_was_left(tmp_path):
