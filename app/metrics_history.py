@@ -15,6 +15,11 @@ A draft tree's step (tree_nodes > 0, engine.metrics.StepEvent): tree_accepted_pa
 accepted path length (`accepted`), tree_predicted what the draft's confidences predicted
 it accepts, and tree_node_budget / tree_depth the draft_tree setting in effect (NaN: no
 tree), so the nodes the engine verified show against the nodes it could have.
+
+drafted_by_code: which proposer drafted the step (the step event's `proposer`; under
+`proposer: auto` the one the engine chose for it), as its index in DRAFTERS; NaN when the
+step says none (nothing drafted, or a server that does not say). The CSV also has it by
+name (drafted_by), beside the proposer setting.
 """
 from __future__ import annotations
 
@@ -39,6 +44,9 @@ SPECULATION_SETTINGS = config.groups()[config.SPECULATION_GROUP]
 # (the cache settings, compilation, threads: engine.plain_step_key).
 SPEEDUP_SETTINGS = MARKED_SETTINGS + ("compile", "threads")
 STEPS, SERVER = "steps", "server"      # where per-position acceptance comes from
+# The proposers that draft (the setting's choices less "off" and "auto"): drafted_by_code's codes.
+DRAFTERS = tuple(name for name in next(s for s in config.SETTINGS if s.key == "proposer").choices
+                 if name not in ("off", "auto"))
 
 
 class RingBuffer:
@@ -92,7 +100,7 @@ class MetricsHistory:
                     "kv_capacity_mib", "kv_usage", "is_fp8", "prefix_hit_tokens", "prompt_tokens", "generated_tokens",
                     "ttft_s", "speedup_measured", "speedup_predicted", "break_even_alpha", "compile_s",
                     "compile_tok_s", "tree_nodes", "tree_accepted_path", "tree_predicted", "tree_node_budget",
-                    "tree_depth")
+                    "tree_depth", "drafted_by_code")
     REQUEST_COLUMNS = ("request", "session_step", "ttft_ms", "prefix_hit_tokens", "prompt_tokens",
                        "generated_tokens", "decode_tok_s", "acceptance_rate", "mean_accepted_len")
 
@@ -207,11 +215,13 @@ class MetricsHistory:
                "prefix_hit_tokens": _nan_if_none(event["prefix_hit_tokens"]),
                "prompt_tokens": _nan_if_none(event["prompt_tokens"]),
                "generated_tokens": _nan_if_none(event["generated_tokens"]), "ttft_s": _nan_if_none(event.get("ttft_s")),
+               "drafted_by_code": _drafter_code(event.get("proposer")),
                **_speedup_columns(event.get("speculation")), **_tree_columns(event, self.tree_shape)}
         for name, value in row.items():
             self.steps[name].append(value)
         settings = self._last_settings or {}
         self.step_labels.append({"kv_dtype": event["kv_dtype"], "proposer": settings.get("proposer"),
+                                 "drafted_by": event.get("proposer") or "",
                                  "k": settings.get("num_speculative_tokens"), "draft_tree": settings.get("draft_tree"),
                                  "prefix_caching": settings.get("enable_prefix_caching"),
                                  "finish_reason": event.get("finish_reason") or ""})
@@ -293,6 +303,11 @@ def _tree_columns(event: dict, shape: TreeShape | None) -> dict:
     return {"tree_nodes": nodes, "tree_accepted_path": event["accepted"] if nodes else np.nan,
             "tree_predicted": _nan_if_none(event["tree_predicted_accepted"]) if nodes else np.nan,
             "tree_node_budget": shape.nodes if shape else np.nan, "tree_depth": shape.depth if shape else np.nan}
+
+
+def _drafter_code(proposer: str | None) -> float:
+    """The step's proposer as its index in DRAFTERS; NaN for none or one this app does not know."""
+    return float(DRAFTERS.index(proposer)) if proposer in DRAFTERS else np.nan
 
 
 def _kv_usage(event: dict) -> float:

@@ -1,6 +1,7 @@
 """Live plots of the session's metrics (pyqtgraph).
 
-Three rows: acceptance and KV memory; decode speed, acceptance per position (by depth
+Three rows: acceptance (each step's point in the colour of the proposer that drafted it)
+and KV memory; decode speed, acceptance per position (by depth
 with a draft tree) and TTFT; then what each draft tree did: its accepted path against its
 depth, and the nodes verified against the node budget.
 
@@ -19,10 +20,10 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QPushButton, QScrollArea, QVBoxLayout, QWidget
 
 from app.formatting import speculation_verdict
-from app.metrics_history import SERVER, MetricsHistory
+from app.metrics_history import DRAFTERS, SERVER, MetricsHistory
 from app.plot_grid import place_plots
 from app.plot_title import PlotTitle
-from app.theme import ERROR_COLOUR, PAYS_COLOUR, PLOT_COLOURS as C
+from app.theme import ERROR_COLOUR, PAYS_COLOUR, PLOT_COLOURS as C, PROPOSER_COLOURS
 
 # The GUI thread shares the Python interpreter with the engine's worker thread, so every
 # millisecond spent redrawing is taken from decoding (app.fidelity measures it). Redraws
@@ -163,16 +164,30 @@ class PlotsPanel(QWidget):
         p = self.acceptance_plot = self._new_plot(0, 0, "Acceptance rate", "accepted (%)", "session step")
         p.setYRange(0, DATA_HEADROOM * 100, padding=0)
         p.getAxis("left").setTicks([[(v, str(v)) for v in range(0, 101, 25)]])
-        # With a draft tree in effect accepted/proposed says little (2 of 24 nodes is a
-        # success): the plot keeps to chains, the tree row shows what trees did.
-        legend = (("●", C["acceptance"], "per step"), ("━", C["running"], "running (this reply)"))
-        self.acceptance_headings = {tree: _title_with_legend("Acceptance rate" + (" (chains)" if tree else ""), legend)
-                                    for tree in (False, True)}
         self.acceptance_title = p.titleLabel
-        p.setTitle(self.acceptance_headings[False])
+        self.drafters_shown: tuple[str, ...] = ()       # the proposers whose points are drawn, in the legend
+        self.unattributed_shown = False                 # points of steps that did not say which
+        p.setTitle(self._acceptance_heading(tree=False))
+        # A step that does not say which proposer drafted it (a server's) keeps one colour.
         self.acceptance_points = p.plot(pen=None, symbol="o", symbolSize=5, symbolBrush=C["acceptance"],
                                         symbolPen=None, name="per step")
+        # Under `proposer: auto` the engine picks the proposer step by step: each step's point
+        # in the colour of the one that drafted it.
+        self.acceptance_by_drafter = {name: p.plot(pen=None, symbol="o", symbolSize=5, symbolPen=None,
+                                                   symbolBrush=PROPOSER_COLOURS[name], name=name)
+                                      for name in DRAFTERS}
         self.acceptance_running = p.plot(pen=_pen("running"), name="running (this reply)")
+
+    def _acceptance_heading(self, tree: bool) -> str:
+        """With a draft tree in effect accepted/proposed says little (2 of 24 nodes is a
+        success): the plot keeps to chains, the tree row shows what trees did. Its legend
+        names the proposers whose points are drawn, and "per step" for steps that did not say
+        which (or while nothing is drawn)."""
+        points = [("●", PROPOSER_COLOURS[name], name) for name in self.drafters_shown]
+        if self.unattributed_shown or not points:
+            points.append(("●", C["acceptance"], "per step"))
+        return _title_with_legend("Acceptance rate" + (" (chains)" if tree else ""),
+                                  (*points, ("━", C["running"], "running (this reply)")))
 
     def _build_positions(self) -> None:
         p = self.positions_plot = self._new_plot(1, 2, "Per-position acceptance", "accepted (%)",
@@ -263,8 +278,8 @@ class PlotsPanel(QWidget):
         h = self.history
         self._drawn_version = h.version
         x, requests = h.step_series("session_step"), h.step_series("request")
-        chain = np.isnan(h.step_series("tree_node_budget"))     # no tree in effect (see _build_acceptance)
-        _set_finite(self.acceptance_points, x, np.where(chain, h.step_series("acceptance") * 100, np.nan))
+        chain = np.isnan(h.step_series("tree_node_budget"))     # no tree in effect (see _acceptance_heading)
+        self._refresh_acceptance_points(x, np.where(chain, h.step_series("acceptance") * 100, np.nan))
         _set_runs(self.acceptance_running, x, np.where(chain, h.step_series("running_acceptance") * 100, np.nan),
                   requests)
         self._refresh_positions()
@@ -279,10 +294,23 @@ class PlotsPanel(QWidget):
         self._refresh_verdict()
         self._refresh_markers()
 
+    def _refresh_acceptance_points(self, x: np.ndarray, accepted: np.ndarray) -> None:
+        """Each step's point in its proposer's colour (MetricsHistory's drafted_by_code)."""
+        code = self.history.step_series("drafted_by_code")
+        unattributed = np.where(np.isnan(code), accepted, np.nan)
+        _set_finite(self.acceptance_points, x, unattributed)
+        shown = []
+        for number, name in enumerate(DRAFTERS):
+            mine = np.where(code == number, accepted, np.nan)
+            _set_finite(self.acceptance_by_drafter[name], x, mine)
+            if np.isfinite(mine).any():
+                shown.append(name)
+        self.drafters_shown, self.unattributed_shown = tuple(shown), bool(np.isfinite(unattributed).any())
+
     def _refresh_verdict(self) -> None:
         """Under the acceptance plot's title: does speculation pay over this set-up's replies?"""
         verdict = speculation_verdict(self.history.speculation.report)
-        title = self.acceptance_headings[self.history.tree_shape is not None]
+        title = self._acceptance_heading(self.history.tree_shape is not None)
         if verdict is not None:
             headline, details, pays = verdict
             details = f"; <span style='font-size:8pt'>{escape(details)}</span>" if details else ""

@@ -36,6 +36,9 @@ PLOT_COLOURS = {
     "tree_predicted": "#8250df",
     "tree_nodes": "#2f81f7",
 }
+# The acceptance plot's points, by the proposer that drafted the step (a step that does not
+# say which keeps PLOT_COLOURS["acceptance"]).
+PROPOSER_COLOURS = {"suffix": "#bf3989", "ngram": "#bc4c00", "eagle": "#8250df", "draft": "#1a7f37"}
 # The load panel's series.
 LOAD_COLOURS = {
     "running": "#1a7f37", "waiting": "#d4a72c", "kv_used": "#1a7f37", "capacity": "#57606a",
