@@ -13,4 +13,10 @@ def place_plots(graphics: pg.GraphicsLayoutWidget, places: dict) -> int:
         grid.removeItem(plot)
     for plot, (row, column, span) in places.items():
         grid.addItem(plot, row=row, col=column, colspan=span)
+    # Columns share the width evenly, whatever spans them now (the grid keeps sizes it had).
+    for column in range(max(column + span for _, column, span in places.values())):
+        grid.layout.setColumnStretchFactor(column, 1)
+        grid.layout.setColumnPreferredWidth(column, 100)
+        grid.layout.setColumnMinimumWidth(column, 0)
+    grid.layout.invalidate()
     return 1 + max(row for row, _, _ in places.values())

@@ -45,6 +45,7 @@ WIDE_PLACES = {"acceptance_plot": (0, 0, 2), "kv_plot": (0, 2, 2), "decode_plot"
                "tree_nodes_plot": (2, 2, 2)}
 NARROW_PLACES = {name: (row, 0, 4) for row, name in enumerate(WIDE_PLACES)}
 PLOT_ROWS = 3
+EXPORT_WIDTH = 1400      # px: Export PNG of a narrow panel draws the wide layout this wide
 TITLE_STYLE = {"size": "11pt"}      # pyqtgraph's title size
 LEGEND_TEXT_COLOUR = "#24292f"
 MARKER_LABEL_ROWS = (0.68, 0.54, 0.4)   # label heights, cycled so close markers do not overlap
@@ -445,8 +446,19 @@ class PlotsPanel(QWidget):
 
     # ---- export ----------------------------------------------------------------
     def save_png(self, path: str) -> bool:
+        """The plots as a PNG, in the wide layout (a panel beside the chat is drawn wide for it)."""
         self.refresh()
-        return self.graphics.grab().save(path, "PNG")
+        if not self.narrow:
+            return self.graphics.grab().save(path, "PNG")
+        graphics = self.scroll.takeWidget()        # out of the scroll area, which would size it back
+        self.set_narrow(False)
+        graphics.resize(EXPORT_WIDTH, PLOT_ROWS * PLOT_ROW_MIN_HEIGHT)
+        graphics.ci.layout.activate()
+        try:
+            return graphics.grab().save(path, "PNG")
+        finally:
+            self.set_narrow(True)
+            self.scroll.setWidget(graphics)
 
 
 def _integer_ticks(plot: pg.PlotItem, first: int, last: int, most: int = 10, axis: str = "bottom") -> None:

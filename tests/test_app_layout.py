@@ -61,3 +61,12 @@ def test_a_window_made_short_moves_the_plots_beside_the_chat_and_back(window, qt
     assert window.dockWidgetArea(window.plots_dock) == Qt.DockWidgetArea.BottomDockWidgetArea
     assert window.tabifiedDockWidgets(window.plots_dock) == [window.load_dock]
     assert not window.plots.narrow and not window.load_panel.narrow
+
+
+def test_export_png_beside_the_chat_still_draws_the_plots_wide(window, qtbot, tmp_path):
+    from PySide6.QtGui import QImage
+    shown_at(window, qtbot, LAPTOP)
+    assert window.plots.save_png(str(tmp_path / "plots.png"))
+    image = QImage(str(tmp_path / "plots.png"))
+    assert image.width() > 2 * window.plots_dock.width() and image.width() > image.height()
+    assert window.plots.narrow and window.plots.scroll.widget() is window.plots.graphics     # the panel as it was
