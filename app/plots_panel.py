@@ -17,7 +17,7 @@ from html import escape
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QPushButton, QScrollArea, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFileDialog, QGridLayout, QLabel, QPushButton, QScrollArea, QVBoxLayout, QWidget
 
 from app.formatting import speculation_verdict
 from app.metrics_history import DRAFTERS, SERVER, MetricsHistory
@@ -94,14 +94,12 @@ class PlotsPanel(QWidget):
         csv = QPushButton("Export CSV…")
         png.clicked.connect(self.ask_png_path)
         csv.clicked.connect(self.ask_csv_path)
-        bar = QHBoxLayout()
-        bar.addWidget(self.status_label, 1)
-        bar.addWidget(clear)
-        bar.addWidget(png)
-        bar.addWidget(csv)
+        self._bar, self._bar_buttons = QGridLayout(), (clear, png, csv)
+        self._bar.setColumnStretch(0, 1)
+        self._place_bar(narrow=False)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
-        layout.addLayout(bar)
+        layout.addLayout(self._bar)
         self.graphics.setMinimumHeight(PLOT_ROWS * PLOT_ROW_MIN_HEIGHT)
         self.scroll = QScrollArea()
         self.scroll.setWidgetResizable(True)
@@ -109,10 +107,19 @@ class PlotsPanel(QWidget):
         self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         layout.addWidget(self.scroll, 1)
 
+    def _place_bar(self, narrow: bool) -> None:
+        """The hint left of the buttons, or in a narrow panel on a row of its own above them."""
+        for widget in (self.status_label, *self._bar_buttons):
+            self._bar.removeWidget(widget)
+        self._bar.addWidget(self.status_label, 0, 0, 1, 4 if narrow else 1)
+        for column, button in enumerate(self._bar_buttons, start=1):
+            self._bar.addWidget(button, int(narrow), column)
+
     def set_narrow(self, narrow: bool) -> None:
         """Lay the plots out for a narrow panel (NARROW_PLACES) or a wide one (WIDE_PLACES)."""
         if narrow == self.narrow:
             return
+        self._place_bar(narrow)
         places = NARROW_PLACES if narrow else WIDE_PLACES
         rows = place_plots(self.graphics, {getattr(self, name): place for name, place in places.items()})
         self.graphics.setMinimumHeight(rows * (NARROW_ROW_MIN_HEIGHT if narrow else PLOT_ROW_MIN_HEIGHT))
@@ -174,7 +181,7 @@ class PlotsPanel(QWidget):
                                         symbolPen=None, name="per step")
         # Under `proposer: auto` the engine picks the proposer step by step: each step's point
         # in the colour of the one that drafted it.
-        self.acceptance_by_drafter = {name: p.plot(pen=None, symbol="o", symbolSize=5, symbolPen=None,
+        self.acceptance_by_drafter = {name: p.plot(pen=None, symbol="o", symbolSize=6, symbolPen=None,
                                                    symbolBrush=PROPOSER_COLOURS[name], name=name)
                                       for name in DRAFTERS}
         self.acceptance_running = p.plot(pen=_pen("running"), name="running (this reply)")
@@ -187,8 +194,10 @@ class PlotsPanel(QWidget):
         points = [("●", PROPOSER_COLOURS[name], name) for name in self.drafters_shown]
         if self.unattributed_shown or not points:
             points.append(("●", C["acceptance"], "per step"))
-        return _title_with_legend("Acceptance rate" + (" (chains)" if tree else ""),
-                                  (*points, ("━", C["running"], "running (this reply)")))
+        title = "Acceptance rate" + (" (chains)" if tree else "")
+        heading = _title_with_legend(title, (*points, ("━", C["running"], "running (this reply)")))
+        # A narrow panel wraps the legend, never the title's words.
+        return heading.replace(escape(title), f"<span style='white-space:nowrap'>{escape(title)}</span>", 1)
 
     def _build_positions(self) -> None:
         p = self.positions_plot = self._new_plot(1, 2, "Per-position acceptance", "accepted (%)",

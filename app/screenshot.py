@@ -47,7 +47,7 @@ SCRIPT = (
     ({}, "What is the capital of France?"),
     ({"proposer": "ngram"}, "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."),
     ({"kv_cache_dtype": "fp8_e4m3"}, "Now say it once more, then name the animals in it."),
-    ({"proposer": "eagle"}, "Give me three tips for writing clear documentation."),
+    ({"proposer": "auto"}, "Give me three tips for writing clear documentation."),
 )
 # --plots: one more turn, the EAGLE head drafting trees (what the plots' tree row shows)
 TREE_TURN = ({"draft_tree": "4:6:24"}, "Now give me three tips for naming functions.")
