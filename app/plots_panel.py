@@ -194,10 +194,8 @@ class PlotsPanel(QWidget):
         points = [("●", PROPOSER_COLOURS[name], name) for name in self.drafters_shown]
         if self.unattributed_shown or not points:
             points.append(("●", C["acceptance"], "per step"))
-        title = "Acceptance rate" + (" (chains)" if tree else "")
-        heading = _title_with_legend(title, (*points, ("━", C["running"], "running (this reply)")))
-        # A narrow panel wraps the legend, never the title's words.
-        return heading.replace(escape(title), f"<span style='white-space:nowrap'>{escape(title)}</span>", 1)
+        return _title_with_legend("Acceptance rate" + (" (chains)" if tree else ""),
+                                  (*points, ("━", C["running"], "running (this reply)")))
 
     def _build_positions(self) -> None:
         p = self.positions_plot = self._new_plot(1, 2, "Per-position acceptance", "accepted (%)",
@@ -486,9 +484,10 @@ def _percent_ticks(top: float, most: int = 5) -> list:
 def _title_with_legend(title: str, entries) -> str:
     """A plot title followed by its legend, (symbol, colour, name) each: in the title row the
     legend never covers data, whatever the plot's height."""
-    keys = "&nbsp;&nbsp;".join(f"<span style='color:{colour}'>{symbol}</span>&nbsp;{escape(name)}"
+    # A narrow plot breaks the line between entries ("&nbsp; "), never inside one.
+    keys = "&nbsp; ".join(f"<span style='color:{colour}'>{symbol}</span>&nbsp;{escape(name).replace(' ', '&nbsp;')}"
                                for symbol, colour, name in entries)
-    return f"{escape(title)}&nbsp;&nbsp;&nbsp;<span style='color:{LEGEND_TEXT_COLOUR}; font-size:8pt'>{keys}</span>"
+    return f"{escape(title)}&nbsp;&nbsp; <span style='color:{LEGEND_TEXT_COLOUR}; font-size:8pt'>{keys}</span>"
 
 
 def _tree_nodes_title(shape) -> str:

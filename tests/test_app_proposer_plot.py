@@ -34,7 +34,8 @@ def drawn(item) -> tuple[list, list]:
 
 def legend_colours(title: str) -> dict[str, str]:
     """{name: colour} of the legend's points in a title built by plots_panel._title_with_legend."""
-    return {name: colour for colour, name in re.findall(r"<span style='color:([^']+)'>●</span>&nbsp;([^<&]+)", title)}
+    entries = re.findall(r"<span style='color:([^']+)'>●</span>&nbsp;(.+?)(?=&nbsp; |</span>)", title)
+    return {name.replace("&nbsp;", " "): colour for colour, name in entries}
 
 
 def test_acceptance_points_take_the_colour_of_the_proposer_that_drafted_the_step(qtbot):
