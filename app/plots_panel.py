@@ -170,7 +170,8 @@ class PlotsPanel(QWidget):
 
     def _build_acceptance(self) -> None:
         p = self.acceptance_plot = self._new_plot(0, 0, "Acceptance rate", "accepted (%)", "session step")
-        p.setYRange(0, DATA_HEADROOM * 100, padding=0)
+        # From a little below 0, so a step that accepted nothing shows its whole dot (and its colour).
+        p.setYRange(-4, DATA_HEADROOM * 100, padding=0)
         p.getAxis("left").setTicks([[(v, str(v)) for v in range(0, 101, 25)]])
         self.acceptance_title = p.titleLabel
         self.drafters_shown: tuple[str, ...] = ()       # the proposers whose points are drawn, in the legend
