@@ -101,6 +101,9 @@ class MainWindow(QMainWindow):
         self.plots_dock = self._dock("Live metrics", self.plots, Qt.DockWidgetArea.BottomDockWidgetArea)
         self.load_dock = self._dock("Load test", self.load_panel, Qt.DockWidgetArea.BottomDockWidgetArea)
         self.plots_beside: bool | None = None         # not placed yet
+        for dock in (self.plots_dock, self.load_dock):
+            # Wherever the dock goes (placed, restored, or dragged by the user), its plots fit it.
+            dock.dockLocationChanged.connect(self._fit_panels_to_docks)
         self.size_docks()
 
     def size_docks(self) -> None:
@@ -131,9 +134,14 @@ class MainWindow(QMainWindow):
             self.addDockWidget(Qt.DockWidgetArea.BottomDockWidgetArea, self.plots_dock)
         self.tabifyDockWidget(self.plots_dock, self.load_dock)
         self.plots_dock.raise_()
-        self.plots.set_narrow(beside)
-        self.load_panel.set_narrow(beside)
         self.plots_beside = beside
+        self._fit_panels_to_docks()
+
+    def _fit_panels_to_docks(self, *_area) -> None:
+        """A panel docked at a side is narrow (one plot a row); under the chat or floating, wide."""
+        sides = (Qt.DockWidgetArea.LeftDockWidgetArea, Qt.DockWidgetArea.RightDockWidgetArea)
+        for panel, dock in ((self.plots, self.plots_dock), (self.load_panel, self.load_dock)):
+            panel.set_narrow(not dock.isFloating() and self.dockWidgetArea(dock) in sides)
 
     def _dock(self, title: str, widget: QWidget, area) -> QDockWidget:
         dock = QDockWidget(title, self)

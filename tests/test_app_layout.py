@@ -70,3 +70,11 @@ def test_export_png_beside_the_chat_still_draws_the_plots_wide(window, qtbot, tm
     image = QImage(str(tmp_path / "plots.png"))
     assert image.width() > 2 * window.plots_dock.width() and image.width() > image.height()
     assert window.plots.narrow and window.plots.scroll.widget() is window.plots.graphics     # the panel as it was
+
+
+def test_plots_moved_under_the_chat_by_the_user_lay_out_wide_again(window, qtbot):
+    shown_at(window, qtbot, LAPTOP)
+    window.addDockWidget(Qt.DockWidgetArea.BottomDockWidgetArea, window.plots_dock)     # as a drag there does
+    assert not window.plots.narrow and window.load_panel.narrow      # the load test stayed at the side
+    window.addDockWidget(Qt.DockWidgetArea.LeftDockWidgetArea, window.plots_dock)
+    assert window.plots.narrow
