@@ -222,9 +222,13 @@ class LLMEngine:
         trial = (DtypeTrial(model, config, progress, allow_hub=allow_hub, allow_pickle=allow_pickle)
                  if config.dtype == "auto" and device.type == "cpu" else None)
         dtype, dtype_why = pick_dtype(config.dtype, device, trial)
-        target = (trial and trial.take(dtype)) or loader.load_model(
-            model, device=device, dtype=dtype, allow_hub=allow_hub, allow_pickle=allow_pickle,
-            max_positions=config.max_model_len, progress=progress, weight_dtype=config.weight_dtype)
+        target = trial and trial.take(dtype)
+        if target is not None:                  # the trial's load was shown within its share of the bar
+            progress(f"model ready (kept from dtype auto's {str(dtype).removeprefix('torch.')} trial)", 1.0)
+        else:
+            target = loader.load_model(
+                model, device=device, dtype=dtype, allow_hub=allow_hub, allow_pickle=allow_pickle,
+                max_positions=config.max_model_len, progress=progress, weight_dtype=config.weight_dtype)
         engine = cls(target, config, device, progress, dtype_why)
         engine.warm_compiled_step()             # the compiled step is built at load, with progress
         return engine

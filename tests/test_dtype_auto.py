@@ -134,9 +134,10 @@ def test_load_with_dtype_auto_keeps_the_trials_model_and_loads_once_after(cache_
     progress = []
     engine = LLMEngine.load(folder, config, progress=lambda message, fraction: progress.append((message, fraction)))
     assert sorted(map(str, loads)) == ["torch.bfloat16", "torch.float32"]
-    # the trial says what it does, and the load's bar only grows through it
+    # the trial says what it does, and the load's bar only grows through it, to full
     fractions = [f for _, f in progress]
     assert any(m.startswith("dtype auto: timing bfloat16") for m, _ in progress) and fractions == sorted(fractions)
+    assert fractions[-1] == 1.0
     assert engine.dtype_why.startswith("auto: the faster decode step of this model here")
     recorded = json.loads((cache_dir / "cpu_dtype_step.json").read_text())
     (key, timed), = recorded.items()
