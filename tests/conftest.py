@@ -119,6 +119,16 @@ def make_tiny_engine(tiny_model):
     return engine_factory(tiny_model, 8 * 2**20)
 
 
+def together(eng, prompts, params) -> list[list[int]]:
+    """Every prompt submitted at once and run to the end in shared steps: each one's tokens."""
+    ids = [eng.submit(p, params) for p in prompts]
+    got = {i: [] for i in ids}
+    while eng.has_work:
+        for ev in eng.step():
+            got[ev.request_id] += ev.token_ids
+    return [got[i] for i in ids]
+
+
 def chat(text: str, system: str | None = None) -> list[dict]:
     msgs = [{"role": "system", "content": system}] if system else []
     return msgs + [{"role": "user", "content": text}]

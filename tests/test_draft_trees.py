@@ -18,7 +18,7 @@ from engine.spec.tree import (
     sample_verify,
     select,
 )
-from tests.conftest import assert_second_token_follows_the_target, chat
+from tests.conftest import assert_second_token_follows_the_target, chat, together
 
 GREEDY = SamplingParams(max_tokens=24, stop_on_eos=False)
 # 7 nodes: two children of the root, one of them with two children, paths of depth 1..4
@@ -202,16 +202,6 @@ def test_trees_grow_one_depth_past_what_was_verified():
 
 
 # ---- the engine ------------------------------------------------------------------------------
-def _together(eng, prompts) -> list[list[int]]:
-    """Every prompt submitted at once and run to the end in shared steps: each one's tokens."""
-    ids = [eng.submit(p, GREEDY) for p in prompts]
-    got = {i: [] for i in ids}
-    while eng.has_work:
-        for ev in eng.step():
-            got[ev.request_id] += ev.token_ids
-    return [got[i] for i in ids]
-
-
 def _no_blocks_in_use(eng) -> bool:
     return all(r.blocks.num_used_blocks == 0 for r in eng.runners())
 
@@ -229,7 +219,7 @@ def test_greedy_with_a_draft_model_tree_is_token_identical_alone_and_batched(mak
     assert [o[1] for o in outs] == expected
     assert sum(o[2].accepted for o in outs) > 0 and sum(o[2].proposed for o in outs) > 0
     assert _no_blocks_in_use(eng)
-    assert _together(eng, prompts) == expected                      # all three in the same steps
+    assert together(eng, prompts, GREEDY) == expected                      # all three in the same steps
     assert _no_blocks_in_use(eng)
 
 
@@ -286,7 +276,7 @@ def test_greedy_with_the_shipped_head_tree_is_token_identical_alone_and_batched(
     _, out, stats = eng.generate_text(prompts[0], GREEDY)
     assert out == expected[0]
     assert 0 < stats.accepted < stats.proposed and stats.tree_steps > 0
-    assert _together(eng, prompts) == expected                      # two trees in the same steps
+    assert together(eng, prompts, GREEDY) == expected                      # two trees in the same steps
     assert _no_blocks_in_use(eng)
 
 

@@ -8,7 +8,7 @@ import torch
 from engine import SamplingParams
 from engine.metrics import ProposerCounts, decode_step_rate
 from engine.spec.proposer_choice import EXPLORE_EVERY, EXPLORE_STEPS, MIN_STEPS, OFF, ProposerChoice
-from tests.conftest import assert_second_token_follows_the_target, chat
+from tests.conftest import assert_second_token_follows_the_target, chat, together
 
 GREEDY = SamplingParams(max_tokens=24, stop_on_eos=False)
 CANDIDATES = ["suffix", "ngram", OFF]
@@ -141,15 +141,6 @@ def test_a_re_measured_candidate_that_now_pays_takes_over():
 
 
 # ---- in the engine ------------------------------------------------------------------------------
-def _together(eng, prompts, params=GREEDY) -> list[list[int]]:
-    ids = [eng.submit(p, params) for p in prompts]
-    got = {i: [] for i in ids}
-    while eng.has_work:
-        for ev in eng.step():
-            got[ev.request_id] += ev.token_ids
-    return [got[i] for i in ids]
-
-
 def test_greedy_with_auto_is_token_identical_alone_and_batched(make_tiny_engine):
     base = make_tiny_engine()
     prompts = [base.encode(chat(q)) for q in ("What is the capital of France?", "Name three colours.", "Count to five.")]
@@ -164,7 +155,7 @@ def test_greedy_with_auto_is_token_identical_alone_and_batched(make_tiny_engine)
         drafted_by += [e.proposer for e in events if e.proposed]
         outs.append([t for e in events for t in e.token_ids])
     assert outs == expected + expected
-    assert _together(eng, prompts) == expected                        # all four in the same steps
+    assert together(eng, prompts, GREEDY) == expected                        # all four in the same steps
     totals = eng.proposer_choice.total
     assert {"suffix", "ngram", "off"} <= set(totals) and totals["suffix"].accepted > 0
     assert {"suffix", "ngram"} <= set(drafted_by)                     # each event says who drafted it

@@ -11,7 +11,7 @@ import torch
 from engine import SamplingParams
 from engine.spec.suffix_index import SuffixIndex
 from engine.spec.suffix_proposer import GLOBAL, REQUEST, SuffixCache, SuffixProposer, best_draft, continuation_tree
-from tests.conftest import assert_second_token_follows_the_target, chat
+from tests.conftest import assert_second_token_follows_the_target, chat, together
 
 GREEDY = SamplingParams(max_tokens=24, stop_on_eos=False)
 TEXT = [1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3]
@@ -158,15 +158,6 @@ def test_the_request_index_grows_by_appending():
 
 
 # ---- the engine ------------------------------------------------------------------------------
-def _together(eng, prompts, params=GREEDY) -> list[list[int]]:
-    ids = [eng.submit(p, params) for p in prompts]
-    got = {i: [] for i in ids}
-    while eng.has_work:
-        for ev in eng.step():
-            got[ev.request_id] += ev.token_ids
-    return [got[i] for i in ids]
-
-
 def _record_trees(monkeypatch) -> list:
     """The trees the suffix proposer drafts from now on (the engine asks it for trees)."""
     trees = []
@@ -193,7 +184,7 @@ def test_greedy_with_suffix_drafts_is_token_identical_alone_and_batched(make_tin
     outs = [eng.generate_text(p, GREEDY) for p in prompts]
     assert [o[1] for o in outs] == expected
     assert 0 < sum(o[2].accepted for o in outs) < sum(o[2].proposed for o in outs)
-    assert _together(eng, prompts) == expected                      # all four in the same steps, global index full
+    assert together(eng, prompts, GREEDY) == expected                      # all four in the same steps, global index full
     assert any(not t.is_chain() for t in trees)   # branching trees were verified
     counters = eng.suffix_cache.counters()
     assert counters["draft_tokens_from_request"] > 0 and counters["draft_tokens_from_global"] > 0
