@@ -140,7 +140,7 @@ def test_the_acceptance_plot_says_whether_speculation_pays_without_a_legend_over
     assert "speculation pays here" in plots.acceptance_title.text and "losing" not in plots.acceptance_title.text
     # the legends sit in the title row, none inside the plots where they could cover data
     for plot in (plots.acceptance_plot, plots.decode_plot):
-        assert plot.legend is None and "running (this reply)" in plot.titleLabel.text
+        assert plot.legend is None and "running (this reply)" in plot.titleLabel.text.replace("&nbsp;", " ")
     top = plots.acceptance_plot.viewRange()[1][1]
     assert top >= 100
 
