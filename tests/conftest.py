@@ -119,6 +119,15 @@ def make_tiny_engine(tiny_model):
     return engine_factory(tiny_model, 8 * 2**20)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """A test module on one torch thread (its step timings and trees steady), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def together(eng, prompts, params) -> list[list[int]]:
     """Every prompt submitted at once and run to the end in shared steps: each one's tokens."""
     ids = [eng.submit(p, params) for p in prompts]

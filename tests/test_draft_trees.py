@@ -25,12 +25,7 @@ GREEDY = SamplingParams(max_tokens=24, stop_on_eos=False)
 TREE = DraftTree([5, 6, 7, 8, 9, 10, 11], [-1, -1, 0, 0, 1, 2, 5], [-0.1, -0.5, -0.3, -0.9, -1.2, -0.6, -0.8])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest: the module on one thread
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,7 @@ GREEDY = SamplingParams(max_tokens=24, stop_on_eos=False)
 CANDIDATES = ["suffix", "ngram", OFF]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest: the module on one thread
 
 
 def pass_s(rows: int) -> float:

@@ -17,12 +17,7 @@ GREEDY = SamplingParams(max_tokens=24, stop_on_eos=False)
 TEXT = [1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # conftest: the module on one thread
 
 
 def _propose(proposer, token_ids, k=8):
