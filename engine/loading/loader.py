@@ -38,6 +38,7 @@ from engine.loading.awq_gptq import GPTQ_CONFIG_FILE, AWQGPTQTensors, read_quant
 from engine.loading.checkpoint import Checkpoint
 from engine.loading.stored_formats import format_of
 from engine.loading.weight_quant import AUTO, FLOAT, WeightReport, release_freed_memory, serve_weights, served_as_stored
+from engine.models.gemma import image_tower_tensor, text_config
 from resources import DRAFTS_DIR
 
 SHIPPED_EAGLE_FOLDER = DRAFTS_DIR / "smollm2-135m-eagle"      # the EAGLE head for the default model
@@ -309,10 +310,11 @@ def weights_format(folder: Path) -> str:
 
 
 def load_config(folder: Path):
+    """The config of the model we serve (a multimodal Gemma 3's: its text model's)."""
     from transformers import AutoConfig
     read_config_json(folder)
     try:
-        return AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        return text_config(AutoConfig.from_pretrained(folder, trust_remote_code=False))
     except ValueError as exc:   # unknown model_type, or one that needs remote code
         raise UnsupportedModelError(f"cannot read the config in {folder}: {exc}") from exc
 
@@ -360,8 +362,9 @@ def check_weights(model, checkpoint: Checkpoint, config_path: Path, quantized: A
 
 
 def _name_in(checkpoint: Checkpoint, name: str) -> str | None:
-    """transformers' name, or the same without "model." (some checkpoints drop the prefix)."""
-    for candidate in (name, name.removeprefix("model.")):
+    """transformers' name, or the same without "model." (some checkpoints drop the prefix), or
+    under "language_model." (a multimodal Gemma 3's text model)."""
+    for candidate in (name, name.removeprefix("model."), "language_model." + name):
         if candidate in checkpoint:
             return candidate
     return None
@@ -391,7 +394,7 @@ def _ignored(name: str, config, quantized: AWQGPTQTensors | None = None) -> bool
     tied_head = name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False)
     # AutoGPTQ writes a (zero) bias for every quantized linear; vLLM skips those the model lacks too
     packed_bias = quantized is not None and name.endswith(".bias") and quantized.type_of(name[:-5] + ".weight")
-    return tied_head or bool(packed_bias) or "rotary_emb" in name
+    return tied_head or bool(packed_bias) or "rotary_emb" in name or image_tower_tensor(name, config)
 
 
 def identity_of(folder: Path, files: list[Path]) -> str:

@@ -1,8 +1,9 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, gpt-oss) built from a
-transformers config and loading transformers' weight names. RMSNorm, RoPE, GQA, SwiGLU;
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, gpt-oss, Gemma 3) built from
+a transformers config and loading transformers' weight names. RMSNorm, RoPE, GQA, SwiGLU;
 Qwen2 q/k/v bias; Qwen3 per-head q/k RMSNorm; mixture-of-experts feed-forward blocks
 (engine.models.moe); gpt-oss's attention biases, learned sink logits and sliding-window
-layers. Attention goes through the paged KV cache.
+layers; Gemma 3's (1 + w) norms, four per layer, scaled embedding, GeGLU and per-layer-type
+RoPE (engine.models.gemma). Attention goes through the paged KV cache.
 """
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from engine.cache.kv_cache import CacheShape, KVCache
 from engine.errors import UnsupportedModelError
 from engine.layers import attention_op, packed_linear, quantized_linear
 from engine.layers.attention import AttentionMetadata, attention
+from engine.models import gemma
+from engine.models.gemma import GEMMA_MODEL_TYPES
 from engine.models.moe import MOE_MODEL_TYPES, SparseMoE, is_sparse_layer
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + GEMMA_MODEL_TYPES + MOE_MODEL_TYPES
 
 
 class Linear(nn.Module):
@@ -92,8 +95,10 @@ class Linear(nn.Module):
 class Embedding(nn.Embedding):
     """nn.Embedding that can look its rows up in the packed weight of a head tied to it and
     served as stored (`serve_from`): the float table is then never held (Qwen3-1.7B's: 593 MiB
-    in bf16), and each row is the stored weight dequantized exactly, rounded to the dtype."""
+    in bf16), and each row is the stored weight dequantized exactly, rounded to the dtype.
+    `scale` (Gemma's sqrt(hidden)) multiplies every row looked up."""
     rows_from = None
+    scale: float | None = None
 
     def serve_from(self, qw: "quantized_linear.QuantizedWeight") -> None:
         self.rows_from = qw
@@ -101,39 +106,47 @@ class Embedding(nn.Embedding):
             self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.rows_from is None:
-            return super().forward(ids)
+        rows = super().forward(ids) if self.rows_from is None else self._stored_rows(ids)
+        return rows if self.scale is None else gemma.scale_rows(rows, self.scale)
+
+    def _stored_rows(self, ids: torch.Tensor) -> torch.Tensor:
         flat = quantized_linear.rows(self.rows_from, ids.reshape(-1).cpu())
         return flat.to(self.weight.dtype).to(ids.device).view(*ids.shape, flat.shape[-1])
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False):
+    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.weight_in_fp32 = weight_in_fp32      # gpt-oss: the weight multiplies before the cast back
+        self.weight_in_fp32 = weight_in_fp32      # gpt-oss, Gemma: the weight multiplies before the cast back
+        self.unit_offset = unit_offset            # Gemma: by (1 + w), in fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same order of operations as transformers (fp32 variance, cast back before the weight).
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
         if self.weight_in_fp32:
             return (self.weight * x32).to(dtype)
         return self.weight * x32.to(dtype)
 
 
 def norm_of(config, dim: int) -> RMSNorm:
-    return RMSNorm(dim, config.rms_norm_eps, weight_in_fp32=config.model_type == "gpt_oss")
+    return RMSNorm(dim, config.rms_norm_eps, weight_in_fp32=config.model_type == "gpt_oss",
+                   unit_offset=gemma.is_gemma(config))
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for every position up to max_positions."""
+    """cos/sin tables for every position up to max_positions (`layer_type`: of that kind of
+    layer, where the config has RoPE parameters per layer type)."""
 
-    def __init__(self, config, head_dim: int, max_positions: int):
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None):
         super().__init__()
-        cos, sin = rope_tables(config, head_dim, max_positions)
+        self.layer_type = layer_type
+        cos, sin = rope_tables(config, head_dim, max_positions, layer_type)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -149,25 +162,39 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def rope_tables(config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config, head_dim: int, max_positions: int,
+                layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.device("cpu"):     # real tables even while the model is built on "meta"
-        inv_freq, attention_scaling = _rope_inv_freq(config, head_dim)
+        inv_freq, attention_scaling = _rope_inv_freq(config, head_dim, layer_type)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)                     # [P, D]
         return emb.cos() * attention_scaling, emb.sin() * attention_scaling
 
 
-def _rope_params(config) -> dict:
+SLIDING, FULL = "sliding_attention", "full_attention"     # transformers' layer_types
+
+
+def rope_per_layer_type(config) -> bool:
+    """Whether the config has RoPE parameters per layer type (Gemma 3: sliding layers have
+    their own base), transformers' rope_parameters {"full_attention": {...}, "sliding_attention": {...}}."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return isinstance(params.get(SLIDING), dict)
+
+
+def _rope_params(config, layer_type: str | None = None) -> dict:
+    """The RoPE parameters of `layer_type`'s layers (None: all of them, e.g. for rope_identity)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if layer_type is not None and rope_per_layer_type(config):
+        params = params[layer_type]
     params = dict(params)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
     return params
 
 
-def _rope_inv_freq(config, head_dim: int):
-    params = _rope_params(config)
+def _rope_inv_freq(config, head_dim: int, layer_type: str | None = None):
+    params = _rope_params(config, layer_type)
     if params["rope_type"] == "default":
         base = float(params["rope_theta"])
         inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -176,6 +203,8 @@ def _rope_inv_freq(config, head_dim: int):
     fn = ROPE_INIT_FUNCTIONS.get(params["rope_type"])
     if fn is None:
         raise UnsupportedModelError(f"RoPE type {params['rope_type']!r} is not supported")
+    if layer_type is not None and rope_per_layer_type(config):
+        return fn(config, torch.device("cpu"), layer_type=layer_type)
     return fn(config, torch.device("cpu"))
 
 
@@ -191,7 +220,7 @@ def layer_window(config, index: int) -> int:
     window = getattr(config, "sliding_window", None) or 0
     types = getattr(config, "layer_types", None)
     if types:
-        return int(window) if types[index] == "sliding_attention" else 0
+        return int(window) if types[index] == SLIDING else 0
     return int(window) if config.model_type == "mistral" else 0
 
 
@@ -208,11 +237,12 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=attention_bias or config.model_type == "qwen2")
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=attention_bias)
-        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe", *GEMMA_MODEL_TYPES)
         if self.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
-        self.scale = head_dim ** -0.5
+            self.q_norm = norm_of(config, head_dim)
+            self.k_norm = norm_of(config, head_dim)
+        # Gemma: query_pre_attn_scalar ** -0.5 (head_dim's on all but Gemma 3 27B)
+        self.scale = (getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5
         self.layer_index = index             # its place in the stack (the compiled graph's attention op)
         self.window = layer_window(config, index)
         # gpt-oss: one learned logit per query head in every softmax's denominator
@@ -235,27 +265,53 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, self.q_size))
 
 
+# a dense MLP's activation (transformers' names: config.hidden_act, Gemma's hidden_activation)
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation_of(config) -> Callable[[torch.Tensor], torch.Tensor]:
+    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "silu"
+    if name not in ACTIVATIONS:
+        raise UnsupportedModelError(f"{config.model_type}: activation {name!r} is not supported; "
+                                    f"supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
 class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU, or Gemma's GeGLU."""
+
     def __init__(self, config):
         super().__init__()
         self.inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
+        self.act = activation_of(config)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual blocks. Llama's post_attention_layernorm is the MLP's input norm;
+    Gemma's (`sandwich`) norms the attention's output, and two more norm the MLP's input and
+    output (transformers' names for all four)."""
+
     def __init__(self, config, head_dim: int, index: int = 0):
         super().__init__()
         self.self_attn = Attention(config, head_dim, index)
         self.mlp = SparseMoE(config, Linear) if is_sparse_layer(config, index) else MLP(config)
         self.input_layernorm = norm_of(config, config.hidden_size)
         self.post_attention_layernorm = norm_of(config, config.hidden_size)
+        self.sandwich = gemma.sandwich_norms(config)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm_of(config, config.hidden_size)
+            self.post_feedforward_layernorm = norm_of(config, config.hidden_size)
 
     def forward(self, h, cache, meta, rope):
+        if self.sandwich:
+            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cache, meta, rope))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = h + self.self_attn(self.input_layernorm(h), cache, meta, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -266,11 +322,16 @@ class LlamaFamilyModel(nn.Module):
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        gemma.check_supported(config)
         self.config = config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.max_positions = max_positions or config.max_position_embeddings
-        self.rotary = Rotary(config, self.head_dim, self.max_positions)
+        per_type = rope_per_layer_type(config)
+        self.rotary = Rotary(config, self.head_dim, self.max_positions, FULL if per_type else None)
+        # Gemma 3: sliding-window layers rotate with their own base
+        self.sliding_rotary = Rotary(config, self.head_dim, self.max_positions, SLIDING) if per_type else None
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.scale = gemma.embedding_scale(config)
         self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = norm_of(config, config.hidden_size)
@@ -311,8 +372,10 @@ class LlamaFamilyModel(nn.Module):
         """Embedded inputs [N, hidden] at `positions` -> final normed hidden states. kv None: the
         compiled step's graph, whose attention op reads the pass from attention_op.serving."""
         rope = self.rotary.at(positions, h.dtype)
+        sliding = rope if self.sliding_rotary is None else self.sliding_rotary.at(positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, None if kv is None else kv.layer(i), meta, rope)
+            layer_rope = sliding if layer.self_attn.window else rope      # a sliding layer's window > 0
+            h = layer(h, None if kv is None else kv.layer(i), meta, layer_rope)
         return self.norm(h)
 
     def forward(self, input_ids, kv: KVCache, meta: AttentionMetadata, logits_for: str | int = "last"):
@@ -327,8 +390,9 @@ class LlamaFamilyModel(nn.Module):
         return self.logits(logits_rows(h, logits_for)), h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head(h).float()
+        """Final hidden states [N, hidden] -> float32 logits [N, vocab] (softcapped where the
+        config says, in the activation dtype as transformers does)."""
+        return gemma.softcap(self.lm_head(h), getattr(self.config, "final_logit_softcapping", None)).float()
 
     def hf_layer_tensors(self) -> dict[str, torch.Tensor]:
         """The decoder layers' weights under transformers' names: q/k/v and gate/up unfused,
@@ -344,6 +408,9 @@ class LlamaFamilyModel(nn.Module):
                         p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
                         p + "input_layernorm.weight": layer.input_layernorm.weight,
                         p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
+            if layer.sandwich:
+                out.update({p + "pre_feedforward_layernorm.weight": layer.pre_feedforward_layernorm.weight,
+                            p + "post_feedforward_layernorm.weight": layer.post_feedforward_layernorm.weight})
             if a.qkv_proj.bias is not None:
                 qb, kb, vb = a.qkv_proj.bias.split([a.q_size, a.kv_size, a.kv_size])
                 out.update({p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb,
@@ -412,8 +479,10 @@ class LlamaFamilyModel(nn.Module):
         self._rope_tables_on("cpu")
 
     def _rope_tables_on(self, device) -> None:
-        cos, sin = rope_tables(self.config, self.head_dim, self.max_positions)
-        self.rotary.cos, self.rotary.sin = cos.to(device), sin.to(device)
+        for rotary in (self.rotary, self.sliding_rotary):
+            if rotary is not None:
+                cos, sin = rope_tables(self.config, self.head_dim, self.max_positions, rotary.layer_type)
+                rotary.cos, rotary.sin = cos.to(device), sin.to(device)
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load transformers' weight names, fusing q/k/v and gate/up."""

@@ -1,0 +1,78 @@
+"""Gemma 3's text model (gemma3_text) against transformers on tiny random configs: logits
+through the paged cache within fp32 tolerance, and greedy output token-identical on 5
+prompts that run past the sliding window, eager and compiled. The configs make each Gemma
+specific show: sliding and full layers (a 4-token window), a local RoPE base apart from the
+global one, query_pre_attn_scalar apart from head_dim, norms centred on 0 ((1 + w)), and on
+the second config linear RoPE scaling of the full layers and final logit softcapping."""
+import pytest
+import torch
+
+from engine import EngineConfig, SamplingParams
+from engine.engine import LLMEngine
+from engine.errors import UnsupportedModelError
+from engine.loading.loader import load_model
+from tests.test_models import TINY, _save_tiny, assert_logits_match_transformers
+
+WINDOW = 4
+
+
+def _gemma(**extra):
+    from transformers import AutoConfig
+    fields = dict(TINY, num_hidden_layers=3, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                  rope_theta=10000.0, rope_local_base_freq=100.0)
+    return AutoConfig.for_model("gemma3_text", **{**fields, **extra})
+
+
+CONFIGS = {
+    "gemma3_text": lambda: _gemma(),                          # tied head, as released
+    # untied, so that greedy output wanders; a cap the logits reach
+    "scaled-rope-softcap": lambda: _gemma(tie_word_embeddings=False, final_logit_softcapping=0.5,
+                                          rope_scaling={"rope_type": "linear", "factor": 8.0}),
+}
+
+
+def _multimodal():
+    """A multimodal gemma3 config around the tiny text model: we serve its text_config, the
+    weights under "language_model.", the image tower's left unread."""
+    from transformers import AutoConfig
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    return AutoConfig.for_model("gemma3", text_config=_gemma().to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                                boi_token_index=125, eoi_token_index=126, image_token_index=127)
+
+
+@pytest.mark.parametrize("name", [*sorted(CONFIGS), "gemma3-multimodal"])
+def test_logits_match_transformers(tmp_path, name):
+    assert_logits_match_transformers(tmp_path, CONFIGS.get(name, _multimodal))
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def gemma_folder(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    _save_tiny(folder, CONFIGS[request.param])
+    return folder
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_greedy_output_is_token_identical_to_transformers(gemma_folder, compile_mode):
+    from engine.loading.loader import transformers_model
+    loaded = load_model(str(gemma_folder))
+    ref = transformers_model(loaded.folder).eval()
+    eng = LLMEngine(loaded, EngineConfig(kv_cache_bytes=4 * 2**20, compile=compile_mode), torch.device("cpu"))
+    rng = torch.Generator().manual_seed(11)
+    for n in (3, 6, 9, 14, 21):                  # past the 4-token window
+        prompt = torch.randint(0, TINY["vocab_size"], (n,), generator=rng).tolist()
+        ours = eng.generate_text(prompt, SamplingParams(max_tokens=10, stop_on_eos=False))[1]
+        with torch.no_grad():
+            theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, n:].tolist()
+        assert ours == theirs, f"prompt of {n} tokens"
+    if compile_mode == "on":
+        assert eng.runner.compiled is not None and len(eng.runner.compiled.row_counts) > 1
+
+
+def test_attention_softcapping_is_refused_by_name(tmp_path):
+    _save_tiny(tmp_path, lambda: _gemma(attn_logit_softcapping=50.0))      # Gemma 2's softcapping
+    with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping=50.0"):
+        load_model(str(tmp_path))
