@@ -76,3 +76,65 @@ def test_attention_softcapping_is_refused_by_name(tmp_path):
     _save_tiny(tmp_path, lambda: _gemma(attn_logit_softcapping=50.0))      # Gemma 2's softcapping
     with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping=50.0"):
         load_model(str(tmp_path))
+
+
+# ---- a llama.cpp file: config from its keys, norms stored as 1 + w -----------------------
+def _write_like_llama_cpp(model, path) -> None:
+    """`model` (transformers' Gemma3ForCausalLM) as llama.cpp's convert_hf_to_gguf.py writes a
+    Gemma 3: the keys its Gemma3Model writes, F32 tensors under llama.cpp's names with every
+    norm stored as 1 + w, and (for the loader) the default model's tokenizer."""
+    import gguf
+    from engine.loading.loader import default_gguf_path
+    from engine.loading.synthetic_gguf import add_tokenizer
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(c.rope_parameters["full_attention"]["factor"])
+    add_tokenizer(writer, gguf.GGUFReader(str(default_gguf_path())), c.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, c.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":                     # tied: llama.cpp writes token_embd only
+            continue
+        value = tensor.float() + (1.0 if name.endswith("norm.weight") else 0.0)
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), value.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_llama_cpp_gemma3_file_gives_transformers_logits(tmp_path):
+    """What llama.cpp fixes without a key (a full layer every 6th, the sliding layers' RoPE base
+    10000, the attention scale 1/sqrt(head_dim)) is what this config has; the file's keys give
+    the rest, and the norms come back to transformers' values."""
+    from engine.runtime.model_runner import ModelRunner
+    make = lambda: _gemma(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16,  # noqa: E731
+                          vocab_size=49152, rope_local_base_freq=10000.0, rope_theta=1e6,
+                          rope_scaling={"rope_type": "linear", "factor": 8.0})
+    ref = _save_tiny(tmp_path / "hf", make)
+    _write_like_llama_cpp(ref, tmp_path / "tiny-gemma3.gguf")
+    loaded = load_model(str(tmp_path / "tiny-gemma3.gguf"), weight_dtype="float")
+    config = loaded.hf_config
+    assert config.model_type == "gemma3_text" and config.layer_types == ref.config.layer_types
+    assert config.layer_types.count("full_attention") == 1
+    assert config.rope_parameters == ref.config.rope_parameters
+    # each norm multiplies by what transformers' does: 1 + w, which is the value stored
+    norm = loaded.model.layers[0].pre_feedforward_layernorm.weight
+    assert torch.equal(1.0 + norm, 1.0 + ref.model.layers[0].pre_feedforward_layernorm.weight)
+    ids = torch.randint(0, 49152, (1, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(ids).logits[0]
+    runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=32, compile="off"), torch.device("cpu"))
+    got = runner.forward(runner.start(ids[0].tolist()), ids[0].tolist(), logits_for="all")
+    assert (got - expected).abs().max() < 1e-4

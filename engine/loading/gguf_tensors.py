@@ -69,6 +69,8 @@ import torch
 
 from engine.errors import CheckpointError
 from engine.layers.quantized_linear import INT4, INT8_GROUPS
+from engine.loading.gguf_gemma import norm_shift
+from engine.models.gemma import sandwich_norms
 from engine.loading.stored_formats import format_of
 
 FLOAT_READS = {"F32": np.float32, "F16": np.float16}      # float types read as they are
@@ -80,6 +82,8 @@ LAYER_NAMES = ("input_layernorm.weight", "post_attention_layernorm.weight",
                *(f"self_attn.{p}_proj.{w}" for p in "qkvo" for w in ("weight", "bias")),
                "self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.sinks",
                *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
+# Gemma's two more norms per layer (their gguf names would match a Llama file's ffn_norm too)
+SANDWICH_NAMES = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
 # the router (ffn_gate_inp in the file) under the names the model type gives it
 ROUTER_NAMES = {"qwen3_moe": ("mlp.gate.weight",), "gpt_oss": ("mlp.router.weight", "mlp.router.bias")}
 EXPERT_NAMES = tuple(f"{p}_proj.{w}" for p in ("gate", "up", "down") for w in ("weight", "bias"))
@@ -132,7 +136,8 @@ class GGUFTensors:
         layers = range(self.hf_config.num_hidden_layers)
         moe = [*ROUTER_NAMES.get(getattr(self.hf_config, "model_type", None), ()),
                *(f"mlp.experts.{e}.{n}" for e in range(self.num_experts) for n in EXPERT_NAMES)]
-        candidates = [*GLOBAL_NAMES, *(f"model.layers.{i}.{n}" for i in layers for n in (*LAYER_NAMES, *moe))]
+        sandwich = SANDWICH_NAMES if sandwich_norms(self.hf_config) else ()
+        candidates = [*GLOBAL_NAMES, *(f"model.layers.{i}.{n}" for i in layers for n in (*LAYER_NAMES, *sandwich, *moe))]
         return [n for n in candidates if self._tensor(n) is not None]
 
     def type_of(self, hf_name: str) -> str | None:
@@ -449,4 +454,7 @@ class GGUFCheckpoint:
         return self.source.nbytes(name)
 
     def read(self, name: str) -> torch.Tensor:
+        shift = norm_shift(name, self.source.hf_config)      # Gemma's norms are stored as 1 + w
+        if shift:
+            return (self.source.dequantized(name, torch.float32) - shift).to(self.dtype)
         return self.source.dequantized(name, self.dtype)

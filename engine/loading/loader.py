@@ -36,6 +36,7 @@ import torch
 from engine.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from engine.loading.awq_gptq import GPTQ_CONFIG_FILE, AWQGPTQTensors, read_quantization_config
 from engine.loading.checkpoint import Checkpoint
+from engine.loading.gguf_gemma import GGUF_GEMMA_ARCHES, gguf_gemma3_config
 from engine.loading.stored_formats import format_of
 from engine.loading.weight_quant import AUTO, FLOAT, WeightReport, release_freed_memory, serve_weights, served_as_stored
 from engine.models.gemma import image_tower_tensor, text_config
@@ -159,12 +160,16 @@ def convert_gguf(gguf: Path, progress: Progress = no_progress) -> Path:
 def _read_gguf(gguf: Path):
     """(config, tokenizer) from the GGUF's metadata, as transformers reads them (no tensors); a
     mixture-of-experts file's config as we map it (gguf_moe_config: transformers' GGUF reader
-    misses Qwen3-MoE's expert size and fails on gpt-oss's rope keys)."""
+    misses Qwen3-MoE's expert size and fails on gpt-oss's rope keys), and a Gemma 3 file's
+    (engine.loading.gguf_gemma: transformers' misses the sliding layers' RoPE and the rope scaling)."""
     from transformers import AutoConfig, AutoTokenizer
     from engine.loading.gguf_tensors import read_header
     metadata, tensors = read_header(gguf)
     if metadata.get("general.architecture") in GGUF_MOE_ARCHES:
         config = gguf_moe_config(metadata, {t.name: t.shape for t in tensors})
+        return config, _gguf_tokenizer(gguf, config.model_type)
+    if metadata.get("general.architecture") in GGUF_GEMMA_ARCHES:
+        config = gguf_gemma3_config(metadata, {t.name: t.shape for t in tensors}, **_gguf_token_ids(metadata))
         return config, _gguf_tokenizer(gguf, config.model_type)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):
@@ -194,8 +199,7 @@ def gguf_moe_config(metadata: dict, shapes: dict[str, tuple[int, ...]]):
                   rms_norm_eps=key("attention.layer_norm_rms_epsilon"), vocab_size=shapes["token_embd.weight"][1],
                   num_experts_per_tok=key("expert_used_count"), tie_word_embeddings="output.weight" not in shapes,
                   rope_parameters=_gguf_rope(metadata, arch, model_type))
-    fields.update({name: metadata[f"tokenizer.ggml.{k}"] for name, k in _GGUF_TOKEN_IDS.items()
-                   if f"tokenizer.ggml.{k}" in metadata})
+    fields.update(_gguf_token_ids(metadata))
     if model_type == "qwen3_moe":
         fields.update(num_experts=key("expert_count"), moe_intermediate_size=key("expert_feed_forward_length"),
                       intermediate_size=key("feed_forward_length"), norm_topk_prob=True, decoder_sparse_step=1,
@@ -210,6 +214,12 @@ def gguf_moe_config(metadata: dict, shapes: dict[str, tuple[int, ...]]):
 
 
 _GGUF_TOKEN_IDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
+
+
+def _gguf_token_ids(metadata: dict) -> dict:
+    """The special token ids a llama.cpp file names, as config fields."""
+    return {name: metadata[f"tokenizer.ggml.{k}"] for name, k in _GGUF_TOKEN_IDS.items()
+            if f"tokenizer.ggml.{k}" in metadata}
 
 
 def _gguf_rope(metadata: dict, arch: str, model_type: str) -> dict:

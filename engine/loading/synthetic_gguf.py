@@ -291,12 +291,18 @@ def _add_metadata(writer, config, recipe: str, source) -> None:
     writer.add_vocab_size(config.vocab_size)
     if _num_experts(config):
         _add_moe_metadata(writer, config)
+    add_tokenizer(writer, source, config.vocab_size)
+
+
+def add_tokenizer(writer, source, vocab_size: int) -> None:
+    """The tokenizer keys of the GGUF `source` (a gguf.GGUFReader), its vocabulary padded to
+    `vocab_size` entries."""
     for name, field in source.fields.items():
         if not name.startswith("tokenizer."):
             continue
         value = field.contents()
-        if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type") and len(value) < config.vocab_size:
-            pad = config.vocab_size - len(value)    # the embedding's rows past the vocabulary
+        if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type") and len(value) < vocab_size:
+            pad = vocab_size - len(value)    # the embedding's rows past the vocabulary
             # plain entries: as added tokens, 100k pads would cost transformers' tokenizer 330 MB
             value = value + ([f"<|pad_{i}|>" for i in range(pad)] if name.endswith("tokens") else [1] * pad)
         writer.add_key_value(name, value, field.types[0], field.types[1] if len(field.types) > 1 else None)
