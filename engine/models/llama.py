@@ -18,8 +18,8 @@ from engine.cache.kv_cache import CacheShape, KVCache
 from engine.errors import UnsupportedModelError
 from engine.layers import attention_op, packed_linear, quantized_linear
 from engine.layers.attention import AttentionMetadata, attention
-from engine.models import gemma
-from engine.models.gemma import GEMMA_MODEL_TYPES
+from engine.models.gemma import (GEMMA_MODEL_TYPES, check_supported, embedding_scale, is_gemma, sandwich_norms,
+                                  scale_rows, softcap)
 from engine.models.moe import MOE_MODEL_TYPES, SparseMoE, is_sparse_layer
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -107,7 +107,7 @@ class Embedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = super().forward(ids) if self.rows_from is None else self._stored_rows(ids)
-        return rows if self.scale is None else gemma.scale_rows(rows, self.scale)
+        return rows if self.scale is None else scale_rows(rows, self.scale)
 
     def _stored_rows(self, ids: torch.Tensor) -> torch.Tensor:
         flat = quantized_linear.rows(self.rows_from, ids.reshape(-1).cpu())
@@ -136,7 +136,7 @@ class RMSNorm(nn.Module):
 
 def norm_of(config, dim: int) -> RMSNorm:
     return RMSNorm(dim, config.rms_norm_eps, weight_in_fp32=config.model_type == "gpt_oss",
-                   unit_offset=gemma.is_gemma(config))
+                   unit_offset=is_gemma(config))
 
 
 class Rotary(nn.Module):
@@ -303,7 +303,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(config, Linear) if is_sparse_layer(config, index) else MLP(config)
         self.input_layernorm = norm_of(config, config.hidden_size)
         self.post_attention_layernorm = norm_of(config, config.hidden_size)
-        self.sandwich = gemma.sandwich_norms(config)
+        self.sandwich = sandwich_norms(config)
         if self.sandwich:
             self.pre_feedforward_layernorm = norm_of(config, config.hidden_size)
             self.post_feedforward_layernorm = norm_of(config, config.hidden_size)
@@ -322,7 +322,7 @@ class LlamaFamilyModel(nn.Module):
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        gemma.check_supported(config)
+        check_supported(config)
         self.config = config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.max_positions = max_positions or config.max_position_embeddings
@@ -331,7 +331,7 @@ class LlamaFamilyModel(nn.Module):
         # Gemma 3: sliding-window layers rotate with their own base
         self.sliding_rotary = Rotary(config, self.head_dim, self.max_positions, SLIDING) if per_type else None
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.scale = gemma.embedding_scale(config)
+        self.embed_tokens.scale = embedding_scale(config)
         self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = norm_of(config, config.hidden_size)
@@ -392,7 +392,7 @@ class LlamaFamilyModel(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [N, hidden] -> float32 logits [N, vocab] (softcapped where the
         config says, in the activation dtype as transformers does)."""
-        return gemma.softcap(self.lm_head(h), getattr(self.config, "final_logit_softcapping", None)).float()
+        return softcap(self.lm_head(h), getattr(self.config, "final_logit_softcapping", None)).float()
 
     def hf_layer_tensors(self) -> dict[str, torch.Tensor]:
         """The decoder layers' weights under transformers' names: q/k/v and gate/up unfused,
