@@ -75,6 +75,20 @@ def test_greedy_output_is_token_identical_to_transformers(gemma_folder, compile_
         assert eng.runner.compiled is not None and len(eng.runner.compiled.row_counts) > 1
 
 
+def test_embedding_rows_in_bf16_are_transformers_own():
+    """sqrt(640) = 25.298 is rounded to bf16 (25.25) before it multiplies, as transformers does;
+    multiplying by the unrounded scale would give other rows."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+    from engine.models.llama import Embedding
+    theirs = Gemma3TextScaledWordEmbedding(300, 640, 0, embed_scale=640 ** 0.5).to(torch.bfloat16)
+    ours = Embedding(300, 640).to(torch.bfloat16)
+    ours.weight, ours.scale = theirs.weight, 640 ** 0.5
+    ids = torch.arange(300)
+    with torch.no_grad():
+        assert torch.equal(ours(ids), theirs(ids))
+        assert not torch.equal(ours(ids), (theirs.weight.float() * 640 ** 0.5).to(torch.bfloat16))
+
+
 def test_attention_softcapping_is_refused_by_name(tmp_path):
     _save_tiny(tmp_path, lambda: _gemma(attn_logit_softcapping=50.0))      # Gemma 2's softcapping
     with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping=50.0"):
