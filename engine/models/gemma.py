@@ -23,7 +23,7 @@ import torch
 from engine.errors import UnsupportedModelError
 
 GEMMA_MODEL_TYPES = ("gemma3_text",)
-MULTIMODAL_WRAPPERS = {"gemma3": "gemma3_text"}     # a config whose text_config we serve -> that model type
+MULTIMODAL_WRAPPERS = ("gemma3",)         # configs whose text_config we serve (a gemma3_text)
 
 
 def is_gemma(config) -> bool:
