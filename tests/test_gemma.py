@@ -157,6 +157,23 @@ def test_a_llama_cpp_gemma3_file_gives_transformers_logits(tmp_path):
     assert (got - expected).abs().max() < 1e-4
 
 
+def test_a_27b_file_gets_llama_cpps_attention_scale_and_its_rope_scaling():
+    """Gemma 3 27B's keys (convert_hf_to_gguf.py's): llama.cpp scales its attention by
+    1/sqrt(hidden / heads) = 1/sqrt(168), not 1/sqrt(head_dim); the linear RoPE scaling is
+    the full layers' only."""
+    from engine.loading.gguf_gemma import gguf_gemma3_config
+    keys = {"context_length": 131072, "embedding_length": 5376, "block_count": 62, "feed_forward_length": 21504,
+            "attention.head_count": 32, "attention.head_count_kv": 16, "attention.key_length": 128,
+            "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1e6, "attention.sliding_window": 1024,
+            "rope.scaling.type": "linear", "rope.scaling.factor": 8.0}
+    config = gguf_gemma3_config({f"gemma3.{k}": v for k, v in keys.items()}, {"token_embd.weight": (5376, 262208)})
+    assert config.query_pre_attn_scalar == 168 and config.head_dim == 128
+    assert config.rope_parameters == {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert config.layer_types.count("full_attention") == 10 and config.layer_types[5] == "full_attention"
+    assert config.tie_word_embeddings and config.vocab_size == 262208
+
+
 # ---- the real Gemma 3 270M Q4_K_M (the PyPI package issue 40 names), where it is installed ----
 def test_the_real_gemma_3_270m_q4_k_m_file_answers_served_as_stored():
     """llama.cpp's own file: its config read from the keys, every tensor type served as stored,
