@@ -33,6 +33,7 @@ from engine.metrics import EngineStep, ProposerCounts, RequestStats, StepEvent
 from engine.models.eagle_head import EagleHead
 from engine.request import Request
 from engine.runtime import cpu_paths
+from engine.runtime.eagle_step import EagleStep
 from engine.runtime.model_runner import ModelRunner, PassItem, prepare_model
 from engine.scheduler import Scheduler
 from engine.spec.eagle_proposer import EagleProposer
@@ -203,6 +204,7 @@ class LLMEngine:
         self._pending: dict = {}
         self.eos_ids = _eos_ids(target)
         self.eagle: tuple[str | None, EagleHead] | None = None     # (reference, head) once loaded
+        self.eagle_step: EagleStep | None = None      # the head's passes, compiled as the target's step is
         self.plain_steps = PlainStepClock()
         self.thread_governor = ThreadGovernor(starting_threads())    # fewer threads while cores are busy
         if config.draft_model:
@@ -414,6 +416,10 @@ class LLMEngine:
         head, _ = loader.load_eagle_head(reference, self.target_model, self.device, self.runner.model_dtype)
         prepare_model(head, self.device)
         self.eagle = (reference, head)
+        self.eagle_step = EagleStep(head, self.device, self.progress)
+        self.eagle_step.follow(self.runner)
+        if self.runner.compiled is not None and self.runner.compiled.is_built:
+            self.eagle_step.warm(self.config.block_size)     # loaded after the target's step was warmed
 
     def make_proposer(self, name: str) -> Proposer:
         if name == "ngram":
@@ -424,11 +430,16 @@ class LLMEngine:
         if name == "draft":
             return DraftModelProposer(self.draft_runner)
         if name == "eagle":
-            return EagleProposer(self.eagle[1], self.config.block_size, self.device)
+            self.eagle_step.follow(self.runner)      # each request drafts one way from its start
+            return EagleProposer(self.eagle[1], self.config.block_size, self.device, self.eagle_step)
         raise ConfigError(f"no proposer named {name!r}")
 
     def runners(self) -> list[ModelRunner]:
         return [r for r in (self.runner, self.draft_runner) if r is not None]
+
+    def compiled_steps(self) -> list:
+        """What runs a compiled step: the runners and the EAGLE head's step (each counts its compiles)."""
+        return self.runners() + ([self.eagle_step] if self.eagle_step is not None else [])
 
     def kv_bytes(self) -> tuple[int, int]:
         """(bytes held by live sequences, bytes allocated) over the target's and draft's pools."""
@@ -531,8 +542,8 @@ class LLMEngine:
         t_pass = time.perf_counter()
         results = self._forward(work)
         pass_s = time.perf_counter() - t_pass
-        compile_s = sum(r.take_compile_s() for r in self.runners())     # drafting's compile included
-        compiles = sum(r.take_compiles() for r in self.runners())
+        compile_s = sum(r.take_compile_s() for r in self.compiled_steps())     # drafting's compile included
+        compiles = sum(r.take_compiles() for r in self.compiled_steps())
         stepped, drafted = [], ProposerCounts()
         for w, (logits, hidden) in zip(work, results):
             start = w.item.seq.num_computed - len(w.item.tokens)
@@ -562,13 +573,17 @@ class LLMEngine:
         return events + stepped
 
     def warm_compiled_step(self) -> float:
-        """Compile the model's step now (the target's, and the draft's) instead of at
-        the first reply that needs it, reporting through the engine's progress; from inductor's
-        disk cache this takes seconds, cold about a minute on a small CPU. Returns the seconds
-        spent compiling (0.0: the step is eager, or compiled already). Call it when idle."""
+        """Compile the model's step now (the target's, the draft's, and the EAGLE head's) instead
+        of at the first reply that needs it, reporting through the engine's progress; from
+        inductor's disk cache this takes seconds, cold about a minute on a small CPU. Returns the
+        seconds spent compiling (0.0: the step is eager, or compiled already). Call it when idle."""
         if self.has_work:
             raise ConfigError("the compiled step can be warmed only between requests")
-        return sum(runner.warm_compiled() for runner in self.runners())
+        seconds = sum(runner.warm_compiled() for runner in self.runners())
+        if self.eagle_step is not None:
+            self.eagle_step.follow(self.runner)
+            seconds += self.eagle_step.warm(self.config.block_size)
+        return seconds
 
     def _forward(self, work: list["_Work"]) -> list[tuple]:
         """One pass over every scheduled token (compiled where `compile` is on, else eager; a

@@ -89,6 +89,37 @@ def test_greedy_eagle_speculation_is_token_identical(tiny_head, make_tiny_engine
         assert eng.runner.blocks.num_used_blocks == 0
 
 
+def test_the_compiled_draft_step_drafts_what_the_eager_one_does(make_tiny_engine, tiny_model, tmp_path):
+    """Where the target's step is compiled the head's draft step is too (the engine's EagleStep,
+    one graph for catch-ups, chains and tree levels): on the same inputs it drafts the tokens
+    the eager reference does. With compile off the head drafts eagerly."""
+    from engine.config import TreeShape
+    from engine.models.eagle_head import save_eagle
+    from engine.spec.eagle_proposer import EagleProposer
+    from engine.training.distill import build_head
+    save_eagle(build_head(tiny_model, torch.arange(0, 2048, 4)), tmp_path / "head")
+    eng = make_tiny_engine()
+    eng.reconfigure(proposer="eagle", eagle_head=str(tmp_path / "head"))
+    step, head = eng.eagle_step, eng.eagle[1]
+    assert step.compiled is not None and eng.settings()["compile"].startswith("on")
+    torch.manual_seed(1)
+    prefix = torch.randint(100, 2000, (40,)).tolist()
+    feats = torch.randn(39, head.config.hidden_size)          # the target's features for positions 0..38
+    drafted = {}
+    for name, how in (("eager", None), ("compiled", step)):
+        proposer = EagleProposer(head, 16, torch.device("cpu"), how)
+        proposer.target_pass(0, feats[:30])                    # a prompt's pass
+        chain = proposer.propose(prefix[:31], 4, GREEDY, None).tokens
+        proposer.target_pass(30, feats[30:])                   # a later pass: a catch-up of 9 rows
+        tree = proposer.propose_tree(prefix, TreeShape(2, 3, 6), GREEDY, None).tree
+        drafted[name] = chain, tree.tokens, tree.parents
+    assert drafted["compiled"] == drafted["eager"]
+    assert {30, 9, 1} <= step.compiled.row_counts and step.compiled.compiles == 1     # one graph for every pass
+    off = make_tiny_engine(compile="off")
+    off.reconfigure(proposer="eagle", eagle_head=str(tmp_path / "head"))
+    assert off.eagle_step.compiled is None
+
+
 def test_eagle_switched_on_mid_reply_keeps_greedy_output(tiny_head, make_tiny_engine):
     """The head starts from the first target pass it sees (no prompt features)."""
     eng = make_tiny_engine()

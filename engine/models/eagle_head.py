@@ -31,7 +31,7 @@ import torch
 from engine.cache.kv_cache import CacheShape, KVCache
 from engine.layers import packed_linear
 from engine.layers.attention_metadata import AttentionMetadata
-from engine.models.llama import LlamaFamilyModel, Linear
+from engine.models.llama import LlamaFamilyModel, Linear, logits_rows
 
 EAGLE_CONFIG_KEY = "workbench_eagle"      # marks an EAGLE head folder in config.json
 
@@ -47,6 +47,7 @@ class EagleHead(LlamaFamilyModel):
         self.register_buffer("head_token_ids", torch.zeros(head_size, dtype=torch.int64))
         self.register_buffer("head_weight", torch.zeros(head_size, h), persistent=False)
         self.head_packed: torch.Tensor | None = None      # head_weight in oneDNN's layout, see pack_for_cpu
+        self.head_pack_index = -1                          # its place in packed_weights
 
     def tie_weights(self) -> None:
         pass
@@ -57,23 +58,40 @@ class EagleHead(LlamaFamilyModel):
         self.head_weight = target_model.lm_head.dense_weight().detach()[self.head_token_ids].to(self.fc.weight.dtype)
 
     def step(self, ids: torch.Tensor, features: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
-             rope_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [N] (x_{j+1}), features [N, hidden] (f_j) -> (reduced logits [N, R] float32,
-        predicted features g [N, hidden]). rope_positions are the target's positions j; the
-        cache slots in meta may be offset from them."""
-        x = self.fc(torch.cat([self.embed_tokens(ids), features.to(self.fc.weight.dtype)], dim=-1))
+             rope_positions: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [N] (x_{j+1}), features [N, hidden] (f_j) -> (reduced logits [R, head] float32 of
+        `rows` (None: every row), predicted features g [N, hidden]). rope_positions are the
+        target's positions j; the cache slots in meta may be offset from them. The eager pass:
+        the compiled one (engine.runtime.eagle_step) runs draft_pass in a graph."""
+        return self.draft_pass(self.embed_tokens(ids), features, rope_positions, rows, kv, meta)
+
+    def draft_pass(self, embedded: torch.Tensor, features: torch.Tensor, rope_positions: torch.Tensor,
+                   rows: torch.Tensor | None, kv: KVCache | None = None, meta: AttentionMetadata | None = None):
+        """step's pass from the embedded ids [N, hidden] on; kv None: inside the compiled step's
+        graph, whose attention op reads the pass from engine.layers.attention_op.serving."""
+        x = self.fc(torch.cat([embedded, features.to(self.fc.weight.dtype)], dim=-1))
         rope = self.rotary.at(rope_positions, x.dtype)
-        g = self.norm(self.layers[0](x, kv.layer(0), meta, rope))
-        if self.head_packed is not None:
-            return packed_linear.linear(g, self.head_packed, None).float(), g
-        return (g @ self.head_weight.t()).float(), g
+        g = self.norm(self.layers[0](x, None if kv is None else kv.layer(0), meta, rope))
+        return self.reduced_logits(g if rows is None else logits_rows(g, rows)), g
+
+    def reduced_logits(self, g: torch.Tensor) -> torch.Tensor:
+        """g [N, hidden] -> float32 logits over the head's R tokens [N, R]."""
+        if self.head_packed is None:
+            return (g @ self.head_weight.t()).float()
+        if torch.compiler.is_compiling():       # the graph names the packed weight by its index
+            return packed_linear.packed_linear(g, self.head_pack_index, self.head_weight.shape[0], None).float()
+        return packed_linear.linear(g, self.head_packed, None).float()
 
     def pack_for_cpu(self) -> None:
         """The layer, fc and the reduced head in oneDNN's layout (engine.layers.packed_linear): a
-        draft token's eager step in bf16 re-laid every weight out on each call otherwise."""
+        draft token's eager step in bf16 re-laid every weight out on each call otherwise. The
+        head's packed weight joins the model's packed weights, where a graph finds it."""
         super().pack_for_cpu()
-        if self.head_packed is None and packed_linear.packable(self.head_weight):
+        if self.head_packed is None and self.packed_weights and packed_linear.packable(self.head_weight):
             self.head_packed = packed_linear.pack(self.head_weight)
+            self.head_pack_index = len(self.packed_weights)
+            self.packed_weights.append(self.head_packed)
+            packed_linear.check_rows([self.head_packed])
 
     def full_logits(self, reduced: torch.Tensor) -> torch.Tensor:
         """[N, R] -> [N, vocab]: tokens outside the head get -inf (probability 0)."""

@@ -118,16 +118,27 @@ def configure_compiler(cache_dir: Path) -> None:
     torch._dynamo.config.run_gc_after_compile = False
 
 
-def _forward_of(model):
-    """The pass through `model`'s layers, as a function with a code object of its own."""
-    def forward(h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
+def target_pass(model):
+    """A model's pass through its layers, inside the graph: (embedded rows [N, hidden], their
+    positions [N], logits rows [R]) -> (float32 logits of those rows [R, V], final hidden
+    states [N, hidden])."""
+    def run(h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
         hidden = model.decode_layers(h, positions, None, None)
         return model.logits(logits_rows(hidden, rows)), hidden
+    return run
+
+
+def _forward_of(run):
+    """`run` (a model's pass: row-wise inputs [N, ...] and logits rows -> (logits of those rows,
+    hidden states [N, ...])) as a function with a code object of its own."""
+    def forward(*inputs: torch.Tensor):
+        return run(*inputs)
     return types.FunctionType(forward.__code__.replace(), forward.__globals__, "forward", None, forward.__closure__)
 
 
 class _ModelGraph:
-    """A model's compiled pass, shared by every runner (and engine) serving that model.
+    """A model's compiled pass, shared by every runner (and engine) serving that model: the
+    target's layers (target_pass), or an EAGLE head's draft pass (EagleHead.draft_pass).
 
     Each model gets a code object of its own (_forward_of), so dynamo keeps its
     graphs apart from other models' (a draft, another dtype): guards never have to tell
@@ -140,9 +151,9 @@ class _ModelGraph:
     call is made again with every guard evaluated, which compiles the graph for the new state
     once (or finds it)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: torch.nn.Module, device: torch.device, run):
         self.model, self.on_cpu = model, device.type == "cpu"
-        forward = _forward_of(model)
+        forward = _forward_of(run)
         if not self.on_cpu:
             self.compiled = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
         else:
@@ -150,19 +161,19 @@ class _ModelGraph:
         self.compile_s: float | None = None            # the first call's seconds, once built
         self.state: GlobalStateBuilt | None = None     # CPU: the global torch state it was built under
 
-    def __call__(self, h, positions, rows):
+    def __call__(self, *inputs):
         if self.compile_s is not None:
             if self.state is not None:
                 self.state.check()
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return self.compiled(h, positions, rows)
+                    return self.compiled(*inputs)
             except RuntimeError as error:
                 if "skip_guard_eval_unsafe" not in str(error):
                     raise
         elif self.on_cpu:
             self.state = GlobalStateBuilt()
-        return self.compiled(h, positions, rows)
+        return self.compiled(*inputs)
 
 
 def all_but_global_state(guards) -> list[bool]:
@@ -205,22 +216,26 @@ class GlobalStateBuilt:
         self.guards[threads] = GlobalStateGuard()
 
 
-def model_graph(model: torch.nn.Module, device: torch.device) -> _ModelGraph:
+def model_graph(model: torch.nn.Module, device: torch.device, run=None) -> _ModelGraph:
+    """The model's graph of `run` (default: target_pass), built once per model."""
     graph = model.__dict__.get("_workbench_graph")
     if graph is None:
-        graph = model.__dict__["_workbench_graph"] = _ModelGraph(model, device)
+        graph = model.__dict__["_workbench_graph"] = _ModelGraph(model, device, run or target_pass(model))
     return graph
 
 
 class CompiledStep:
-    """Runs a pass (ModelRunner.forward_batch's ids, metadata and logits rows) through the model's graph."""
+    """Runs a pass (ModelRunner.forward_batch's ids, metadata and logits rows) through the model's
+    graph; `run` and `what` name another pass of the model (an EAGLE head's draft pass, whose
+    inputs `call` takes) and how progress speaks of it."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, progress=None):
-        self.model, self.device = model, device
+    def __init__(self, model: torch.nn.Module, device: torch.device, progress=None, run=None,
+                 what: str = "the model's step"):
+        self.model, self.device, self.what = model, device, what
         self.progress = progress or (lambda message, fraction: None)
         from engine.loading.loader import cache_dir
         configure_compiler(cache_dir())
-        self.graph = model_graph(model, device)
+        self.graph = model_graph(model, device, run)
         self.row_counts: set[int] = set()        # pass sizes run compiled by this runner (tests read it)
         # Calls that compiled (the first, or a recompile dynamo made): how many in all, and the
         # seconds and count not yet taken by take_compile_s / take_compiles (the engine marks
@@ -232,26 +247,28 @@ class CompiledStep:
     def __call__(self, ids: torch.Tensor, kv, meta, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 logits of `rows` [R, V], final hidden states [N, hidden]) for the pass whose
         token ids [N] and attention metadata are given; the new K/V are stored by the pass."""
-        n, r = ids.shape[0], rows.shape[0]
+        return self.call((self.model.embed_tokens(ids), meta.positions), kv, meta, rows)
+
+    def call(self, inputs: tuple[torch.Tensor, ...], kv, meta, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graph's outputs (logits of `rows` [R, ...], hidden states [N, ...]) for its row-wise
+        inputs ([N, ...] each: the embedded tokens first); the new K/V are stored by the pass."""
+        n, r = inputs[0].shape[0], rows.shape[0]
         padded = padded_rows(n, self.device)
-        h = self.model.embed_tokens(ids)
-        positions = meta.positions
         if padded > n:
-            h = torch.cat([h, h[-1:].expand(padded - n, -1)])
-            positions = torch.cat([positions, positions[-1:].expand(padded - n)])
+            inputs = tuple(torch.cat([t, t[-1:].expand(padded - n, *t.shape[1:])]) for t in inputs)
         if r < MIN_ROWS:
             rows = torch.cat([rows, rows.new_zeros(MIN_ROWS - r)])
-        for t in (h, positions, rows):
+        for t in (*inputs, rows):
             torch._dynamo.mark_dynamic(t, 0)
         first = self.graph.compile_s is None
         if first:
-            self.progress("compiling the model's step (about a minute the first time on a small CPU; "
+            self.progress(f"compiling {self.what} (about a minute the first time on a small CPU; "
                           "seconds from the disk cache)…", 0.0)
         graphs_before = compiled_graphs()
         t0 = time.perf_counter()
         packed_linear.use(self.model.packed_weights)
         with attention_op.serving(kv, meta):
-            logits, hidden = self._compiled(h, positions, rows)
+            logits, hidden = self._compiled(*inputs, rows)
         self.row_counts.add(n)
         if first or compiled_graphs() != graphs_before:
             self.untaken_compile_s += time.perf_counter() - t0
@@ -259,7 +276,7 @@ class CompiledStep:
             self.untaken_compiles += 1
         if first:
             self.graph.compile_s = time.perf_counter() - t0
-            self.progress(f"compiled the model's step in {self.graph.compile_s:.0f} s", 1.0)
+            self.progress(f"compiled {self.what} in {self.graph.compile_s:.0f} s", 1.0)
         return logits[:r], hidden[:n]
 
     @property

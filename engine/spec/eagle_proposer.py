@@ -23,10 +23,10 @@ import time
 import torch
 
 from engine.config import SamplingParams
-from engine.layers.attention import TORCH, prepare
 from engine.layers.attention_metadata import AttentionMetadata, SeqSlice, TreeRows
 from engine.layers.sampler import probabilities
 from engine.models.eagle_head import EagleHead
+from engine.runtime.eagle_step import EagleStep
 from engine.spec.spec_decode import Proposal, Proposer
 from engine.spec.tree import DraftTree, TreeShape, frontier_rows, grow, select
 
@@ -34,8 +34,12 @@ GROW = 256          # feature and cache room is added in steps of this many posi
 
 
 class EagleProposer(Proposer):
-    def __init__(self, head: EagleHead, block_size: int, device):
+    def __init__(self, head: EagleHead, block_size: int, device, step: EagleStep | None = None):
+        """step: how the head's passes run (the engine's, compiled where the target's step is);
+        None: eagerly."""
         self.head, self.block_size, self.device = head, block_size, device
+        self.step = step or EagleStep(head, torch.device(device))
+        self.last_row = torch.zeros(1, dtype=torch.int64, device=device)     # a one-row pass's logits row
         self.dtype = head.fc.weight.dtype
         self.base: int | None = None      # first position with a target feature
         self.have = 0                     # features are known for positions base..have-1
@@ -43,8 +47,11 @@ class EagleProposer(Proposer):
         self.features = torch.empty(0, head.config.hidden_size, dtype=self.dtype, device=device)
         self.kv = None
 
+    @torch.inference_mode()
     def target_pass(self, start: int, hidden: torch.Tensor) -> None:
-        """The target's final hidden states for positions start..start+N-1 (every pass)."""
+        """The target's final hidden states for positions start..start+N-1 (every pass). Kept in
+        inference tensors, as the head's own guesses are: a compiled graph's inputs are of one
+        kind (dynamo guards on it, and compiled the head's step twice)."""
         if self.base is None or start > self.have:   # the first pass seen, or one was missed
             self.base = self.kv_end = self.have = start
         if start < self.base:                        # rows before the head's first position
@@ -62,7 +69,7 @@ class EagleProposer(Proposer):
         if first_pass is None:
             return Proposal(DraftTree.chain([]), None, time.perf_counter() - t0)
         logits, g = first_pass
-        head, last = self.head, len(token_ids) - 2
+        last = len(token_ids) - 2
         tokens, probs = [], []
         for i in range(k):
             token, q = self._pick(logits[-1:], params, generator)
@@ -75,7 +82,7 @@ class EagleProposer(Proposer):
             self._ensure(pos - self.base + 2)
             ids = torch.tensor([token], dtype=torch.int64, device=self.device)
             meta = self._meta(pos, 1)
-            logits, g = head.step(ids, g[-1:], self.kv, meta, meta.positions + self.base)
+            logits, g = self.step(ids, g[-1:], self.kv, meta, meta.positions + self.base, self.last_row)
         return Proposal(DraftTree.chain(tokens), torch.stack(probs) if probs else None, time.perf_counter() - t0)
 
     supports_trees = True
@@ -101,7 +108,8 @@ class EagleProposer(Proposer):
             meta = self._tree_meta(rows)
             ids = torch.tensor([tree.tokens[f] for f in frontier], dtype=torch.int64, device=self.device)
             feats = torch.cat([out_feature[tree.parents[f]] for f in frontier])
-            reduced, g_out = head.step(ids, feats, self.kv, meta, meta.positions + self.base)
+            rows = torch.arange(len(frontier), device=self.device)
+            reduced, g_out = self.step(ids, feats, self.kv, meta, meta.positions + self.base, rows)
             for j, f in enumerate(frontier):
                 out_feature[f] = g_out[j:j + 1]
             return torch.log_softmax(reduced, -1)
@@ -111,8 +119,8 @@ class EagleProposer(Proposer):
 
     def _catch_up(self, token_ids):
         """The head's pass over the positions it has target features for and no entry yet;
-        (reduced logits, guessed features) of its rows, the last drafting the first token.
-        None: no feature for the last position yet."""
+        (reduced logits of its last row, which drafts the first token, guessed features of its
+        rows). None: no feature for the last position yet."""
         n = len(token_ids)
         last = n - 2
         if self.base is None or self.have <= last or last < self.base:
@@ -120,8 +128,9 @@ class EagleProposer(Proposer):
         first = min(self.kv_end, last)
         ids = torch.tensor(token_ids[first + 1:last + 2], dtype=torch.int64, device=self.device)
         meta = self._meta(first, last - first + 1)
-        out = self.head.step(ids, self.features[first - self.base:last - self.base + 1], self.kv, meta,
-                             meta.positions + self.base)
+        rows = torch.tensor([last - first], dtype=torch.int64, device=self.device)
+        out = self.step(ids, self.features[first - self.base:last - self.base + 1], self.kv, meta,
+                        meta.positions + self.base, rows)
         self.kv_end = last + 1
         return out
 
@@ -147,9 +156,8 @@ class EagleProposer(Proposer):
         return self._prepared(local, local, [SeqSlice(0, n, blocks, context)])
 
     def _prepared(self, positions, slots, seqs) -> AttentionMetadata:
-        """The head's passes take the torch path (its cache is its own, one layer)."""
-        attn = self.head.layers[0].self_attn
-        return prepare(TORCH, positions, slots, seqs, self.block_size, attn.num_heads // attn.num_kv_heads)
+        """In the attention mode of the head's step (its cache is its own, one layer)."""
+        return self.step.metadata(positions, slots, seqs, self.block_size)
 
     def _ensure(self, positions: int) -> None:
         """Room for `positions` head positions (features and cache), grown by copying."""
