@@ -38,17 +38,18 @@ class EagleStep:
                                          what="the EAGLE head's draft step")
         self.attention_mode = runner.attention_mode
 
-    def __call__(self, ids: torch.Tensor, features: torch.Tensor, kv, meta: AttentionMetadata,
+    def __call__(self, ids: list[int], features: torch.Tensor, kv, meta: AttentionMetadata,
                  rope_positions: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """EagleHead.step's (reduced logits of `rows`, predicted features of every row); meta is
-        in this step's attention_mode."""
+        """EagleHead.draft_pass's (reduced logits of `rows`, predicted features of every row) for
+        token ids [N]; meta is in this step's attention_mode."""
+        embedded = self.head.embed(ids)
         if self.compiled is not None:
             try:
-                return self.compiled.call((self.head.embed_tokens(ids), features, rope_positions), kv, meta, rows)
+                return self.compiled.call((embedded, features, rope_positions), kv, meta, rows)
             except Exception as error:      # noqa: BLE001 - compiling failed: eager from now on
                 self._failed(error)
                 meta = self.metadata(meta.positions, meta.slot_mapping, meta.seqs, kv.block_size)
-        return self.head.step(ids, features, kv, meta, rope_positions, rows)
+        return self.head.draft_pass(embedded, features, rope_positions, rows, kv, meta)
 
     @torch.inference_mode()
     def warm(self, block_size: int) -> float:
@@ -60,7 +61,7 @@ class EagleStep:
         zero = torch.zeros(1, dtype=torch.int64, device=self.device)
         features = torch.zeros(1, self.head.config.hidden_size, dtype=self.head.fc.weight.dtype, device=self.device)
         meta = self.metadata(zero, zero, [SeqSlice(0, 1, zero, 1)], block_size)
-        self(zero, features, self.head.new_cache(1, block_size, self.device), meta, zero, zero)
+        self([self.head.head_ids[0]], features, self.head.new_cache(1, block_size, self.device), meta, zero, zero)
         self.take_compiles()
         return self.take_compile_s()
 

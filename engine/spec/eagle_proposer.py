@@ -80,9 +80,8 @@ class EagleProposer(Proposer):
                 break
             pos = last + 1 + i                      # the position whose input is (g, token)
             self._ensure(pos - self.base + 2)
-            ids = torch.tensor([token], dtype=torch.int64, device=self.device)
             meta = self._meta(pos, 1)
-            logits, g = self.step(ids, g[-1:], self.kv, meta, meta.positions + self.base, self.last_row)
+            logits, g = self.step([token], g[-1:], self.kv, meta, meta.positions + self.base, self.last_row)
         return Proposal(DraftTree.chain(tokens), torch.stack(probs) if probs else None, time.perf_counter() - t0)
 
     supports_trees = True
@@ -106,7 +105,7 @@ class EagleProposer(Proposer):
             self._ensure(first + len(frontier) + 1)
             rows = frontier_rows(tree, frontier, context, first, index)
             meta = self._tree_meta(rows)
-            ids = torch.tensor([tree.tokens[f] for f in frontier], dtype=torch.int64, device=self.device)
+            ids = [tree.tokens[f] for f in frontier]
             feats = torch.cat([out_feature[tree.parents[f]] for f in frontier])
             rows = torch.arange(len(frontier), device=self.device)
             reduced, g_out = self.step(ids, feats, self.kv, meta, meta.positions + self.base, rows)
@@ -126,10 +125,9 @@ class EagleProposer(Proposer):
         if self.base is None or self.have <= last or last < self.base:
             return None
         first = min(self.kv_end, last)
-        ids = torch.tensor(token_ids[first + 1:last + 2], dtype=torch.int64, device=self.device)
         meta = self._meta(first, last - first + 1)
         rows = torch.tensor([last - first], dtype=torch.int64, device=self.device)
-        out = self.step(ids, self.features[first - self.base:last - self.base + 1], self.kv, meta,
+        out = self.step(list(token_ids[first + 1:last + 2]), self.features[first - self.base:last - self.base + 1], self.kv, meta,
                         meta.positions + self.base, rows)
         self.kv_end = last + 1
         return out
@@ -143,7 +141,7 @@ class EagleProposer(Proposer):
 
     def _pick(self, reduced_logits: torch.Tensor, params: SamplingParams, generator):
         if params.greedy:
-            return int(self.head.head_token_ids[int(reduced_logits.argmax())]), None
+            return self.head.head_ids[int(reduced_logits.argmax())], None
         q = probabilities(self.head.full_logits(reduced_logits)[0], params)
         return int(torch.multinomial(q, 1, generator=generator)), q
 
