@@ -128,6 +128,11 @@ class DtypeTrial:
         return kept[2] if kept is not None and kept[1] == dtype else None
 
 
+def _serves_quantized(model) -> bool:
+    """Whether any of the model's linears is served quantized (weight_dtype, or as stored)."""
+    return any(getattr(m, "quant", None) is not None for m in model.modules())
+
+
 def model_format(reference, config: EngineConfig, allow_hub: bool = False) -> str:
     """What `dtype auto`'s step measurement is kept under, beside the CPU: the model's
     architecture and stored weights (engine.loading.loader.weights_format) and the settings
@@ -414,6 +419,8 @@ class LLMEngine:
         if self.eagle is not None and self.eagle[0] == reference:
             return
         head, _ = loader.load_eagle_head(reference, self.target_model, self.device, self.runner.model_dtype)
+        if self.device.type == "cpu" and _serves_quantized(self.target_model.model):
+            head.serve_int8()                   # a draft step's cost is its weights' bytes: see there
         prepare_model(head, self.device)
         self.eagle = (reference, head)
         self.eagle_step = EagleStep(head, self.device, self.progress)

@@ -89,35 +89,62 @@ def test_greedy_eagle_speculation_is_token_identical(tiny_head, make_tiny_engine
         assert eng.runner.blocks.num_used_blocks == 0
 
 
-def test_the_compiled_draft_step_drafts_what_the_eager_one_does(make_tiny_engine, tiny_model, tmp_path):
-    """Where the target's step is compiled the head's draft step is too (the engine's EagleStep,
-    one graph for catch-ups, chains and tree levels): on the same inputs it drafts the tokens
-    the eager reference does. With compile off the head drafts eagerly."""
+def _eager_and_compiled_drafts(eng, head_folder) -> dict:
+    """The chain and tree each way drafts on the same inputs: the engine's step and the eager one."""
     from engine.config import TreeShape
-    from engine.models.eagle_head import save_eagle
     from engine.spec.eagle_proposer import EagleProposer
-    from engine.training.distill import build_head
-    save_eagle(build_head(tiny_model, torch.arange(0, 2048, 4)), tmp_path / "head")
-    eng = make_tiny_engine()
-    eng.reconfigure(proposer="eagle", eagle_head=str(tmp_path / "head"))
-    step, head = eng.eagle_step, eng.eagle[1]
-    assert step.compiled is not None and eng.settings()["compile"].startswith("on")
+    eng.reconfigure(proposer="eagle", eagle_head=str(head_folder))
+    head = eng.eagle[1]
     torch.manual_seed(1)
     prefix = torch.randint(100, 2000, (40,)).tolist()
     feats = torch.randn(39, head.config.hidden_size)          # the target's features for positions 0..38
     drafted = {}
-    for name, how in (("eager", None), ("compiled", step)):
+    for name, how in (("eager", None), ("compiled", eng.eagle_step)):
         proposer = EagleProposer(head, 16, torch.device("cpu"), how)
         proposer.target_pass(0, feats[:30])                    # a prompt's pass
         chain = proposer.propose(prefix[:31], 4, GREEDY, None).tokens
         proposer.target_pass(30, feats[30:])                   # a later pass: a catch-up of 9 rows
         tree = proposer.propose_tree(prefix, TreeShape(2, 3, 6), GREEDY, None).tree
         drafted[name] = chain, tree.tokens, tree.parents
-    assert drafted["compiled"] == drafted["eager"]
-    assert {30, 9, 1} <= step.compiled.row_counts and step.compiled.compiles == 1     # one graph for every pass
+    return drafted
+
+
+@pytest.fixture(scope="module")
+def built_head(tmp_path_factory, tiny_model):
+    """A head for the tiny model as the recipe starts it (the target's last layer), untrained."""
+    from engine.models.eagle_head import save_eagle
+    from engine.training.distill import build_head
+    folder = tmp_path_factory.mktemp("built") / "head"
+    save_eagle(build_head(tiny_model, torch.arange(0, 2048, 4)), folder)
+    return folder
+
+
+def test_the_compiled_draft_step_drafts_what_the_eager_one_does(make_tiny_engine, built_head):
+    """Where the target's step is compiled the head's draft step is too (the engine's EagleStep,
+    one graph for catch-ups, chains and tree levels): on the same inputs it drafts the tokens
+    the eager reference does. With compile off the head drafts eagerly."""
+    eng = make_tiny_engine()
+    drafted = _eager_and_compiled_drafts(eng, built_head)
+    assert eng.settings()["compile"].startswith("on") and drafted["compiled"] == drafted["eager"]
+    assert eng.eagle[1].head_quant is None                        # a float target's head stays float
+    step = eng.eagle_step.compiled
+    assert {30, 9, 1} <= step.row_counts and step.compiles == 1     # one graph for every pass
     off = make_tiny_engine(compile="off")
-    off.reconfigure(proposer="eagle", eagle_head=str(tmp_path / "head"))
+    off.reconfigure(proposer="eagle", eagle_head=str(built_head))
     assert off.eagle_step.compiled is None
+
+
+def test_a_quantized_target_drafts_with_an_int8_head_compiled_as_eager(tiny_model, built_head):
+    """A quantized target's head is served in int8 (its weights are most of a draft step's
+    cost); compiled, it drafts what its eager step does."""
+    from engine.loading.loader import load_model
+    from tests.conftest import engine_factory
+    quantized = load_model(str(tiny_model.folder), weight_dtype="int8")
+    eng = engine_factory(quantized, 8 * 2**20)()
+    drafted = _eager_and_compiled_drafts(eng, built_head)
+    head = eng.eagle[1]
+    assert head.head_quant is not None and head.fc.quant is not None and head.layers[0].mlp.down_proj.quant is not None
+    assert drafted["compiled"] == drafted["eager"] and eng.eagle_step.compiled.compiles == 1
 
 
 def test_eagle_switched_on_mid_reply_keeps_greedy_output(tiny_head, make_tiny_engine):
