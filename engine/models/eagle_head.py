@@ -80,8 +80,9 @@ class EagleHead(LlamaFamilyModel):
 
     def draft_pass(self, embedded: torch.Tensor, features: torch.Tensor, rope_positions: torch.Tensor,
                    rows: torch.Tensor | None, kv: KVCache | None = None, meta: AttentionMetadata | None = None):
-        """embedded [N, hidden] (x_{j+1}'s row, see embed), features [N, hidden] (f_j) -> (reduced
-        logits [R, head] float32 of `rows` (None: every row), predicted features g [N, hidden]).
+        """embedded [N, hidden] (x_{j+1}'s row, see embed), features [N, hidden] (f_j) -> (float32
+        logits over the head's R tokens of `rows` [rows, R] (None: every row), predicted
+        features g [N, hidden]).
         rope_positions are the target's positions j; the cache slots in meta may be offset from
         them. kv None: inside the compiled step's graph, whose attention op reads the pass from
         engine.layers.attention_op.serving (engine.runtime.eagle_step runs it either way)."""
