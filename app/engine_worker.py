@@ -33,6 +33,7 @@ from engine.config import EngineConfig, SamplingParams
 from engine.errors import WorkbenchError
 from engine.remote.backend import RemoteBackend, list_served_models
 from engine.stream import RequestStream
+from engine.thread_policy import choose_threads
 from engine.workload import Workload, WorkloadRun, make_jobs
 
 log = logging.getLogger(__name__)
@@ -476,8 +477,7 @@ def use_engine_threads() -> None:
     (OpenMP): it makes the worker's count the process's own. The count is under "In effect"."""
     wanted = os.environ.get("OMP_NUM_THREADS")
     chosen = int(wanted) if wanted and wanted.isdigit() and int(wanted) > 0 else MAIN_THREAD_TORCH_THREADS
-    if torch.get_num_threads() != chosen:
-        torch.set_num_threads(chosen)
+    choose_threads(chosen)
 
 
 class ServerModelLister(QObject):

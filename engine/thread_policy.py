@@ -72,6 +72,16 @@ def starting_threads() -> int:
     return now
 
 
+def choose_threads(count: int) -> None:
+    """Run torch with `count` threads because the user chose it (OMP_NUM_THREADS, the app on
+    their behalf): the next engine starts from it, even where an earlier engine's governor had
+    lowered torch's count to the same number (starting_threads would restore that one)."""
+    import torch
+    global _last_set
+    torch.set_num_threads(count)
+    _last_set = None
+
+
 class ThreadGovernor:
     """torch's thread count follows the cores other programs leave free, between `most`
     (the count when the engine started) and 1."""

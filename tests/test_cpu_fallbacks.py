@@ -210,6 +210,14 @@ def test_a_new_engine_starts_from_the_count_an_earlier_engines_governor_lowered(
     assert thread_policy.starting_threads() == 2 and current == [2]
     current[0] = 3                                    # a count set since by the user is theirs
     assert thread_policy.starting_threads() == 3
+    current[0] = 2
+    governor = thread_policy.ThreadGovernor(2, sample=lambda: 1, clock=lambda: now[0], cores=2)
+    for t in (2.0, 2.3, 2.6):                         # lowered to 1 again; the user then chooses 1
+        now[0] = t
+        governor.tick()
+    assert current == [1]
+    thread_policy.choose_threads(1)                   # OMP_NUM_THREADS=1 in the app
+    assert thread_policy.starting_threads() == 1 and current == [1]
 
 
 def test_other_programs_spinning_threads_are_counted():
