@@ -14,6 +14,11 @@ activations, and how many tokens of context the pool holds.
   how much of that is experts (`moe`). Sliding-window layers (gpt-oss) keep every block of a
   sequence, the window being a mask over them, so a window layer's KV bytes are a full
   layer's; the plan says so (`kv_layers`) and counts no saving the cache does not make.
+- Hybrid models (Qwen3.5: linear-attention layers between full ones): only the full layers
+  have KV, and each running sequence holds a fixed-size state slot for the linear layers
+  (engine.cache.state_cache), whatever its length. The plan counts the slots for the most
+  sequences that run at once (`max_num_seqs` in effect) apart from the KV pool (`state`), and
+  takes them from the pool's budget first.
 
 The reserve is an estimate: the largest activations of one forward pass over a prompt of
 `min(context length, RESERVE_PREFILL_TOKENS)` tokens (with the torch attention path's score
@@ -52,6 +57,7 @@ class MemoryPlan:
     budget: str                 # which rule sized the pool
     moe: "ExpertBytes | None" = None        # the target's experts (all resident; in weights_bytes)
     kv_layers: "KVLayers | None" = None     # the target's full and window layers (all cached in full)
+    state: "StateBytes | None" = None       # a hybrid target's linear-layer state slots (apart from KV)
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -68,7 +74,40 @@ class MemoryPlan:
                 "reserve_bytes": self.reserve_bytes, "reserve_tokens": self.reserve_tokens,
                 "tokens_that_fit": self.tokens_that_fit, "budget": self.budget,
                 "moe": self.moe.as_dict() if self.moe else None,
-                "kv_layers": self.kv_layers.as_dict() if self.kv_layers else None}
+                "kv_layers": self.kv_layers.as_dict() if self.kv_layers else None,
+                "state": self.state.as_dict() if self.state else None}
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """A hybrid model's recurrent state: one slot per running sequence, any length."""
+    linear_layers: int
+    bytes_per_slot: int
+    slots: int
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.slots * self.bytes_per_slot
+
+    def as_dict(self) -> dict:
+        return {"linear_layers": self.linear_layers, "state_bytes_per_sequence": self.bytes_per_slot,
+                "state_slots": self.slots, "state_pool_bytes": self.pool_bytes}
+
+
+def state_slots(config: EngineConfig, device: torch.device) -> int:
+    """State slots a hybrid model's runner holds: one per sequence that may run at once (the
+    max_num_seqs in effect), and one more for a scratch sequence (a warm-up, a cost probe)."""
+    from engine.config import SCHEDULER_DEFAULTS
+    return (config.max_num_seqs or SCHEDULER_DEFAULTS.get(torch.device(device).type, SCHEDULER_DEFAULTS["cpu"])[0]) + 1
+
+
+def state_bytes(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> "StateBytes | None":
+    from engine.models.qwen3_5 import state_shape
+    shape = state_shape(model)
+    if shape is None:
+        return None
+    return StateBytes(shape.num_layers, shape.bytes_per_slot(next(model.parameters()).dtype),
+                      state_slots(config, device))
 
 
 @dataclass(frozen=True)
@@ -112,10 +151,12 @@ def plan_memory(config: EngineConfig, device: torch.device, target: torch.nn.Mod
     reserve += CUDA_FIXED_RESERVE if device.type == "cuda" else 0
     per_block = sum(_kv_bytes_per_token(m, config) for m in models) * config.block_size
     budget, rule = kv_budget(config, device, free, total, reserve)
+    state = state_bytes(target, config, device)
+    budget -= state.pool_bytes if state else 0
     num_blocks = config.num_blocks or budget // per_block
     plan = MemoryPlan(str(device), total, target_bytes + draft_bytes, draft_bytes, reserve, tokens,
                       per_block, config.block_size, num_blocks, "num_blocks" if config.num_blocks else rule,
-                      expert_bytes(target), kv_layers(target))
+                      expert_bytes(target), kv_layers(target), state)
     if num_blocks < 1:
         raise CacheTooSmallError(_no_room(plan, budget))
     return plan
@@ -197,7 +238,7 @@ def expert_bytes(model: torch.nn.Module) -> ExpertBytes | None:
 
 def kv_layers(model: torch.nn.Module) -> KVLayers:
     """Full and sliding-window layers (engine.models.llama.Attention.window; 0: full)."""
-    windows = [getattr(layer.self_attn, "window", 0) or 0 for layer in model.layers]
+    windows = [getattr(attn, "window", 0) or 0 for attn in _attentions(model)]
     return KVLayers(sum(1 for w in windows if not w), sum(1 for w in windows if w), max(windows, default=0))
 
 
@@ -207,7 +248,7 @@ def activation_bytes(model: torch.nn.Module, tokens: int, kernels: bool) -> int:
     the router's logits, top_k copies of each token (gathered inputs, expert outputs, their
     scatter back) and one expert's intermediates over at most every token (each token picks
     an expert at most once)."""
-    c, attn = model.config, model.layers[0].self_attn
+    c, attn = model.config, _attentions(model)[0]
     itemsize = next(model.parameters()).element_size()
     hidden = c.hidden_size
     mlp = max(_mlp_activations(layer.mlp, hidden) for layer in model.layers)
@@ -215,6 +256,11 @@ def activation_bytes(model: torch.nn.Module, tokens: int, kernels: bool) -> int:
     logits = (MAX_SPEC_TOKENS + 1) * c.vocab_size * (itemsize + 4)
     scores = 0 if kernels else 2 * 4 * attn.num_heads * tokens * tokens     # fp32 scores + probabilities
     return tokens * per_token + logits + scores
+
+
+def _attentions(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention modules of the layers that have one (a hybrid model's full layers)."""
+    return [layer.self_attn for layer in model.layers if hasattr(layer, "self_attn")]
 
 
 def _mlp_activations(mlp: torch.nn.Module, hidden: int) -> int:

@@ -20,10 +20,11 @@ from engine.layers import attention_op, packed_linear, quantized_linear
 from engine.layers.attention import AttentionMetadata, attention
 from engine.models.gemma import (GEMMA_MODEL_TYPES, check_supported, embedding_scale, is_gemma, sandwich_norms,
                                   scale_rows, softcap)
+from engine.models.hybrid import HYBRID_MODEL_TYPES, is_hybrid, rotary_dim
 from engine.models.moe import MOE_MODEL_TYPES, SparseMoE, is_sparse_layer
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + GEMMA_MODEL_TYPES + MOE_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + GEMMA_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES
 
 
 class Linear(nn.Module):
@@ -136,7 +137,7 @@ class RMSNorm(nn.Module):
 
 def norm_of(config, dim: int) -> RMSNorm:
     return RMSNorm(dim, config.rms_norm_eps, weight_in_fp32=config.model_type == "gpt_oss",
-                   unit_offset=is_gemma(config))
+                   unit_offset=is_gemma(config) or is_hybrid(config))
 
 
 class Rotary(nn.Module):
@@ -316,6 +317,18 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def decoder_layer(config, head_dim: int, index: int) -> nn.Module:
+    if is_hybrid(config):
+        from engine.models.qwen3_5 import HybridDecoderLayer
+        return HybridDecoderLayer(config, head_dim, index)
+    return DecoderLayer(config, head_dim, index)
+
+
+def attention_of(layer: nn.Module) -> "Attention | None":
+    """A decoder layer's attention (None: a hybrid model's linear-attention layer)."""
+    return getattr(layer, "self_attn", None)
+
+
 class LlamaFamilyModel(nn.Module):
     def __init__(self, config, max_positions: int | None = None):
         super().__init__()
@@ -327,13 +340,14 @@ class LlamaFamilyModel(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.max_positions = max_positions or config.max_position_embeddings
         per_type = rope_per_layer_type(config)
-        self.rotary = Rotary(config, self.head_dim, self.max_positions, FULL if per_type else None)
+        self.rotary = Rotary(config, rotary_dim(config, self.head_dim), self.max_positions, FULL if per_type else None)
         # Gemma 3: sliding-window layers rotate with their own base
         self.sliding_rotary = Rotary(config, self.head_dim, self.max_positions, SLIDING) if per_type else None
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.scale = embedding_scale(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, i)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(decoder_layer(config, self.head_dim, i) for i in range(config.num_hidden_layers))
+        # each layer's layer in the paged KV cache (None: a hybrid model's linear layer, which has none)
+        self.kv_index = [a.layer_index if a is not None else None for a in map(attention_of, self.layers)]
         self.norm = norm_of(config, config.hidden_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_weights: list[torch.Tensor] = []     # see pack_for_cpu
@@ -360,8 +374,14 @@ class LlamaFamilyModel(nn.Module):
         packed_linear.check_rows(self.packed_weights)      # batch invariance on this CPU (see there)
 
     @property
+    def attention_layers(self) -> list[Attention]:
+        """The layers' attention modules (a hybrid model's full layers only)."""
+        return [a for a in map(attention_of, self.layers) if a is not None]
+
+    @property
     def cache_shape(self) -> CacheShape:
-        return CacheShape(len(self.layers), self.layers[0].self_attn.num_kv_heads, self.head_dim)
+        attentions = self.attention_layers
+        return CacheShape(len(attentions), attentions[0].num_kv_heads, self.head_dim)
 
     def hidden_states(self, input_ids: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [N] -> final normed hidden states [N, hidden]."""
@@ -373,9 +393,10 @@ class LlamaFamilyModel(nn.Module):
         compiled step's graph, whose attention op reads the pass from attention_op.serving."""
         rope = self.rotary.at(positions, h.dtype)
         sliding = rope if self.sliding_rotary is None else self.sliding_rotary.at(positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            layer_rope = sliding if layer.self_attn.window else rope      # a sliding layer's window > 0
-            h = layer(h, None if kv is None else kv.layer(i), meta, layer_rope)
+        for layer, kv_index in zip(self.layers, self.kv_index):
+            window = getattr(attention_of(layer), "window", 0)
+            layer_rope = sliding if window else rope      # a sliding layer's window > 0
+            h = layer(h, None if kv is None or kv_index is None else kv.layer(kv_index), meta, layer_rope)
         return self.norm(h)
 
     def forward(self, input_ids, kv: KVCache, meta: AttentionMetadata, logits_for: str | int = "last"):
@@ -399,6 +420,10 @@ class LlamaFamilyModel(nn.Module):
         [out, in] (what save_pretrained would write for them)."""
         out = {}
         for i, layer in enumerate(self.layers):
+            if is_hybrid(self.config):
+                from engine.models.qwen3_5 import hf_layer_tensors
+                out.update(hf_layer_tensors(layer, f"model.layers.{i}."))
+                continue
             a, p = layer.self_attn, f"model.layers.{i}."
             q, k, v = a.qkv_proj.weight.split([a.q_size, a.kv_size, a.kv_size])
             gate, up = layer.mlp.gate_up_proj.weight.split(layer.mlp.inter)
@@ -481,7 +506,8 @@ class LlamaFamilyModel(nn.Module):
     def _rope_tables_on(self, device) -> None:
         for rotary in (self.rotary, self.sliding_rotary):
             if rotary is not None:
-                cos, sin = rope_tables(self.config, self.head_dim, self.max_positions, rotary.layer_type)
+                cos, sin = rope_tables(self.config, rotary_dim(self.config, self.head_dim), self.max_positions,
+                                       rotary.layer_type)
                 rotary.cos, rotary.sin = cos.to(device), sin.to(device)
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -10,23 +10,31 @@ import torch
 from engine.cache.block_manager import BlockManager, SeqBlocks
 from engine.cache.hashing import root_key
 from engine.cache.kv_cache import FP8_DTYPE, KVCache, is_rotated, resolve_kv_dtype
-from engine.cache.memory_plan import plan_memory
+from engine.cache.memory_plan import plan_memory, state_slots
+from engine.cache.state_cache import StateCache
 from engine.config import EngineConfig
 from engine.errors import first_line
-from engine.layers import attention
+from engine.layers import attention, linear_attention_op
 from engine.layers.attention import CPU, KERNELS, TORCH, AttentionMetadata
 from engine.layers.attention_metadata import SeqSlice, TreeRows, pass_positions, tree_pass_positions
+from engine.layers.linear_attention_op import LinearPass, LinearSeq
 from engine.loading.loader import LoadedModel
 from engine.models.llama import rope_identity
+from engine.models.qwen3_5 import state_shape
 from engine.runtime import compiled_step
 
 SCALE_MODE = "per_token_head_fp32"
+# Why a hybrid model's prompts are always computed from their first token (what "In effect" says).
+HYBRID_PREFIX_REFUSED = ("refused for this hybrid model: its linear-attention layers' state is not kept at "
+                         "block boundaries, so every prompt is computed in full (no prefill is skipped)")
 
 
 @dataclass
 class RunnerSeq(SeqBlocks):
-    """Blocks plus how many tokens have KV in the cache."""
+    """Blocks plus how many tokens have KV in the cache (and, for a hybrid model, the slot of its
+    linear layers' state, which has moved past those tokens)."""
     num_computed: int = 0
+    state_slot: int | None = None
 
 
 @dataclass
@@ -70,10 +78,14 @@ class ModelRunner:
             num_blocks = plan_memory(config, self.device, self.model).num_blocks
         self.kv = KVCache(shape, num_blocks, config.block_size, dtype, self.device,
                           rotated=is_rotated(config.kv_cache_dtype))
+        states = state_shape(self.model)
+        self.states = None if states is None else StateCache(states, state_slots(config, self.device),
+                                                             self.model_dtype, self.device)
         scale_mode = SCALE_MODE if dtype == FP8_DTYPE else "none"
         root = root_key(self.loaded.identity, self.kv.name, scale_mode, config.block_size,
                         rope_identity(self.loaded.hf_config))
-        self.blocks = BlockManager(self.kv.num_blocks, config.block_size, root, config.enable_prefix_caching)
+        self.blocks = BlockManager(self.kv.num_blocks, config.block_size, root, False)
+        self.set_prefix_caching(config.enable_prefix_caching)
         from engine.kernels.dispatch import kernels_in_effect      # imports without triton
         self.use_kernels, self.kernels_state = kernels_in_effect(config.attention_backend, self.device)
         self.set_compile(config.compile)
@@ -138,32 +150,57 @@ class ModelRunner:
         self.on_settings_changed()
 
     def release_cache(self) -> None:
-        self.kv = None
+        self.kv = self.states = None
 
     def set_prefix_caching(self, enabled: bool) -> None:
-        self.blocks.enable_prefix_caching = enabled
+        """On where asked, but for a hybrid model (HYBRID_PREFIX_REFUSED; `prefix_state` says which)."""
+        refused = enabled and self.states is not None
+        self.blocks.enable_prefix_caching = enabled and not refused
+        self.prefix_state = HYBRID_PREFIX_REFUSED if refused else "on" if enabled else "off"
 
     @property
     def kv_dtype_name(self) -> str:
         return self.kv.name
 
     def bytes_held(self) -> int:
+        """KV bytes of the blocks held (state_bytes_held apart)."""
         return self.kv.bytes_held(self.blocks.num_used_blocks)
+
+    def state_bytes_held(self) -> int:
+        """A hybrid model's linear-layer state of the sequences running (0: none)."""
+        return 0 if self.states is None else self.states.bytes_held()
 
     # ---- sequences -----------------------------------------------------------
     def start(self, token_ids: list[int], reserve_tokens: int = 0) -> RunnerSeq:
         """A sequence with blocks for its whole prompt (a single sequence driven by forward)."""
-        return _computed_from_cache(self.blocks.allocate_prompt(token_ids, reserve_tokens))
+        return self._with_state(_computed_from_cache(self.blocks.allocate_prompt(token_ids, reserve_tokens)))
 
     def admit(self, token_ids: list[int]) -> RunnerSeq:
         """A sequence holding only its prefix-cache hit (the scheduler's admission)."""
-        return _computed_from_cache(self.blocks.admit(token_ids))
+        return self._with_state(_computed_from_cache(self.blocks.admit(token_ids)))
+
+    def _with_state(self, seq: RunnerSeq) -> RunnerSeq:
+        """A hybrid model's sequence takes a zeroed state slot (prefix hits are refused: it starts
+        at its first token)."""
+        if self.states is not None:
+            if seq.num_computed:
+                raise RuntimeError("a hybrid model's sequence must start at its first token (no prefix hit)")
+            seq.state_slot = self.states.allocate()
+        return seq
 
     def end(self, seq: RunnerSeq) -> None:
         self.blocks.free(seq)
+        if seq.state_slot is not None:
+            self.states.free(seq.state_slot)
+            seq.state_slot = None
 
     def rollback(self, seq: RunnerSeq, num_computed: int) -> None:
-        """Keep KV for the first num_computed tokens; free blocks past them."""
+        """Keep KV for the first num_computed tokens; free blocks past them. A hybrid model's state
+        goes back to the one its last verify pass kept after that token."""
+        if seq.state_slot is not None and num_computed < seq.num_computed:
+            kept = self.states.kept.get((0, seq.state_slot))
+            start = kept.start if kept is not None else seq.num_computed
+            self.states.restore(seq.state_slot, start, num_computed - start)
         seq.num_computed = min(seq.num_computed, num_computed)
         self.blocks.truncate(seq, seq.num_computed)
 
@@ -186,7 +223,7 @@ class ModelRunner:
         the eager reference). Returns per item (float32 logits of its last logits_rows rows
         [logits_rows, V], final hidden states of its new tokens [n, hidden]). A row's numbers
         do not depend on the other items (layers.attention, layers.packed_linear)."""
-        slices, positions, slots, ids, wanted = [], [], [], [], []
+        slices, positions, slots, ids, wanted, linear = [], [], [], [], [], []
         row = 0
         for item in items:
             start, n = item.seq.num_computed, len(item.tokens)
@@ -199,6 +236,8 @@ class ModelRunner:
                 pos, table, slot = tree_pass_positions(item.tree, item.seq.block_table, self.kv.block_size,
                                                        self.device)
             slices.append(SeqSlice(row, n, table, start + n, item.tree))
+            if item.seq.state_slot is not None:
+                linear.append(LinearSeq(row, n, item.seq.state_slot, start, _parents(item, start)))
             positions.append(pos)
             slots.append(slot)
             ids.extend(item.tokens)
@@ -207,7 +246,9 @@ class ModelRunner:
         meta = self._prepare(self.attention_mode, torch.cat(positions), torch.cat(slots), slices)
         ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
         rows_t = torch.tensor(wanted, dtype=torch.int64, device=self.device)
-        logits, hidden = self._pass(ids_t, meta, rows_t)
+        linear_pass = None if self.states is None else LinearPass(self.states, linear, row)
+        with linear_attention_op.serving(linear_pass):
+            logits, hidden = self._pass(ids_t, meta, rows_t)
         out, used = [], 0
         for item, s in zip(items, slices):
             item.seq.num_computed += s.count
@@ -217,7 +258,7 @@ class ModelRunner:
 
     def _prepare(self, mode: str, positions, slots, slices) -> AttentionMetadata:
         """The pass's attention metadata and its mode's layout, once for every layer."""
-        attn = self.model.layers[0].self_attn
+        attn = self.model.attention_layers[0]
         return attention.prepare(mode, positions, slots, slices, self.kv.block_size,
                                  attn.num_heads // attn.num_kv_heads)
 
@@ -247,11 +288,26 @@ class ModelRunner:
                 flat = pool.flatten(1, 2)                            # [L, num_blocks * block_size, ...]
                 raw = flat.view(torch.uint8) if pool.dtype == FP8_DTYPE else flat
                 raw[:, dst] = raw[:, src]
+        if seq.state_slot is not None:           # the state after the last kept row
+            self.states.restore(seq.state_slot, start, rows[-1] + 1)
+            seq.num_computed = start + len(rows)
         self.rollback(seq, start + len(rows))
 
     def commit(self, seq: RunnerSeq, token_ids: list[int]) -> None:
         """token_ids: the sequence's final tokens; their first num_computed have KV."""
         self.blocks.commit(seq, token_ids, seq.num_computed)
+
+
+def _parents(item: PassItem, start: int) -> list[int] | None:
+    """A verify pass's rows' parents (-1: the state before the pass) for the linear layers, which
+    keep the state after each row: a chain's row follows the one before it, a tree's its parent.
+    None for a prefill chunk or a decode (nothing to roll back)."""
+    n = len(item.tokens)
+    if item.tree is not None:
+        return [path[-2] - start if len(path) > 1 else -1 for path in item.tree.paths]
+    if item.logits_rows > 1:
+        return list(range(-1, n - 1))
+    return None
 
 
 def _computed_from_cache(blocks: SeqBlocks) -> RunnerSeq:
