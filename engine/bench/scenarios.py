@@ -384,16 +384,19 @@ def bench_speculative(args) -> dict:
     base_out, base = run("off")
     spec_out, spec = run(args.proposer)
     plain_step_s = base.decode_time_s / base.target_passes
-    report = speculation_report(spec.as_dict(), args.k, plain_step_s, "this run")
-    return {"k": args.k, "proposer": args.proposer, "draft": draft,
+    # None when the timed arm drafted nothing (an adaptive policy that found speculation losing
+    # here): the figures that need drafted tokens are null, and `drafted` says so
+    report = speculation_report(spec.as_dict(), args.k, plain_step_s, "this run") or {}
+    return {"drafted": spec.proposed, "speculation_policy": eng.config.speculation_policy,
+            "k": args.k, "proposer": args.proposer, "draft": draft,
             "prompt_set": prompt_set, "prompts": len(prompts), "acceptance_rate": spec.acceptance_rate,
-            "mean_accepted_len": spec.mean_accepted_len, "alpha_per_attempted_token": report["alpha"],
+            "mean_accepted_len": spec.mean_accepted_len, "alpha_per_attempted_token": report.get("alpha"),
             "per_position": spec.per_position,
             "baseline_tok_s": base.decode_tok_s, "spec_tok_s": spec.decode_tok_s,
             "speedup": spec.decode_tok_s / base.decode_tok_s,
             # The i.i.d. model with the measured costs, each relative to a plain decode step.
-            "predicted_speedup": report["predicted_speedup"], "break_even_alpha": report["break_even_alpha"],
-            "draft_target_cost_ratio": report["draft_cost"], "verify_vs_decode_step": report["verify_cost"],
+            "predicted_speedup": report.get("predicted_speedup"), "break_even_alpha": report.get("break_even_alpha"),
+            "draft_target_cost_ratio": report.get("draft_cost"), "verify_vs_decode_step": report.get("verify_cost"),
             "proposal_ms_per_step": 1e3 * spec.draft_time_s / spec.target_passes if spec.target_passes else None,
             "dtype": _dtype(eng), "compile": eng.settings()["compile"], "threads": torch.get_num_threads(),
             "greedy_identical": spec_out == base_out, **_tree_figures(spec, plain_step_s, eng),
