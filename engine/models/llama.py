@@ -454,8 +454,8 @@ class LlamaFamilyModel(nn.Module):
         module, _, attr = name.rpartition(".")
         prefix = "" if module == "lm_head" else "model."
         owner, _, proj = module.rpartition(".")
-        if proj == "router" and self.config.model_type == "qwen3_moe":
-            module = f"{owner}.gate"                        # Qwen3-MoE names its router `gate`
+        if proj == "router" and self.config.model_type in ("qwen3_moe", "qwen3_next"):
+            module = f"{owner}.gate"                        # Qwen3-MoE and Qwen3-Next name their router `gate`
         if proj not in FUSED_PROJECTIONS:
             return WeightSource(name, ((f"{prefix}{module}.{attr}", shape),))
         parts = tuple((f"{prefix}{owner}.{part}.{attr}", (size, *shape[1:]))

@@ -1,5 +1,6 @@
-"""Qwen3.5's text model (transformers' `qwen3_5_text`): a Llama-family decoder whose layers are,
-three in four (`layer_types`), linear attention (Gated DeltaNet) instead of attention.
+"""Qwen3.5's text model (transformers' `qwen3_5_text`) and Qwen3-Next (`qwen3_next`): Llama-family
+decoders whose layers are, three in four (`layer_types`), linear attention (Gated DeltaNet)
+instead of attention.
 
 - A linear layer (`GatedDeltaNet`): q, k and v projected together, mixed by a short causal
   convolution (SiLU), then the gated delta rule over the sequence's state (engine.layers.gated_delta,
@@ -10,10 +11,17 @@ three in four (`layer_types`), linear attention (Gated DeltaNet) instead of atte
   attention through the paged KV cache, and the output gated by sigmoid of a second half of
   q_proj's output (per head: [q; gate]).
 - Norms multiply by (1 + w) in fp32 (engine.models.hybrid); the MLP is SwiGLU.
+- Qwen3-Next differs in two places: its linear layer projects q, k, v and z in one matrix (and b
+  and a in another) laid out per key head ([q; k; v of its value heads; z of them] for each),
+  which `GatedDeltaNet` splits as transformers does (row-wise, in the graph); and its MLP is a
+  mixture of experts (engine.models.moe's, routed as Qwen3-MoE's) plus a shared expert gated by
+  sigmoid(shared_expert_gate(x)) (`SharedExpertMoE`), but on `mlp_only_layers`.
 Only the full layers have KV in the paged cache (their own layer numbering there, `kv_index`);
 the linear layers' state is in engine.cache.state_cache, one slot per sequence.
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +32,7 @@ from engine.layers import attention_op, linear_attention_op
 from engine.layers.attention import attention
 from engine.models.hybrid import is_linear_layer
 from engine.models.llama import MLP, Linear, norm_of
+from engine.models.moe import SparseMoE
 
 
 class ConvWeight(nn.Module):
@@ -59,22 +68,38 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.state_index = state_index           # its layer in the state cache
         h = config.hidden_size
-        self.in_proj_qkv = Linear(h, self.conv_dim)
-        self.in_proj_z = Linear(h, self.value_dim)
-        self.in_proj_b = Linear(h, self.num_v_heads)
-        self.in_proj_a = Linear(h, self.num_v_heads)
+        self.per_key_head = config.model_type == "qwen3_next"      # its fused, per-key-head projections
+        if self.per_key_head:
+            self.in_proj_qkvz = Linear(h, self.conv_dim + self.value_dim)
+            self.in_proj_ba = Linear(h, 2 * self.num_v_heads)
+        else:
+            self.in_proj_qkv = Linear(h, self.conv_dim)
+            self.in_proj_z = Linear(h, self.value_dim)
+            self.in_proj_b = Linear(h, self.num_v_heads)
+            self.in_proj_a = Linear(h, self.num_v_heads)
         self.conv1d = ConvWeight(self.conv_dim, config.linear_conv_kernel_dim)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, h)
 
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [N, hidden] -> q, k, v before the convolution [N, conv_dim], z [N, Hv * Dv], b, a [N, Hv]."""
+        if not self.per_key_head:
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        n, hk, per = x.shape[0], self.num_k_heads, self.num_v_heads // self.num_k_heads
+        q, k, v, z = self.in_proj_qkvz(x).view(n, hk, -1).split(
+            [self.head_k_dim, self.head_k_dim, per * self.head_v_dim, per * self.head_v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(n, hk, 2 * per).split(per, dim=-1)
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        return mixed, z.reshape(n, -1), b.reshape(n, -1), a.reshape(n, -1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        mixed = self.in_proj_qkv(x)                                           # [N, conv_dim]
-        z = self.in_proj_z(x).view(n, self.num_v_heads, self.head_v_dim)
-        beta = self.in_proj_b(x).sigmoid()                                    # [N, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        mixed, z, b, a = self.projections(x)                                  # mixed [N, conv_dim]
+        z = z.view(n, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()                                                    # [N, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         args = (mixed, g, beta, self.conv1d.weight, self.state_index, self.num_k_heads, self.head_k_dim,
                 self.head_v_dim)
         if torch.compiler.is_compiling():
@@ -141,7 +166,7 @@ class HybridDecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config, before.count("linear_attention"))
         else:
             self.self_attn = GatedAttention(config, head_dim, before.count("full_attention"))
-        self.mlp = MLP(config)
+        self.mlp = SharedExpertMoE(config) if has_experts(config, index) else MLP(config)
         self.input_layernorm = norm_of(config, config.hidden_size)
         self.post_attention_layernorm = norm_of(config, config.hidden_size)
 
@@ -149,6 +174,30 @@ class HybridDecoderLayer(nn.Module):
         x = self.input_layernorm(h)
         h = h + (self.linear_attn(x) if self.is_linear else self.self_attn(x, cache, meta, rope))
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def has_experts(config, index: int) -> bool:
+    """Whether layer `index` of a Qwen3-Next config is a mixture of experts (decoder_sparse_step,
+    but mlp_only_layers)."""
+    if config.model_type != "qwen3_next" or not getattr(config, "num_experts", 0):
+        return False
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return index not in (getattr(config, "mlp_only_layers", None) or []) and (index + 1) % step == 0
+
+
+class SharedExpertMoE(SparseMoE):
+    """Qwen3-Next's feed-forward block: the routed experts (SparseMoE, routed as Qwen3-MoE's), plus
+    a shared expert every token goes through, weighted by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, config):
+        super().__init__(config, Linear)
+        shared = SimpleNamespace(hidden_size=config.hidden_size, intermediate_size=config.shared_expert_intermediate_size,
+                                 hidden_act=config.hidden_act)
+        self.shared_expert = MLP(shared)
+        self.shared_expert_gate = Linear(config.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 def state_shape(model) -> StateShape | None:
@@ -160,7 +209,9 @@ def state_shape(model) -> StateShape | None:
 
 
 def hf_layer_tensors(layer: HybridDecoderLayer, p: str) -> dict[str, torch.Tensor]:
-    """One layer's weights under transformers' names (gate/up unfused)."""
+    """One layer's weights under transformers' names (gate/up unfused; a dense MLP's)."""
+    if isinstance(layer.mlp, SharedExpertMoE):
+        raise NotImplementedError("hf_layer_tensors: a Qwen3-Next expert layer's weights are not written back")
     gate, up = layer.mlp.gate_up_proj.weight.split(layer.mlp.inter)
     out = {p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
            p + "mlp.down_proj.weight": layer.mlp.down_proj.weight}
