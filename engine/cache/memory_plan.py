@@ -131,9 +131,11 @@ class KVLayers:
     full: int
     window: int
     window_tokens: int          # the widest window (0: none)
+    shared: int = 0             # layers attending over another layer's KV (Gemma 4): no cache of their own
 
     def as_dict(self) -> dict:
         return {"full": self.full, "window": self.window, "window_tokens": self.window_tokens,
+                "kv_shared_layers": self.shared,
                 "window_layers_cached": "in full: every block of a sequence is kept (the window is a mask), "
                                         "so a window layer's KV bytes equal a full layer's"}
 
@@ -237,9 +239,12 @@ def expert_bytes(model: torch.nn.Module) -> ExpertBytes | None:
 
 
 def kv_layers(model: torch.nn.Module) -> KVLayers:
-    """Full and sliding-window layers (engine.models.llama.Attention.window; 0: full)."""
-    windows = [getattr(attn, "window", 0) or 0 for attn in _attentions(model)]
-    return KVLayers(sum(1 for w in windows if not w), sum(1 for w in windows if w), max(windows, default=0))
+    """Full and sliding-window layers (engine.models.llama.Attention.window; 0: full) that hold
+    KV; those that attend over another layer's (`shares`, engine.models.gemma4) counted apart."""
+    attentions = _attentions(model)
+    windows = [getattr(attn, "window", 0) or 0 for attn in attentions if not getattr(attn, "shares", False)]
+    return KVLayers(sum(1 for w in windows if not w), sum(1 for w in windows if w), max(windows, default=0),
+                    len(attentions) - len(windows))
 
 
 def activation_bytes(model: torch.nn.Module, tokens: int, kernels: bool) -> int:

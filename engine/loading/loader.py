@@ -422,7 +422,7 @@ def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.
     stream the weights: the model is built on the meta device and each parameter is filled
     from the memory-mapped checkpoint directly in `dtype` on `device`. Then the linears are
     served as `weight_dtype` says (engine.loading.weight_quant; `dtype` is the compute dtype)."""
-    from engine.models import SUPPORTED_MODEL_TYPES, LlamaFamilyModel
+    from engine.models import SUPPORTED_MODEL_TYPES, build_model
     # A first-time conversion or download reports its own progress, before the weights' share.
     folder = resolve(reference, allow_hub=allow_hub, progress=lambda m, f: progress(m, f * WEIGHTS_START))
     hf_config = load_config(folder)
@@ -434,7 +434,7 @@ def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.
     quantized = awq_gptq_source(folder, checkpoint) if isinstance(checkpoint, Checkpoint) else None
     tokenizer = load_tokenizer(folder)
     with torch.device("meta"), no_random_init():
-        model = LlamaFamilyModel(hf_config, max_positions=max_positions)
+        model = build_model(hf_config, max_positions=max_positions)
     check_weights(model, checkpoint, folder / "config.json", quantized)
     # where the weights come from as stored (an AWQ/GPTQ checkpoint's int4, a GGUF's blocks)
     stored = quantized or (checkpoint.source if weight_dtype != FLOAT and not isinstance(checkpoint, Checkpoint) else None)

@@ -1,0 +1,133 @@
+"""Gemma 4's dense text model (gemma4_text) against transformers on tiny random configs: logits
+through the paged cache within fp32 tolerance, and greedy output token-identical on 5 prompts
+that run past the sliding window, eager and compiled, through LLMEngine. The configs make
+each Gemma 4 specific show: per-layer embeddings, KV shared across the last layers (and
+their double-wide MLPs), full layers with a wider head and proportional RoPE, unscaled
+attention with q/k/v norms, layer scalars apart from 1; the second config keys equal to
+values on its full layers, an untied head and final logit softcapping. Also: a layer that
+reuses another's KV holds no cache of its own (the pool and the memory plan), and what we do
+not serve is refused by name."""
+import pytest
+import torch
+
+from engine import EngineConfig, SamplingParams
+from engine.cache.memory_plan import plan_memory
+from engine.engine import LLMEngine
+from engine.errors import UnsupportedModelError
+from engine.loading.loader import load_model
+from engine.runtime.model_runner import ModelRunner
+from tests.test_models import TINY
+
+WINDOW = 4
+TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 10000.0}}
+
+
+def _gemma4(**extra):
+    from transformers import AutoConfig
+    fields = dict(TINY, num_hidden_layers=5, head_dim=16, global_head_dim=32, sliding_window=WINDOW,
+                  layer_types=TYPES, rope_parameters=ROPE, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                  hidden_size_per_layer_input=8, vocab_size_per_layer_input=TINY["vocab_size"])
+    return AutoConfig.for_model("gemma4_text", **{**fields, **extra})
+
+
+CONFIGS = {
+    # layers 3 and 4 reuse layers 2's and 1's KV; per-layer embeddings; tied head, as released
+    "ple-kv-shared": lambda: _gemma4(),
+    # no sharing, no PLE; the full layers' values are their keys; untied, so that greedy output wanders
+    "k-eq-v-softcap": lambda: _gemma4(num_kv_shared_layers=0, hidden_size_per_layer_input=0, attention_k_eq_v=True,
+                                      tie_word_embeddings=False, final_logit_softcapping=2.0),
+}
+
+
+def _save(folder, make_config):
+    """transformers' model of the config, saved with a tokenizer; norms and layer scalars moved
+    off their initial values so that each one matters, and weights wider than the initial
+    0.02 so that the logits part."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.add_(torch.randn_like(p) * 0.1) if "norm" in name else p.mul_(4.0)
+        for name, b in ref.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
+    ref.save_pretrained(folder, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(TINY["vocab_size"])}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(folder)
+    return ref
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def gemma4(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return folder, _save(folder, CONFIGS[request.param])
+
+
+def test_logits_match_transformers(gemma4):
+    """23 tokens: a 10-token prefill, 5 decodes, an 8-token chunk, through the paged cache."""
+    folder, ref = gemma4
+    runner = ModelRunner(load_model(str(folder)), EngineConfig(block_size=4, num_blocks=32, compile="off"),
+                         torch.device("cpu"))
+    ids = torch.randint(0, TINY["vocab_size"], (1, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(ids).logits[0]                                       # [23, V]
+    seq = runner.start(ids[0, :10].tolist())
+    got = [runner.forward(seq, ids[0, :10].tolist(), logits_for="all")]
+    got += [runner.forward(seq, [int(ids[0, t])]) for t in range(10, 15)]
+    got.append(runner.forward(seq, ids[0, 15:].tolist(), logits_for="all"))
+    got = torch.cat(got)
+    assert expected.abs().max() > 1.0              # logits that part, not all near 0
+    assert (got - expected).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_greedy_output_is_token_identical_to_transformers(gemma4, compile_mode):
+    from engine.loading.loader import transformers_model
+    folder, _ = gemma4
+    loaded = load_model(str(folder))
+    ref = transformers_model(loaded.folder).eval()
+    eng = LLMEngine(loaded, EngineConfig(kv_cache_bytes=4 * 2**20, compile=compile_mode), torch.device("cpu"))
+    rng = torch.Generator().manual_seed(11)
+    for n in (3, 6, 9, 14, 21):                  # past the 4-token window
+        prompt = torch.randint(0, TINY["vocab_size"], (n,), generator=rng).tolist()
+        ours = eng.generate_text(prompt, SamplingParams(max_tokens=10, stop_on_eos=False))[1]
+        with torch.no_grad():
+            theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, n:].tolist()
+        assert ours == theirs, f"prompt of {n} tokens"
+    if compile_mode == "on":
+        assert eng.runner.compiled is not None and len(eng.runner.compiled.row_counts) > 1
+
+
+def test_a_layer_that_reuses_kv_holds_no_cache(tmp_path):
+    """5 layers, the last 2 attending over layers 2's and 1's K/V: the pool has 3 layers, and
+    the memory plan counts 3 layers' bytes per token (each as wide as the widest head, 32:
+    the sliding layers' 16-wide heads are stored zero-padded, which the model says)."""
+    _save(tmp_path, CONFIGS["ple-kv-shared"])
+    loaded = load_model(str(tmp_path))
+    model = loaded.model
+    assert [layer.self_attn.cache_index for layer in model.layers] == [0, 1, 2, 2, 1]
+    config = EngineConfig(block_size=4, num_blocks=8, compile="off")
+    runner = ModelRunner(loaded, config, torch.device("cpu"))
+    kv_heads, width = 2, 32
+    assert runner.kv.k.shape == (3, 8, 4, kv_heads, width)
+    per_token = 2 * 3 * kv_heads * width * 4                           # K and V, 3 layers, fp32
+    plan = plan_memory(config, torch.device("cpu"), model)
+    assert plan.kv_bytes_per_block == per_token * 4
+    assert (plan.kv_layers.full, plan.kv_layers.window, plan.kv_layers.shared) == (1, 2, 2)
+    assert runner.kv.bytes_allocated == per_token * 4 * 8
+    assert model.padded_kv_values_per_token == 2 * 2 * kv_heads * (32 - 16)     # layers 0 and 2 are sliding
+
+
+@pytest.mark.parametrize("extra, named", [
+    (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16), "enable_moe_block"),
+    (dict(attention_k_eq_v=True, num_global_key_value_heads=1), "KV heads differ"),
+])
+def test_what_we_do_not_serve_is_refused_by_name(tmp_path, extra, named):
+    _save(tmp_path, lambda: _gemma4(**extra))
+    with pytest.raises(UnsupportedModelError, match=named):
+        load_model(str(tmp_path))
