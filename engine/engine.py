@@ -345,7 +345,7 @@ class LLMEngine:
         """The settings in effect (what the UI shows)."""
         c, auto = self.config, self.config.proposer == "auto"
         return {"kv_cache_dtype": self.runner.kv_dtype_name, "block_size": c.block_size,
-                "enable_prefix_caching": c.enable_prefix_caching,
+                "enable_prefix_caching": c.enable_prefix_caching, "prefix_caching": self.runner.prefix_state,
                 "proposer": "auto" if auto else self.proposer_in_effect(),
                 "proposer_choice": self.describe_proposer_choice() if auto else None,
                 "num_speculative_tokens": c.num_speculative_tokens, "draft_model": self.draft_name,

@@ -84,3 +84,52 @@ def test_greedy_output_is_token_identical_to_transformers(hybrid_folder, compile
     assert runner.states.num_used_slots == 0            # every request gave its slot back
     if compile_mode == "on":
         assert runner.compiled is not None and len(runner.compiled.row_counts) > 1
+
+
+# ---- many requests at once: the state cache beside the paged KV cache ----------------------
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def tiny_hybrid(request, tmp_path_factory):
+    """The synthetic tiny Qwen3.5 (the default model's tokenizer), eager."""
+    from engine.loading.synthetic import write_checkpoint
+    folder = write_checkpoint(tmp_path_factory.mktemp("tiny-qwen3.5"), "tiny-qwen3.5", seed=0)
+    return load_model(str(folder), dtype=request.param)
+
+
+def test_eight_concurrent_requests_give_their_solo_tokens(tiny_hybrid):
+    """test_batching's eight requests (5..150 tokens, chunked prefills) under its pool pressure:
+    each gives its solo tokens, with a preemption (recomputed from the first token, its state
+    slot given back and taken anew); the prefix cache is refused, and says so."""
+    from tests.test_batching import PRESSURE, params_for, prompts, run_together, solo
+    from tests.test_batching import engine as make_engine
+    all_prompts, all_params = prompts(tiny_hybrid), [params_for(i, False) for i in range(8)]
+    alone = [solo(tiny_hybrid, p, s) for p, s in zip(all_prompts, all_params)]
+    eng = make_engine(tiny_hybrid, **PRESSURE)
+    together, stats = run_together(eng, all_prompts, all_params)
+    assert [together[i] for i in range(8)] == alone
+    assert sum(s.preemptions for s in stats.values()) >= 1
+    assert stats[1].prefix_hit_tokens == 0 and "refused" in eng.settings()["prefix_caching"]
+    assert eng.runner.states.num_used_slots == 0 and eng.runner.blocks.num_used_blocks == 0
+
+
+def test_state_bytes_are_counted_apart_from_kv_bytes(tiny_hybrid):
+    """Only the full-attention layer (one in four) has KV; each running sequence holds one state
+    slot of the three linear layers, whatever its length, and gives it back when it ends."""
+    from tests.test_batching import engine as make_engine
+    eng = make_engine(tiny_hybrid)
+    runner, config = eng.runner, tiny_hybrid.hf_config
+    assert runner.kv.shape.num_layers == 1
+    itemsize = torch.empty((), dtype=runner.model_dtype).element_size()
+    conv = (2 * 2 * 16 + 4 * 16) * 3 * itemsize                      # conv_dim x (K - 1) inputs
+    recurrent = 4 * 16 * 16 * 4                                       # Hv x Dk x Dv, float32
+    assert runner.states.bytes_per_slot == 3 * (conv + recurrent)
+    plan = eng.settings()["memory_plan"]["state"]
+    assert plan["state_bytes_per_sequence"] == runner.states.bytes_per_slot
+    assert plan["state_pool_bytes"] == plan["state_slots"] * runner.states.bytes_per_slot
+    a = eng.submit(list(range(100, 140)), SamplingParams(max_tokens=3, stop_on_eos=False))
+    eng.submit(list(range(200, 210)), SamplingParams(max_tokens=3, stop_on_eos=False))
+    eng.step()
+    assert runner.state_bytes_held() == 2 * runner.states.bytes_per_slot
+    while eng.has_work:
+        eng.step()
+    assert runner.state_bytes_held() == 0 and a is not None
+    assert config.layer_types.count("full_attention") == 1

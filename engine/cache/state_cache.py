@@ -75,12 +75,21 @@ class StateCache:
         return bool(self.free_slots)
 
     def allocate(self) -> int:
-        """A zeroed slot (the state before a sequence's first token)."""
+        """A zeroed slot (the state before a sequence's first token). The pool is sized for the
+        sequences the scheduler runs at once; should more run (max_num_seqs raised live), it grows."""
         if not self.free_slots:
-            raise RuntimeError(f"no free state slot: all {self.num_slots} hold running sequences")
+            self._grow(2 * self.num_slots)
         slot = self.free_slots.pop()
         self.reset(slot)
         return slot
+
+    def _grow(self, num_slots: int) -> None:
+        pad = num_slots - self.num_slots
+        self.conv = torch.cat([self.conv, self.conv.new_zeros(self.conv.shape[0], pad, *self.conv.shape[2:])], dim=1)
+        self.recurrent = torch.cat([self.recurrent, self.recurrent.new_zeros(self.recurrent.shape[0], pad,
+                                                                               *self.recurrent.shape[2:])], dim=1)
+        self.free_slots = list(range(num_slots - 1, self.num_slots - 1, -1)) + self.free_slots
+        self.num_slots = num_slots
 
     def reset(self, slot: int) -> None:
         self.conv[:, slot].zero_()

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from engine.models.hybrid import is_hybrid
 from engine.models.moe import expert_intermediate, is_sparse_layer, num_experts
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
@@ -69,8 +70,32 @@ PRESETS["tiny-gpt-oss"] = {**PRESETS["tiny"], "model_type": "gpt_oss", "intermed
                            "layer_types": ["sliding_attention", "full_attention"], "attention_bias": True,
                            "rope_parameters": {**_GPT_OSS_ROPE, "original_max_position_embeddings": 64}}
 
+# Hybrid linear-attention models (engine.models.qwen3_5). Their sizes are transformers' default
+# configs, which its docstrings call "Qwen3.5-9B style" and "Qwen3-Next-80B-A3B style".
+_HYBRID = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+               linear_num_value_heads=32, head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+               tie_word_embeddings=False)
+PRESETS["qwen3.5-9b"] = dict(_HYBRID, model_type="qwen3_5_text", hidden_size=4096, num_hidden_layers=32,
+                             num_attention_heads=16, num_key_value_heads=4, intermediate_size=12288, vocab_size=248320)
+PRESETS["qwen3-next-80b-a3b"] = dict(
+    _HYBRID, model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
+    num_key_value_heads=2, intermediate_size=5632, vocab_size=151936, num_experts=512, num_experts_per_tok=10,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, decoder_sparse_step=1, norm_topk_prob=True,
+    mlp_only_layers=[])
+# three linear-attention layers and a full one; 2 key heads for 4 value heads
+PRESETS["tiny-qwen3.5"] = {**PRESETS["tiny"], "model_type": "qwen3_5_text", "num_hidden_layers": 4,
+                           "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                           "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                               "partial_rotary_factor": 0.25}}
+PRESETS["tiny-qwen3-next"] = {**PRESETS["tiny-qwen3.5"], "model_type": "qwen3_next", "num_experts": 8,
+                              "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                              "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]}
+
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",       # model_type -> class
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "tokenizer.model", "chat_template.jinja")
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -83,7 +108,7 @@ INDEX_NAME = "model.safetensors.index.json"
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    init: str                   # "normal" (std = initializer_range) or "ones"
+    init: str                   # "normal" (std = initializer_range), "ones" or "zeros" (a (1 + w) norm's)
 
     @property
     def numel(self) -> int:
@@ -118,13 +143,64 @@ def tensor_groups(config) -> list[list[TensorSpec]]:
     h, v = config.hidden_size, config.vocab_size
     groups = [[TensorSpec("model.embed_tokens.weight", (v, h), "normal")]]
     groups += [_layer_tensors(config, i) for i in range(config.num_hidden_layers)]
-    last = [TensorSpec("model.norm.weight", (h,), "ones")]
+    last = [TensorSpec("model.norm.weight", (h,), _norm_init(config))]
     if not config.tie_word_embeddings:
         last.append(TensorSpec("lm_head.weight", (v, h), "normal"))
     return groups + [last]
 
 
+def _norm_init(config) -> str:
+    """A norm's weight that multiplies by 1: w, or (1 + w) in a hybrid model (engine.models.hybrid)."""
+    return "zeros" if is_hybrid(config) else "ones"
+
+
+def _hybrid_layer_tensors(config, i: int) -> list[TensorSpec]:
+    """A Qwen3.5 / Qwen3-Next layer: a linear-attention or a gated full-attention mixer, then the
+    MLP (Qwen3-Next: experts and a shared expert, but on mlp_only_layers)."""
+    h, p, norm = config.hidden_size, f"model.layers.{i}.", "zeros"
+    specs = [TensorSpec(p + "input_layernorm.weight", (h,), norm),
+             TensorSpec(p + "post_attention_layernorm.weight", (h,), norm)]
+    if config.layer_types[i] == "linear_attention":
+        hv, key = config.linear_num_value_heads, config.linear_num_key_heads * config.linear_key_head_dim
+        value = hv * config.linear_value_head_dim
+        a = p + "linear_attn."
+        specs += [TensorSpec(a + "conv1d.weight", (2 * key + value, 1, config.linear_conv_kernel_dim), "normal"),
+                  TensorSpec(a + "A_log", (hv,), "normal"), TensorSpec(a + "dt_bias", (hv,), "ones"),
+                  TensorSpec(a + "norm.weight", (config.linear_value_head_dim,), "ones"),
+                  TensorSpec(a + "out_proj.weight", (h, value), "normal")]
+        if config.model_type == "qwen3_next":
+            specs += [TensorSpec(a + "in_proj_qkvz.weight", (2 * key + 2 * value, h), "normal"),
+                      TensorSpec(a + "in_proj_ba.weight", (2 * hv, h), "normal")]
+        else:
+            specs += [TensorSpec(a + "in_proj_qkv.weight", (2 * key + value, h), "normal"),
+                      TensorSpec(a + "in_proj_z.weight", (value, h), "normal"),
+                      TensorSpec(a + "in_proj_b.weight", (hv, h), "normal"),
+                      TensorSpec(a + "in_proj_a.weight", (hv, h), "normal")]
+    else:
+        d = config.head_dim
+        q_size, kv_size = config.num_attention_heads * d, config.num_key_value_heads * d
+        specs += [TensorSpec(p + "self_attn.q_proj.weight", (2 * q_size, h), "normal"),
+                  TensorSpec(p + "self_attn.k_proj.weight", (kv_size, h), "normal"),
+                  TensorSpec(p + "self_attn.v_proj.weight", (kv_size, h), "normal"),
+                  TensorSpec(p + "self_attn.o_proj.weight", (h, q_size), "normal"),
+                  TensorSpec(p + "self_attn.q_norm.weight", (d,), norm),
+                  TensorSpec(p + "self_attn.k_norm.weight", (d,), norm)]
+    from engine.models.qwen3_5 import has_experts
+    if not has_experts(config, i):
+        return specs + _mlp_tensors(p + "mlp.", h, config.intermediate_size)
+    shared = config.shared_expert_intermediate_size
+    return (specs + _expert_tensors(config, p + "mlp.") + _mlp_tensors(p + "mlp.shared_expert.", h, shared)
+            + [TensorSpec(p + "mlp.shared_expert_gate.weight", (1, h), "normal")])
+
+
+def _mlp_tensors(p: str, h: int, inter: int) -> list[TensorSpec]:
+    return [TensorSpec(p + "gate_proj.weight", (inter, h), "normal"), TensorSpec(p + "up_proj.weight", (inter, h), "normal"),
+            TensorSpec(p + "down_proj.weight", (h, inter), "normal")]
+
+
 def _layer_tensors(config, i: int) -> list[TensorSpec]:
+    if is_hybrid(config):
+        return _hybrid_layer_tensors(config, i)
     h, inter = config.hidden_size, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q_size = config.num_attention_heads * head_dim
@@ -238,8 +314,8 @@ def write_safetensors(path: Path, specs: list[TensorSpec], dtype: torch.dtype, s
 
 def tensor_slices(spec: TensorSpec, dtype: torch.dtype, std: float, seed: int):
     """The tensor's values, row-major, in slices of at most ~SLICE_ELEMENTS values."""
-    if spec.init == "ones":
-        yield torch.ones(spec.shape, dtype=dtype)
+    if spec.init in ("ones", "zeros"):
+        yield (torch.ones if spec.init == "ones" else torch.zeros)(spec.shape, dtype=dtype)
         return
     generator = torch.Generator().manual_seed(_tensor_seed(seed, spec.name))
     rows, row_shape = spec.shape[0], spec.shape[1:]
