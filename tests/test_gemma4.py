@@ -131,3 +131,67 @@ def test_what_we_do_not_serve_is_refused_by_name(tmp_path, extra, named):
     _save(tmp_path, lambda: _gemma4(**extra))
     with pytest.raises(UnsupportedModelError, match=named):
         load_model(str(tmp_path))
+
+
+# ---- a llama.cpp file: config from the gemma4 keys ------------------------------------------
+def _write_like_llama_cpp(model, path) -> None:
+    """`model` (transformers' Gemma4ForCausalLM) as llama.cpp's convert (conversion/gemma.py,
+    Gemma4Model) writes it: its keys (per-layer arrays where it writes them), F32 tensors under
+    llama.cpp's names, norms as stored (no 1 + w), the full layers' rope_freqs, and (for the
+    loader) the default model's tokenizer."""
+    import gguf
+    from engine.loading.loader import default_gguf_path
+    from engine.loading.synthetic_gguf import add_tokenizer
+    c, layers = model.config, model.config.num_hidden_layers
+    shared = c.num_kv_shared_layers
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(layers)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(c.hidden_size_per_layer_input)
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    writer.add_key_length(32)
+    writer.add_value_length(32)
+    writer.add_key_length_swa(16)
+    writer.add_value_length_swa(16)
+    writer.add_feed_forward_length([c.intermediate_size * (2 if i >= layers - shared else 1) for i in range(layers)])
+    add_tokenizer(writer, gguf.GGUFReader(str(default_gguf_path())), c.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":                     # tied: llama.cpp writes token_embd only
+            continue
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)) + ("" if name.endswith(".weight") else ".weight"),
+                          tensor.float().numpy())
+    writer.add_tensor("rope_freqs.weight", torch.tensor([1.0] * 4 + [1e30] * 12).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_llama_cpp_gemma4_file_gives_transformers_logits(tmp_path):
+    """The gemma4 keys (sliding_window_pattern and feed_forward_length per layer, key_length and
+    key_length_swa, shared_kv_layers, embedding_length_per_layer_input) give transformers'
+    config back, and the file's tensors (norms as stored, PLE, layer scalars) its logits."""
+    make = lambda: _gemma4(vocab_size=49152, vocab_size_per_layer_input=49152)      # noqa: E731 (the tokenizer's)
+    ref = _save(tmp_path / "hf", make)
+    _write_like_llama_cpp(ref, tmp_path / "tiny-gemma4.gguf")
+    loaded = load_model(str(tmp_path / "tiny-gemma4.gguf"), weight_dtype="float")
+    config, theirs = loaded.hf_config, ref.config
+    assert config.model_type == "gemma4_text" and config.layer_types == theirs.layer_types
+    assert config.kv_sharing_modes == theirs.kv_sharing_modes and config.use_double_wide_mlp
+    assert [config.per_layer_config[i].head_dim for i in range(5)] == [16, 32, 16, 16, 32]
+    assert config.rope_parameters == theirs.rope_parameters
+    ids = torch.randint(0, 49152, (1, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(ids).logits[0]
+    runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=32, compile="off"), torch.device("cpu"))
+    got = runner.forward(runner.start(ids[0].tolist()), ids[0].tolist(), logits_for="all")
+    assert (got - expected).abs().max() < 1e-4

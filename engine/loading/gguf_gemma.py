@@ -1,4 +1,5 @@
-"""Gemma 3 from a llama.cpp file (`general.architecture` "gemma3"): its config from the keys
+"""Gemma 3 and 4 from a llama.cpp file (`general.architecture` "gemma3", "gemma4"; Gemma 4: see
+gguf_gemma4_config): the config from the keys
 convert_hf_to_gguf.py writes, and its norm weights back to transformers' values.
 
 What the file says and what llama.cpp fixes (src/llama-model.cpp, LLM_ARCH_GEMMA3):
@@ -20,7 +21,8 @@ What the file says and what llama.cpp fixes (src/llama-model.cpp, LLM_ARCH_GEMMA
 """
 from __future__ import annotations
 
-GGUF_GEMMA_ARCHES = {"gemma3": "gemma3_text"}        # llama.cpp's arch -> model_type
+GGUF_GEMMA_ARCHES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}        # llama.cpp's arch -> model_type
+NORMS_STORED_SHIFTED = ("gemma3_text",)              # Gemma 4's convert stores w itself (norm_shift 0)
 LLAMA_CPP_SWA_PATTERN = 6                            # every 6th layer full (set_swa_pattern(6))
 LLAMA_CPP_SWA_ROPE_BASE = 10000.0
 LLAMA_CPP_27B_LAYERS = 62                            # where the attention scale is 1/sqrt(hidden / heads)
@@ -57,6 +59,71 @@ def gguf_gemma3_config(metadata: dict, shapes: dict[str, tuple[int, ...]], **ext
 
 def norm_shift(hf_name: str, config) -> float:
     """What llama.cpp added to a stored tensor of a file of this config (subtract it on read)."""
-    if getattr(config, "model_type", None) in GGUF_GEMMA_ARCHES.values() and hf_name.endswith("norm.weight"):
+    if getattr(config, "model_type", None) in NORMS_STORED_SHIFTED and hf_name.endswith("norm.weight"):
         return NORM_SHIFT
     return 0.0
+
+
+def gguf_gemma_config(metadata: dict, shapes: dict[str, tuple[int, ...]], **extra):
+    """The config of a llama.cpp Gemma file of either generation."""
+    if metadata.get("general.architecture") == "gemma4":
+        return gguf_gemma4_config(metadata, shapes, **extra)
+    return gguf_gemma3_config(metadata, shapes, **extra)
+
+
+LLAMA_CPP_GEMMA4_FULL_ROPE = 0.25         # the full layers' partial_rotary_factor (see gguf_gemma4_config)
+
+
+def gguf_gemma4_config(metadata: dict, shapes: dict[str, tuple[int, ...]], **extra):
+    """A Gemma4TextConfig from the keys llama.cpp's convert (conversion/gemma.py, Gemma4Model)
+    writes and its gemma4 graph reads (src/models/gemma4.cpp):
+    - attention.sliding_window_pattern: one bool per layer (true: sliding) -> layer_types;
+    - key_length / key_length_swa: the full and sliding layers' head dims (global_head_dim, head_dim);
+    - head_count_kv: a number, or one per layer (the full layers' -> num_global_key_value_heads);
+    - feed_forward_length: a number, or one per layer, doubled on the KV-sharing layers
+      (use_double_wide_mlp); attention.shared_kv_layers; embedding_length_per_layer_input
+      (0: no per-layer embeddings); rope.freq_base (full layers) and rope.freq_base_swa
+      (llama.cpp's default 10000 where absent); final_logit_softcapping where written;
+    - from the tensors: the vocabularies (token_embd, per_layer_token_embd), a tied head (no
+      output.weight), attention_k_eq_v (a full layer that stores KV has no attn_v).
+    The full layers' proportional RoPE has no key: llama.cpp writes it as rope_freqs (1 for a
+    rotated pair, 1e30 for a pair left alone); transformers' default quarter is assumed.
+    Norms are stored as w (Gemma 4's convert adds nothing), and the attention scale is 1."""
+    from transformers import AutoConfig
+    arch = "gemma4"
+
+    def key(name, default=None):
+        return metadata.get(f"{arch}.{name}", default)
+    layers, hidden = key("block_count"), key("embedding_length")
+    sliding = [bool(x) for x in key("attention.sliding_window_pattern")]
+    layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    shared = int(key("attention.shared_kv_layers", 0))
+    ff = _per_layer(key("feed_forward_length"), layers)
+    kv_heads = _per_layer(key("attention.head_count_kv"), layers)
+    sliding_heads = next(h for h, s in zip(kv_heads, sliding) if s)
+    full_heads = next((h for h, s in zip(kv_heads, sliding) if not s), sliding_heads)
+    stores = [i for i in range(layers - shared) if not sliding[i]]
+    per_layer = int(key("embedding_length_per_layer_input", 0))
+    fields = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=key("attention.head_count"),
+                  num_key_value_heads=sliding_heads, head_dim=key("attention.key_length_swa"),
+                  global_head_dim=key("attention.key_length"), intermediate_size=min(ff),
+                  use_double_wide_mlp=max(ff) > min(ff), max_position_embeddings=key("context_length"),
+                  rms_norm_eps=key("attention.layer_norm_rms_epsilon"), vocab_size=shapes["token_embd.weight"][1],
+                  tie_word_embeddings="output.weight" not in shapes, sliding_window=key("attention.sliding_window"),
+                  layer_types=layer_types, num_kv_shared_layers=shared,
+                  attention_k_eq_v=bool(stores) and f"blk.{stores[0]}.attn_v.weight" not in shapes,
+                  hidden_size_per_layer_input=per_layer,
+                  vocab_size_per_layer_input=shapes["per_layer_token_embd.weight"][1] if per_layer else 0,
+                  final_logit_softcapping=key("final_logit_softcapping") or None,
+                  rope_parameters={"full_attention": {"rope_type": "proportional", "rope_theta": float(key("rope.freq_base")),
+                                                      "partial_rotary_factor": LLAMA_CPP_GEMMA4_FULL_ROPE},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": float(
+                                       key("rope.freq_base_swa", LLAMA_CPP_SWA_ROPE_BASE))}})
+    if full_heads != sliding_heads:
+        fields["num_global_key_value_heads"] = full_heads
+    return AutoConfig.for_model("gemma4_text", architectures=["Gemma4ForCausalLM"], **fields, **extra)
+
+
+def _per_layer(value, layers: int) -> list[int]:
+    """A key llama.cpp writes as one number or one per layer, as a list per layer."""
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)] * layers

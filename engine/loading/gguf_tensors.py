@@ -84,6 +84,11 @@ LAYER_NAMES = ("input_layernorm.weight", "post_attention_layernorm.weight",
                *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
 # Gemma's two more norms per layer (their gguf names would match a Llama file's ffn_norm too)
 SANDWICH_NAMES = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
+# Gemma 4's per-layer inputs (whole model, then per layer) and layer scalars (engine.models.gemma4)
+GEMMA4_GLOBAL_NAMES = ("model.embed_tokens_per_layer.weight", "model.per_layer_model_projection.weight",
+                       "model.per_layer_projection_norm.weight")
+GEMMA4_LAYER_NAMES = ("per_layer_input_gate.weight", "per_layer_projection.weight", "post_per_layer_input_norm.weight",
+                      "layer_scalar")
 # the router (ffn_gate_inp in the file) under the names the model type gives it
 ROUTER_NAMES = {"qwen3_moe": ("mlp.gate.weight",), "gpt_oss": ("mlp.router.weight", "mlp.router.bias")}
 EXPERT_NAMES = tuple(f"{p}_proj.{w}" for p in ("gate", "up", "down") for w in ("weight", "bias"))
@@ -137,7 +142,11 @@ class GGUFTensors:
         moe = [*ROUTER_NAMES.get(getattr(self.hf_config, "model_type", None), ()),
                *(f"mlp.experts.{e}.{n}" for e in range(self.num_experts) for n in EXPERT_NAMES)]
         sandwich = SANDWICH_NAMES if sandwich_norms(self.hf_config) else ()
-        candidates = [*GLOBAL_NAMES, *(f"model.layers.{i}.{n}" for i in layers for n in (*LAYER_NAMES, *sandwich, *moe))]
+        gemma4 = getattr(self.hf_config, "model_type", None) == "gemma4_text"
+        if gemma4:
+            sandwich = SANDWICH_NAMES + GEMMA4_LAYER_NAMES
+        candidates = [*GLOBAL_NAMES, *(GEMMA4_GLOBAL_NAMES if gemma4 else ()),
+                      *(f"model.layers.{i}.{n}" for i in layers for n in (*LAYER_NAMES, *sandwich, *moe))]
         return [n for n in candidates if self._tensor(n) is not None]
 
     def type_of(self, hf_name: str) -> str | None:
@@ -355,7 +364,7 @@ _STRING, _ARRAY = 8, 9
 
 def read_header(path: Path) -> tuple[dict, list[StoredTensor]]:
     """(scalar metadata, tensors) of a GGUF file (v2/v3, little-endian); array values
-    (the tokenizer's tokens and merges) are skipped."""
+    (the tokenizer's tokens and merges) are skipped, but for short numeric ones (per layer)."""
     import gguf
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         if data[:4] != b"GGUF":
@@ -406,7 +415,7 @@ def _string(data, at: int) -> tuple[str, int]:
 
 
 def _value(data, at: int, kind: int):
-    """(the value, or None for an array, which is skipped; the offset after it)."""
+    """(the value, or None for an array, which is skipped unless short and numeric; the offset after it)."""
     if kind == _STRING:
         return _string(data, at)
     if kind != _ARRAY:
@@ -420,9 +429,15 @@ def _value(data, at: int, kind: int):
     elif item == _ARRAY:
         for _ in range(count):
             at = _value(data, at, _ARRAY)[1]
+    elif count <= PER_LAYER_ARRAY_MAX:      # a per-layer key (Gemma 4's sliding_window_pattern, feed_forward_length)
+        fmt = f"<{count}{_SCALARS[item]}"
+        return list(struct.unpack_from(fmt, data, at)), at + struct.calcsize(fmt)
     else:
         at += count * struct.calcsize("<" + _SCALARS[item])
     return None, at
+
+
+PER_LAYER_ARRAY_MAX = 1024      # numeric arrays up to this long are read (one value per layer); longer are the tokenizer's
 
 
 class GGUFCheckpoint:
