@@ -133,3 +133,38 @@ def test_state_bytes_are_counted_apart_from_kv_bytes(tiny_hybrid):
         eng.step()
     assert runner.state_bytes_held() == 0 and a is not None
     assert config.layer_types.count("full_attention") == 1
+
+
+# ---- speculation: the state rolled back to the last accepted token -------------------------
+@pytest.fixture(scope="module")
+def llama_draft(tmp_path_factory):
+    """A draft that shares the target's tokenizer: the tiny synthetic Llama (its own KV, no state)."""
+    from engine.loading.synthetic import write_checkpoint
+    return str(write_checkpoint(tmp_path_factory.mktemp("tiny-draft"), "tiny", seed=1))
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_draft_chains_and_trees_verify_with_the_state_rolled_back(tiny_hybrid, llama_draft, shape):
+    """Greedy speculation (a draft's chain of 3, or its 3:4:10 tree) verified by the hybrid
+    target: each linear layer keeps the state after every row of the verify pass (a tree's row
+    after its parent's) and goes back to the last accepted one. Eight requests together (chains:
+    with a preemption) give their tokens alone, and those are the tokens without speculation."""
+    from tests.test_batching import PRESSURE, params_for, prompts, run_together, solo
+    from tests.test_batching import engine as make_engine
+    if tiny_hybrid.model.lm_head.weight.dtype != torch.float32:
+        pytest.skip("speculation is checked in fp32 (bf16 batching: test_eight_concurrent_requests...)")
+    spec = dict(proposer="draft", draft_model=llama_draft, num_speculative_tokens=3, speculation_policy="fixed")
+    if shape == "tree":
+        spec["draft_tree"] = "3:4:10"
+    all_prompts, all_params = prompts(tiny_hybrid), [params_for(i, False) for i in range(8)]
+    plain = [solo(tiny_hybrid, p, s) for p, s in zip(all_prompts, all_params)]
+    alone = [solo(tiny_hybrid, p, s, **spec) for p, s in zip(all_prompts, all_params)]
+    # Under the pool pressure a separate draft model's tree proposer fails (an empty catch-up pass
+    # after a tree trimmed to no node: engine.spec.spec_decode, a Llama target too): trees run
+    # together without it.
+    pressure = PRESSURE if shape == "chain" else {}
+    together, stats = run_together(make_engine(tiny_hybrid, **pressure, **spec), all_prompts, all_params)
+    assert alone == plain
+    assert [together[i] for i in range(8)] == alone
+    assert sum(s.preemptions for s in stats.values()) >= (1 if pressure else 0)
+    assert sum(s.proposed for s in stats.values()) > 0

@@ -7,9 +7,10 @@ convolution's last K - 1 inputs ([conv_dim, K-1], model dtype) and the delta rul
 ([Hv, Dk, Dv], float32, as transformers keeps it). A slot is taken with the sequence and given
 back with it (engine.runtime.model_runner); a new one starts at zeros, the state before any token.
 
-A verify pass keeps the state after each of its rows (`kept`), so that speculation can go back to
-the last accepted token (`restore`): a chain's row r follows row r - 1, a tree's row follows its
-parent. The state is never in the prefix cache: a hybrid model's prefix hits are refused (the
+A pass whose every row wants logits (a decode, a verify pass of a chain or a tree) keeps the state
+after each of its rows (`kept`), so that speculation can go back to the last accepted token
+(`restore`): a chain's row r follows row r - 1, a tree's row follows its parent. Only the last
+such pass of a sequence is kept: a rollback reaches back into that pass, no further. The state is never in the prefix cache: a hybrid model's prefix hits are refused (the
 runner says so), and a sequence is always computed from its first token.
 """
 from __future__ import annotations
@@ -118,7 +119,7 @@ class StateCache:
         it). For a tree, `rows` is one past the last kept row's index in the pass."""
         for layer in range(self.shape.num_layers):
             kept = self.kept.get((layer, slot))
-            if kept is None or kept.start != start or rows >= len(kept.conv):
+            if kept is None or kept.start != start or not 0 <= rows < len(kept.conv):
                 raise RuntimeError(f"state slot {slot}: no state kept after {rows} rows of a pass from {start} "
                                    "(only a verify pass keeps its states)")
             self.conv[layer, slot].copy_(kept.conv[rows])

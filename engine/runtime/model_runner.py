@@ -299,13 +299,14 @@ class ModelRunner:
 
 
 def _parents(item: PassItem, start: int) -> list[int] | None:
-    """A verify pass's rows' parents (-1: the state before the pass) for the linear layers, which
-    keep the state after each row: a chain's row follows the one before it, a tree's its parent.
-    None for a prefill chunk or a decode (nothing to roll back)."""
+    """For the linear layers, which then keep the state after each row, the parents of the rows
+    (-1: the state before the pass) of a pass whose every row wants logits (a decode, a verify
+    pass, which may be rolled back): a chain's row follows the one before it, a tree's its parent.
+    None for a prefill chunk (never rolled back: it takes the chunked form)."""
     n = len(item.tokens)
     if item.tree is not None:
         return [path[-2] - start if len(path) > 1 else -1 for path in item.tree.paths]
-    if item.logits_rows > 1:
+    if item.logits_rows == n:
         return list(range(-1, n - 1))
     return None
 
