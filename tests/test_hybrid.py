@@ -168,3 +168,17 @@ def test_draft_chains_and_trees_verify_with_the_state_rolled_back(tiny_hybrid, l
     assert [together[i] for i in range(8)] == alone
     assert sum(s.preemptions for s in stats.values()) >= (1 if pressure else 0)
     assert sum(s.proposed for s in stats.values()) > 0
+
+
+def test_bench_memory_gives_kv_and_state_bytes_apart_for_qwen3_5():
+    """`bench memory --config qwen3.5-9b --context 32768` (transformers' Qwen3.5-9B-style config),
+    checked by hand: KV in the 8 full layers only, 2 x 8 x 4 KV heads x 256 x 2 bytes = 32 KiB a
+    token, 1 GiB a 32k sequence; the state of the 24 linear layers, (8192 conv channels x 3
+    inputs x 2 bytes + 32 heads x 128 x 128 x 4 bytes) x 24 = 51,511,296 bytes a sequence."""
+    from engine.bench.model_memory import model_memory
+    from engine.loading.synthetic import make_config
+    figures = model_memory(make_config("qwen3.5-9b"), 32768)
+    assert (figures["kv"]["full_layers"], figures["kv"]["linear_layers"]) == (8, 24)
+    assert figures["kv"]["bytes_per_token"]["bf16"] == 32768
+    assert figures["kv"]["bytes_per_sequence"]["bf16"] == 2**30
+    assert figures["state"]["bytes_per_sequence"] == (8192 * 3 * 2 + 32 * 128 * 128 * 4) * 24 == 51_511_296

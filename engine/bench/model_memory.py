@@ -22,6 +22,11 @@ E4M3 with its scales. A sliding-window layer counts as a full one, because this 
 all of a sequence's blocks for it (the window is a mask); what a cache that freed blocks
 behind the window would hold is shown apart (`window_freeing_cache`), as not what we do.
 
+State: a hybrid model (Qwen3.5, Qwen3-Next: engine.models.qwen3_5) has KV in its full-attention
+layers only, and per sequence a fixed-size state for its linear-attention layers (each one's
+convolution inputs in bf16 and its delta-rule state in fp32, engine.cache.state_cache), whatever
+the context: `state`, apart from `kv`. A sequence that fits on a card needs both.
+
 Cards: of a card's memory, the engine's default gpu_memory_fraction (0.9), less the CUDA
 context (a stated allowance: the memory plan measures it on the device), the activation
 reserve the memory plan would hold (engine.cache.memory_plan.activation_bytes for a
@@ -69,14 +74,28 @@ def model_memory(config, context: int) -> dict:
     model = meta_model(config)
     weights = weight_bytes(model)
     kv = kv_figures(model, context)
+    state = state_figures(model)
     reserve = reserve_bytes(model)
-    cards_of = cards(weights, kv["bytes_per_token"], reserve, context)
+    cards_of = cards(weights, kv["bytes_per_token"], reserve, context, state["bytes_per_sequence"] if state else 0)
     return {"model_type": config.model_type, "parameters": parameter_counts(model),
             "weights_bytes": weights, "weights_served_on_cuda": {k: SERVED_ON_CUDA[k] for k in weights},
-            "kv": kv, "cards": cards_of,
+            "kv": kv, "state": state, "cards": cards_of,
             "human": {"weights": {k: _gib(v) for k, v in weights.items()},
                       "kv_per_sequence": {k: _gib(v) for k, v in kv["bytes_per_sequence"].items()},
+                      "state_per_sequence": _mib(state["bytes_per_sequence"]) if state else None,
                       "tokens_that_fit": _fits_text(cards_of, context)}}
+
+
+def state_figures(model) -> dict | None:
+    """A hybrid model's linear-attention state per sequence (any context); None for others."""
+    from engine.models.qwen3_5 import state_shape
+    shape = state_shape(model)
+    if shape is None:
+        return None
+    return {"linear_layers": shape.num_layers, "bytes_per_sequence": shape.bytes_per_slot(torch.bfloat16),
+            "per_layer": {"conv_inputs": [shape.conv_dim, shape.conv_width], "conv_dtype": "bf16",
+                          "recurrent": [shape.num_heads, shape.head_k_dim, shape.head_v_dim], "recurrent_dtype": "fp32"},
+            "note": "fixed per sequence, whatever its length: the linear layers hold no KV"}
 
 
 # ---- parameters ------------------------------------------------------------------
@@ -155,13 +174,14 @@ def kv_figures(model, context: int) -> dict:
     cache that freed the blocks behind each window would hold for one sequence."""
     shape = model.cache_shape
     per_token = {name: shape.bytes_per_token(d) + shape.scale_bytes_per_token(d) for name, d in KV_DTYPES.items()}
-    windows = [layer.self_attn.window for layer in model.layers]
+    windows = [attn.window for attn in model.attention_layers]      # a hybrid model's full layers only
     window_layers = [w for w in windows if w]
     per_layer = {name: v // shape.num_layers for name, v in per_token.items()}
     kept = (len(windows) - len(window_layers)) * context + sum(min(context, w) for w in window_layers)
     return {"bytes_per_token": per_token, "bytes_per_sequence": {k: v * context for k, v in per_token.items()},
             "context": context, "num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads,
             "head_dim": shape.head_dim, "full_layers": len(windows) - len(window_layers),
+            "linear_layers": len(model.layers) - len(windows),
             "window_layers": len(window_layers), "window_tokens": max(window_layers, default=0),
             "window_layers_counted": "as full layers: this engine keeps every block of a sequence for them "
                                      "(the window is a mask), so their KV bytes equal a full layer's",
@@ -177,9 +197,10 @@ def reserve_bytes(model) -> int:
     return activation_bytes(model, model.max_positions, kernels=True) + CUDA_FIXED_RESERVE
 
 
-def cards(weights: dict[str, int], kv_per_token: dict[str, int], reserve: int, context: int) -> dict:
+def cards(weights: dict[str, int], kv_per_token: dict[str, int], reserve: int, context: int,
+          state_per_sequence: int = 0) -> dict:
     """Per card: the budget, and per weight format x KV dtype the KV tokens that fit (whole
-    blocks) and how many sequences of `context` tokens that is."""
+    blocks) and how many sequences of `context` tokens that is (each with its state, if any)."""
     out = {"gpu_memory_fraction": GPU_MEMORY_FRACTION, "cuda_context_allowance_bytes": CUDA_CONTEXT_BYTES,
            "activation_reserve_bytes": reserve, "reserve_prompt_tokens": RESERVE_PREFILL_TOKENS,
            "block_size": BLOCK_SIZE}
@@ -190,8 +211,10 @@ def cards(weights: dict[str, int], kv_per_token: dict[str, int], reserve: int, c
             for kv, per_token in kv_per_token.items():
                 room = budget - w
                 tokens = max(room, 0) // (per_token * BLOCK_SIZE) * BLOCK_SIZE
+                blocks_per_sequence = math.ceil(context / BLOCK_SIZE) * per_token * BLOCK_SIZE
+                sequences = max(room, 0) // (blocks_per_sequence + state_per_sequence)
                 fits[f"{fmt}_weights_{kv}_kv"] = {"weights_fit": room > 0, "kv_bytes": max(room, 0),
-                                                  "tokens": tokens, "sequences_at_context": tokens // context}
+                                                  "tokens": tokens, "sequences_at_context": sequences}
         out[card] = {"card_bytes": size, "budget_after_reserve_bytes": budget, "fits": fits}
     return out
 
@@ -204,3 +227,7 @@ def _fits_text(cards_of: dict, context: int) -> dict:
 
 def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.2f} MiB"
