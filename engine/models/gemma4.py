@@ -173,12 +173,14 @@ class Gemma4MLP(MLP):
 
 
 class Gemma4DecoderLayer(nn.Module):
-    """Gemma's four norms, then the per-layer input's residual (PLE), then layer_scalar."""
+    """Gemma's four norms, then the per-layer input's residual (PLE), then layer_scalar
+    (`attention`: another class for the attention, e.g. the assistant's, engine.models.gemma4_assistant)."""
 
-    def __init__(self, config, index: int, cache_index: int, shares: bool, cache_head_dim: int):
+    def __init__(self, config, index: int, cache_index: int, shares: bool, cache_head_dim: int,
+                 attention: type[nn.Module] | None = None):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma4Attention(config, index, cache_index, shares, cache_head_dim)
+        self.self_attn = (attention or Gemma4Attention)(config, index, cache_index, shares, cache_head_dim)
         wide = 2 if config.use_double_wide_mlp and shares else 1
         self.mlp = Gemma4MLP(config, config.intermediate_size * wide)
         self.input_layernorm, self.post_attention_layernorm = Gemma4RMSNorm(hidden, eps), Gemma4RMSNorm(hidden, eps)
