@@ -195,3 +195,31 @@ def test_a_llama_cpp_gemma4_file_gives_transformers_logits(tmp_path):
     runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=32, compile="off"), torch.device("cpu"))
     got = runner.forward(runner.start(ids[0].tolist()), ids[0].tolist(), logits_for="all")
     assert (got - expected).abs().max() < 1e-4
+
+
+def test_a_multimodal_gemma4_folder_serves_its_text_model(tmp_path):
+    """Gemma 4's releases are Gemma4ForConditionalGeneration folders: we serve the text_config,
+    reading the text model under "model.language_model." and leaving the image tower unread;
+    text-only logits are the multimodal model's."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoConfig, Gemma4ForConditionalGeneration, PreTrainedTokenizerFast
+    vision = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                  position_embedding_size=64)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gemma4", text_config=_gemma4().to_dict(), vision_config=vision, audio_config=None)
+    ref = Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.add_(torch.randn_like(p) * 0.1) if "norm" in name else p.mul_(4.0)
+    ref.save_pretrained(tmp_path)
+    vocab = {f"t{i}": i for i in range(TINY["vocab_size"])}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert loaded.hf_config.model_type == "gemma4_text"
+    ids = torch.randint(0, TINY["vocab_size"], (1, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(input_ids=ids).logits[0]
+    runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=32, compile="off"), torch.device("cpu"))
+    got = runner.forward(runner.start(ids[0].tolist()), ids[0].tolist(), logits_for="all")
+    assert (got - expected).abs().max() < 1e-4

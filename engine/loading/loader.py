@@ -373,8 +373,9 @@ def check_weights(model, checkpoint: Checkpoint, config_path: Path, quantized: A
 
 def _name_in(checkpoint: Checkpoint, name: str) -> str | None:
     """transformers' name, or the same without "model." (some checkpoints drop the prefix), or
-    under "language_model." (a multimodal Gemma 3's text model)."""
-    for candidate in (name, name.removeprefix("model."), "language_model." + name):
+    under "language_model." (a multimodal Gemma 3's text model; Gemma 4's: "model.language_model.")."""
+    for candidate in (name, name.removeprefix("model."), "language_model." + name,
+                      "model.language_model." + name.removeprefix("model.")):     # a multimodal Gemma 4's
         if candidate in checkpoint:
             return candidate
     return None

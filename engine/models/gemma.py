@@ -23,7 +23,7 @@ import torch
 from engine.errors import UnsupportedModelError
 
 GEMMA_MODEL_TYPES = ("gemma3_text",)
-MULTIMODAL_WRAPPERS = ("gemma3",)         # configs whose text_config we serve (a gemma3_text)
+MULTIMODAL_WRAPPERS = ("gemma3", "gemma4")     # configs whose text_config we serve (a gemma3_text, a gemma4_text)
 
 
 def is_gemma(config) -> bool:
@@ -38,13 +38,15 @@ def text_config(config):
     return config
 
 
-IMAGE_TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.")      # a multimodal Gemma 3 checkpoint's
+IMAGE_TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.",      # a multimodal Gemma 3 checkpoint's
+                        "model.vision_tower.", "model.embed_vision.",      # Gemma 4's image and audio sides
+                        "model.audio_tower.", "model.embed_audio.")
 
 
 def image_tower_tensor(name: str, config) -> bool:
-    """Whether a checkpoint tensor belongs to a multimodal Gemma 3's image side (left unread;
-    its text model's tensors are under "language_model.")."""
-    return is_gemma(config) and name.startswith(IMAGE_TOWER_PREFIXES)
+    """Whether a checkpoint tensor belongs to a multimodal Gemma's image (or audio) side (left
+    unread; its text model's tensors are under "language_model.", Gemma 4's "model.language_model.")."""
+    return config.model_type in ("gemma3_text", "gemma4_text") and name.startswith(IMAGE_TOWER_PREFIXES)
 
 
 def check_supported(config) -> None:
