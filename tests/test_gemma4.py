@@ -121,6 +121,10 @@ def test_a_layer_that_reuses_kv_holds_no_cache(tmp_path):
     assert (plan.kv_layers.full, plan.kv_layers.window, plan.kv_layers.shared) == (1, 2, 2)
     assert runner.kv.bytes_allocated == per_token * 4 * 8
     assert model.padded_kv_values_per_token == 2 * 2 * kv_heads * (32 - 16)     # layers 0 and 2 are sliding
+    from engine.bench.model_memory import model_memory                       # `bench memory`'s figures agree
+    kv = model_memory(loaded.hf_config, 64)["kv"]
+    assert (kv["num_layers"], kv["full_layers"], kv["window_layers"], kv["kv_shared_layers"]) == (3, 1, 2, 2)
+    assert kv["bytes_per_token"]["bf16"] == 2 * 3 * kv_heads * width * 2
 
 
 @pytest.mark.parametrize("extra, named", [

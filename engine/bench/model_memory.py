@@ -63,10 +63,10 @@ SERVED_ON_CUDA = {
 def meta_model(config, max_positions: int = RESERVE_PREFILL_TOKENS):
     """Our model of this config on the meta device, in bf16: shapes and no memory."""
     from engine.loading.loader import no_random_init
-    from engine.models.llama import LlamaFamilyModel
+    from engine.models import build_model
     positions = min(max_positions, config.max_position_embeddings)
     with torch.device("meta"), no_random_init():
-        return LlamaFamilyModel(config, max_positions=positions).to(torch.bfloat16)
+        return build_model(config, max_positions=positions).to(torch.bfloat16)
 
 
 def model_memory(config, context: int) -> dict:
@@ -174,14 +174,15 @@ def kv_figures(model, context: int) -> dict:
     cache that freed the blocks behind each window would hold for one sequence."""
     shape = model.cache_shape
     per_token = {name: shape.bytes_per_token(d) + shape.scale_bytes_per_token(d) for name, d in KV_DTYPES.items()}
-    windows = [attn.window for attn in model.attention_layers]      # a hybrid model's full layers only
+    attentions = model.attention_layers                              # a hybrid model's full layers only
+    windows = [attn.window for attn in attentions if not getattr(attn, "shares", False)]   # Gemma 4's sharing layers hold none
     window_layers = [w for w in windows if w]
     per_layer = {name: v // shape.num_layers for name, v in per_token.items()}
     kept = (len(windows) - len(window_layers)) * context + sum(min(context, w) for w in window_layers)
     return {"bytes_per_token": per_token, "bytes_per_sequence": {k: v * context for k, v in per_token.items()},
             "context": context, "num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads,
             "head_dim": shape.head_dim, "full_layers": len(windows) - len(window_layers),
-            "linear_layers": len(model.layers) - len(windows),
+            "linear_layers": len(model.layers) - len(attentions), "kv_shared_layers": len(attentions) - len(windows),
             "window_layers": len(window_layers), "window_tokens": max(window_layers, default=0),
             "window_layers_counted": "as full layers: this engine keeps every block of a sequence for them "
                                      "(the window is a mask), so their KV bytes equal a full layer's",
