@@ -95,14 +95,25 @@ def tiny_hybrid(request, tmp_path_factory):
     return load_model(str(folder), dtype=request.param)
 
 
+_SOLO: dict[int, list[list[int]]] = {}
+
+
+def solo_greedy(loaded) -> list[list[int]]:
+    """test_batching's eight prompts, each alone, greedy, without speculation (once per model)."""
+    from tests.test_batching import params_for, prompts, solo
+    if id(loaded) not in _SOLO:
+        _SOLO[id(loaded)] = [solo(loaded, p, params_for(i, False)) for i, p in enumerate(prompts(loaded))]
+    return _SOLO[id(loaded)]
+
+
 def test_eight_concurrent_requests_give_their_solo_tokens(tiny_hybrid):
     """test_batching's eight requests (5..150 tokens, chunked prefills) under its pool pressure:
     each gives its solo tokens, with a preemption (recomputed from the first token, its state
     slot given back and taken anew); the prefix cache is refused, and says so."""
-    from tests.test_batching import PRESSURE, params_for, prompts, run_together, solo
+    from tests.test_batching import PRESSURE, params_for, prompts, run_together
     from tests.test_batching import engine as make_engine
     all_prompts, all_params = prompts(tiny_hybrid), [params_for(i, False) for i in range(8)]
-    alone = [solo(tiny_hybrid, p, s) for p, s in zip(all_prompts, all_params)]
+    alone = solo_greedy(tiny_hybrid)
     eng = make_engine(tiny_hybrid, **PRESSURE)
     together, stats = run_together(eng, all_prompts, all_params)
     assert [together[i] for i in range(8)] == alone
@@ -147,9 +158,9 @@ def llama_draft(tmp_path_factory):
 def test_draft_chains_and_trees_verify_with_the_state_rolled_back(tiny_hybrid, llama_draft, shape):
     """Greedy speculation (a draft's chain of 3, or its 3:4:10 tree) verified by the hybrid
     target: each linear layer keeps the state after every row of the verify pass (a tree's row
-    after its parent's) and goes back to the last accepted one. Eight requests together (chains:
-    with a preemption) give their tokens alone, and those are the tokens without speculation."""
-    from tests.test_batching import PRESSURE, params_for, prompts, run_together, solo
+    after its parent's) and goes back to the last accepted one. Eight requests speculating
+    together (chains: with a preemption) give each its tokens alone without speculation."""
+    from tests.test_batching import PRESSURE, params_for, prompts, run_together
     from tests.test_batching import engine as make_engine
     if tiny_hybrid.model.lm_head.weight.dtype != torch.float32:
         pytest.skip("speculation is checked in fp32 (bf16 batching: test_eight_concurrent_requests...)")
@@ -157,15 +168,13 @@ def test_draft_chains_and_trees_verify_with_the_state_rolled_back(tiny_hybrid, l
     if shape == "tree":
         spec["draft_tree"] = "3:4:10"
     all_prompts, all_params = prompts(tiny_hybrid), [params_for(i, False) for i in range(8)]
-    plain = [solo(tiny_hybrid, p, s) for p, s in zip(all_prompts, all_params)]
-    alone = [solo(tiny_hybrid, p, s, **spec) for p, s in zip(all_prompts, all_params)]
+    plain = solo_greedy(tiny_hybrid)
     # Under the pool pressure a separate draft model's tree proposer fails (an empty catch-up pass
     # after a tree trimmed to no node: engine.spec.spec_decode, a Llama target too): trees run
     # together without it.
     pressure = PRESSURE if shape == "chain" else {}
     together, stats = run_together(make_engine(tiny_hybrid, **pressure, **spec), all_prompts, all_params)
-    assert alone == plain
-    assert [together[i] for i in range(8)] == alone
+    assert [together[i] for i in range(8)] == plain
     assert sum(s.preemptions for s in stats.values()) >= (1 if pressure else 0)
     assert sum(s.proposed for s in stats.values()) > 0
 
@@ -182,3 +191,44 @@ def test_bench_memory_gives_kv_and_state_bytes_apart_for_qwen3_5():
     assert figures["kv"]["bytes_per_token"]["bf16"] == 32768
     assert figures["kv"]["bytes_per_sequence"]["bf16"] == 2**30
     assert figures["state"]["bytes_per_sequence"] == (8192 * 3 * 2 + 32 * 128 * 128 * 4) * 24 == 51_511_296
+
+
+def test_a_hybrid_model_as_a_draft_is_refused_by_name(tiny_hybrid):
+    """A draft rolls back over several of its own passes; a hybrid model's state keeps one pass's."""
+    from engine.errors import UnsupportedModelError
+    from engine.loading.loader import load_draft
+    with pytest.raises(UnsupportedModelError, match="qwen3_5_text.*cannot draft"):
+        load_draft("self:2", tiny_hybrid)
+
+
+def test_a_multimodal_qwen3_5_folder_serves_its_text_model(tmp_path):
+    """The released Qwen3.5 folders are multimodal (`qwen3_5`, the text model under
+    "model.language_model.", a vision tower under "model.visual.", and a multi-token-prediction
+    head under "mtp."): we serve the text model and leave the rest unread."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from engine.runtime.model_runner import ModelRunner
+    text = _qwen3_5().to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    make = lambda: AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision)   # noqa: E731
+    torch.manual_seed(0)
+    ref = AutoModelForImageTextToText.from_config(make(), dtype=torch.float32).eval()
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({**tensors, "mtp.fc.weight": torch.zeros(4, 4)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _save_tokenizer(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert loaded.hf_config.model_type == "qwen3_5_text"
+    ids = torch.randint(0, TINY["vocab_size"], (1, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(input_ids=ids).logits[0]
+    runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=32, compile="off"), torch.device("cpu"))
+    got = runner.forward(runner.start(ids[0].tolist()), ids[0].tolist(), logits_for="all")
+    assert (got - expected).abs().max() < 1e-4
+
+
+def _save_tokenizer(folder) -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"t{i}": i for i in range(TINY["vocab_size"])}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(folder)

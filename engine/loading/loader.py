@@ -39,6 +39,7 @@ from engine.loading.checkpoint import Checkpoint
 from engine.loading.gguf_gemma import GGUF_GEMMA_ARCHES, gguf_gemma_config
 from engine.loading.stored_formats import format_of
 from engine.loading.weight_quant import AUTO, FLOAT, WeightReport, release_freed_memory, serve_weights, served_as_stored
+from engine.models import hybrid
 from engine.models.gemma import image_tower_tensor, text_config
 from resources import DRAFTS_DIR
 
@@ -324,7 +325,7 @@ def load_config(folder: Path):
     from transformers import AutoConfig
     read_config_json(folder)
     try:
-        return text_config(AutoConfig.from_pretrained(folder, trust_remote_code=False))
+        return hybrid.text_config(text_config(AutoConfig.from_pretrained(folder, trust_remote_code=False)))
     except ValueError as exc:   # unknown model_type, or one that needs remote code
         raise UnsupportedModelError(f"cannot read the config in {folder}: {exc}") from exc
 
@@ -405,7 +406,8 @@ def _ignored(name: str, config, quantized: AWQGPTQTensors | None = None) -> bool
     tied_head = name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False)
     # AutoGPTQ writes a (zero) bias for every quantized linear; vLLM skips those the model lacks too
     packed_bias = quantized is not None and name.endswith(".bias") and quantized.type_of(name[:-5] + ".weight")
-    return tied_head or bool(packed_bias) or "rotary_emb" in name or image_tower_tensor(name, config)
+    return (tied_head or bool(packed_bias) or "rotary_emb" in name or image_tower_tensor(name, config)
+            or hybrid.unread_tensor(name, config))
 
 
 def identity_of(folder: Path, files: list[Path]) -> str:
@@ -533,12 +535,25 @@ def load_draft(reference, target: LoadedModel, device="cpu", dtype=torch.float32
     """A draft model: any reference load_model takes, or "self:N" -- the target's first N
     layers with its embedding, final norm and head (shared, no copy): an early-exit draft."""
     if isinstance(reference, str) and reference.startswith("self:"):
+        _refuse_hybrid_draft(target.hf_config, reference)
         return early_exit_draft(target, int(reference.split(":", 1)[1]))
     if reference == RETIRED_DRAFT:
         raise ModelNotFoundError(
             "'default-draft' is no longer shipped: the EAGLE head replaced it (proposer 'eagle'); "
             "or choose a draft model, 'self' or 'self:N'")
-    return load_model(reference, device=device, dtype=dtype, progress=progress)
+    draft = load_model(reference, device=device, dtype=dtype, progress=progress)
+    _refuse_hybrid_draft(draft.hf_config, draft.display_name)
+    return draft
+
+
+def _refuse_hybrid_draft(config, name: str) -> None:
+    """A draft rolls back over several of its own passes, which a hybrid model's state cannot
+    (it keeps the states of its last pass only: engine.cache.state_cache)."""
+    from engine.models.hybrid import is_hybrid
+    if is_hybrid(config):
+        raise UnsupportedModelError(
+            f"draft {name}: a hybrid linear-attention model ({config.model_type}) cannot draft (its state rolls "
+            "back over one pass only); choose a Llama-family draft with the same tokenizer, or proposer ngram")
 
 
 def early_exit_draft(target: LoadedModel, num_layers: int) -> LoadedModel:

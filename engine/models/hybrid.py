@@ -15,6 +15,21 @@ MULTIMODAL_WRAPPERS = ("qwen3_5",)       # configs whose text_config we serve (a
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
+def text_config(config):
+    """The config we serve: a multimodal `qwen3_5` config's text_config (its vision tower is left
+    unread; the released Qwen3.5 checkpoints are such), any other config as it is."""
+    return config.text_config if config.model_type in MULTIMODAL_WRAPPERS else config
+
+
+# Checkpoint tensors a hybrid model's text model never reads: a multimodal checkpoint's vision tower,
+# and the multi-token-prediction head (transformers leaves `mtp.*` unread too).
+UNREAD_PREFIXES = ("model.visual.", "mtp.")
+
+
+def unread_tensor(name: str, config) -> bool:
+    return is_hybrid(config) and name.startswith(UNREAD_PREFIXES)
+
+
 def is_hybrid(config) -> bool:
     return config.model_type in HYBRID_MODEL_TYPES
 
