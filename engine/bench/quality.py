@@ -5,6 +5,19 @@ in the same compute dtype, in one run:
     windows for both;
   - greedy agreement over the chat prompt set: how many tokens each reply shares with the
     float reply before the first difference (the median, and every prompt's count).
+
+`--against llama.cpp --model FILE.gguf`: our engine (fp32 compute unless --dtype, weights as
+stored) beside llama.cpp on the same file (bench_against_llama_cpp):
+  - perplexity by llama-perplexity's protocol (engine.remote.llama_tools) on the same token ids
+    (llama-server's tokenization of the same text), n_ctx = --window, --eval-tokens / n_ctx
+    chunks; llama.cpp run as users run it (K/V in f16, flash attention auto), with flash
+    attention off, and with K/V in f32 and flash attention off; ours with K/V in fp32 (the
+    compute dtype) and in float16: together they say what llama.cpp's f16 attention costs;
+  - greedy replies to the 10 chat prompts on the same prompt ids, --tokens each (32 is the
+    issue's), through llama-server as users run it and again with its K/V in f32: per prompt
+    the first divergence (null: all tokens agree) and, where they part, each side's log-prob
+    margin between the two tokens there (a margin of a few hundredths of a nat is a near tie
+    that any rounding difference flips; a large one would be a bug).
 """
 from __future__ import annotations
 
@@ -13,9 +26,27 @@ import statistics
 
 from engine.bench.scenarios import CHAT_PROMPTS, _engine, _perplexity, chat, held_out_text
 
+AGAINST = ("llama.cpp",)
+PPL_TOLERANCE_PCT = 0.5        # issue 40's target: ours within 0.5% of llama-perplexity
+# llama.cpp's arms beside its default (K/V f16, flash attention auto: on for the CPU), to say
+# what its attention precision costs: the CPU flash-attention kernel rounds Q to f16 and sums
+# V·softmax in an f16 accumulator (ggml-cpu ops.cpp, VKQ16); without it, K/V and Q still meet
+# in f16 (the f16 cache's vec_dot type); with K/V in f32 and flash attention off, attention is f32.
+LLAMA_FA_OFF = ("-fa", "off")
+LLAMA_KV_F32 = ("-ctk", "f32", "-ctv", "f32", "-fa", "off")
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--against", default=None, choices=AGAINST,
+                    help="quality: our engine beside llama.cpp on the same --model GGUF (perplexity by "
+                    "llama-perplexity's protocol with n_ctx --window over --eval-tokens, greedy tokens on the same "
+                    "prompt ids); scripts/build_llama_server.sh builds its tools")
+
 
 def bench_quality(args) -> dict:
     from engine import SamplingParams
+    if getattr(args, "against", None):
+        return bench_against_llama_cpp(args)
     weight_dtype = args.weight_dtype or "auto"
     engines = {name: _engine(argparse.Namespace(**{**vars(args), "weight_dtype": name}), enable_prefix_caching=False)
                for name in ("float", weight_dtype)}
@@ -38,3 +69,152 @@ def bench_quality(args) -> dict:
             "greedy_agreement_tokens_median": statistics.median(agree), "greedy_agreement_tokens": agree,
             "greedy_tokens": args.tokens, "prompts": len(CHAT_PROMPTS), "eval_tokens": len(ids) - 1,
             "window": args.window, "eval_text": "pydoc_data.topics (ships with Python)"}
+
+
+# ---- against llama.cpp on the same file -----------------------------------------------------
+def bench_against_llama_cpp(args) -> dict:
+    import tempfile
+    from pathlib import Path
+    import torch
+    from engine.errors import WorkbenchError
+    from engine.remote import llama_tools
+    from engine.remote.llama_server import LlamaServer
+    if not args.model or not str(args.model).endswith(".gguf"):
+        raise WorkbenchError("--against llama.cpp needs --model FILE.gguf (the file both engines load; "
+                             "python -m engine.bench.real_files lists the real ones)")
+    model = Path(args.model).expanduser()
+    eng = _engine(argparse.Namespace(**{**vars(args), "dtype": args.dtype or "float32", "device": args.device or "cpu"}),
+                  enable_prefix_caching=False, compile="off")
+    threads = torch.get_num_threads()
+    n_ctx = args.window
+    chunks = max(1, args.eval_tokens // n_ctx)
+    text = _eval_text(eng.tokenizer, (chunks + 1) * n_ctx)
+    servers = {"llama_cpp": (), "llama_cpp_kv_f32": LLAMA_KV_F32}
+    prompts = [eng.encode(chat(p)) for p in CHAT_PROMPTS]
+    replies = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        text_file = Path(tmp) / "eval.txt"
+        text_file.write_text(text)
+        for name, extra in servers.items():
+            with LlamaServer(model, ctx_size=max(n_ctx, 1024), threads=threads, metrics=False, extra=extra) as server:
+                if name == "llama_cpp":
+                    ids = llama_tools.tokenize(server.url, text)
+                    version = server.version()
+                    kv_types = server.kv_cache_types()
+                replies[name] = [llama_tools.greedy(server.url, p, args.tokens) for p in prompts]
+        theirs_ppl = {name: llama_tools.perplexity(model, text_file, n_ctx, chunks, threads=threads, extra=extra)
+                      for name, extra in {**servers, "llama_cpp_fa_off": LLAMA_FA_OFF}.items()}
+    ours_ppl, ours_chunks = _llama_cpp_protocol_perplexity(eng, ids, n_ctx, chunks)
+    eng.reconfigure(kv_cache_dtype="float16")           # llama.cpp's cache dtype, on our side
+    ours_kv_f16 = _llama_cpp_protocol_perplexity(eng, ids, n_ctx, chunks)[0]
+    eng.reconfigure(kv_cache_dtype="auto")
+    ours_ids = eng.tokenizer.encode(text, add_special_tokens=True)
+    greedy = _greedy_beside(eng, prompts, replies, args.tokens)
+    ref = theirs_ppl["llama_cpp"]
+    settings = eng.settings()
+    return {
+        "model": str(model), "against": "llama.cpp", "llama_cpp": version,
+        "ours": {"dtype": settings["dtype"], "weight_dtype": settings["weight_dtype"],
+                 "kv_cache_dtype": settings.get("kv_cache_dtype"), "served": _served(eng), "threads": threads},
+        "llama_cpp_kv": kv_types,
+        "perplexity": {"ours": ours_ppl, "llama_cpp": ref.ppl, "llama_cpp_stderr": ref.stderr,
+                       "diff_pct": 100 * (ours_ppl / ref.ppl - 1),
+                       "within_tolerance": abs(100 * (ours_ppl / ref.ppl - 1)) <= PPL_TOLERANCE_PCT,
+                       "tolerance_pct": PPL_TOLERANCE_PCT,
+                       "llama_cpp_fa_off": theirs_ppl["llama_cpp_fa_off"].ppl,
+                       "llama_cpp_kv_f32": theirs_ppl["llama_cpp_kv_f32"].ppl,
+                       "diff_pct_vs_llama_cpp_kv_f32": 100 * (ours_ppl / theirs_ppl["llama_cpp_kv_f32"].ppl - 1),
+                       "ours_kv_float16": ours_kv_f16,
+                       "ours_per_chunk": ours_chunks, "llama_cpp_per_chunk": ref.per_chunk,
+                       "n_ctx": n_ctx, "chunks": ref.chunks, "scored_tokens": ref.chunks * (n_ctx - n_ctx // 2 - 1),
+                       "same_chunks": ref.chunks == chunks and ref.n_ctx == n_ctx,
+                       "tokenization_identical": ours_ids[:len(ids)] == ids,
+                       "eval_text": "pydoc_data.topics (ships with Python)", "llama_perplexity": " ".join(ref.args)},
+        "greedy": greedy,
+    }
+
+
+def _eval_text(tokenizer, tokens: int) -> str:
+    """The shortest run of whole paragraphs of held_out_text with at least `tokens` tokens
+    (llama-perplexity tokenizes the whole file it is given)."""
+    text, out = held_out_text().split("\n\n"), []
+    count = 0
+    for paragraph in text:
+        out.append(paragraph)
+        count += len(tokenizer.encode(paragraph, add_special_tokens=False)) + 1
+        if count >= tokens * 1.1:
+            break
+    return "\n\n".join(out)
+
+
+def _served(eng) -> dict:
+    weights = eng.target_model.weights
+    return dict(weights.served) if weights is not None and getattr(weights, "served", None) else {}
+
+
+def _llama_cpp_protocol_perplexity(eng, ids: list[int], n_ctx: int, chunks: int) -> tuple[float, list[float]]:
+    """llama-perplexity's protocol on our runner: chunk i is ids[i n_ctx : (i+1) n_ctx] with its
+    first token made BOS (where the tokenizer adds one), fed whole in pieces of 256 through the
+    cache; positions n_ctx/2 .. n_ctx-2 are scored. Returns (ppl, the running estimate after
+    each chunk, as llama-perplexity prints it)."""
+    import math
+    import torch
+    runner, first = eng.runner, n_ctx // 2
+    bos = ids[0] if eng.tokenizer.bos_token_id is not None and ids and ids[0] == eng.tokenizer.bos_token_id else None
+    nll, count, running = 0.0, 0, []
+    for i in range(chunks):
+        chunk = ids[i * n_ctx:(i + 1) * n_ctx]
+        fed = ([bos] + chunk[1:]) if bos is not None else chunk
+        seq = runner.start(fed)
+        try:
+            for c in range(0, n_ctx, 256):
+                logits = runner.forward(seq, fed[c:c + 256], logits_for="all")      # [piece, V]
+                scored = range(max(c, first), min(c + 256, n_ctx - 1))            # positions scored here
+                if len(scored):
+                    targets = torch.tensor(chunk[scored.start + 1:scored.stop + 1], device=logits.device)
+                    rows = logits[scored.start - c:scored.stop - c].double()
+                    nll += float(torch.nn.functional.cross_entropy(rows, targets, reduction="sum"))
+        finally:
+            runner.end(seq)
+        count += n_ctx - first - 1
+        running.append(math.exp(nll / count))
+    return running[-1], running
+
+
+def _greedy_beside(eng, prompts: list[list[int]], replies: dict, tokens: int) -> dict:
+    from engine import SamplingParams
+    params = SamplingParams(max_tokens=tokens)         # stops at EOS, as llama-server does
+    eos = eng.eos_ids
+    ours = [[t for t in eng.generate_text(p, params)[1] if t not in eos] for p in prompts]
+    out = {"prompts": len(prompts), "tokens": tokens}
+    for name, theirs in replies.items():
+        rows = []
+        for prompt, mine, reply in zip(prompts, ours, theirs):
+            other = [t for t in reply.tokens if t not in eos]
+            at = next((i for i, (a, b) in enumerate(zip(mine, other)) if a != b), None)
+            if at is None and len(mine) != len(other):
+                at = min(len(mine), len(other))          # one stopped (EOS) where the other went on
+            row = {"first_divergence": at}
+            if at is not None and at < min(len(mine), len(other)):
+                row |= _margins(eng, prompt + mine[:at], mine[at], other[at], reply.top_logprobs[at]
+                                if at < len(reply.top_logprobs) else [])
+            rows.append(row)
+        out[name] = {"agree": sum(r["first_divergence"] is None for r in rows),
+                     "first_divergence": [r["first_divergence"] for r in rows], "divergences": rows}
+    out["ours_text"] = [eng.tokenizer.decode(t) for t in ours]
+    return out
+
+
+def _margins(eng, context: list[int], ours: int, theirs: int, their_top: list[tuple[int, float]]) -> dict:
+    """At a divergence: ours and theirs (ids), our log-prob of our token minus that of theirs,
+    and theirs the other way round (from llama-server's top 2; None when ours is not in it)."""
+    import torch
+    runner = eng.runner
+    seq = runner.start(context)
+    try:
+        logp = torch.log_softmax(runner.forward(seq, context, logits_for="last")[-1].double(), -1)
+    finally:
+        runner.end(seq)
+    their = dict(their_top)
+    return {"ours": ours, "theirs": theirs, "ours_margin_nats": float(logp[ours] - logp[theirs]),
+            "theirs_margin_nats": (their[theirs] - their[ours]) if ours in their and theirs in their else None}

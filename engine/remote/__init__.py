@@ -10,4 +10,5 @@ server_kinds.py         what differs between server kinds, one row each
 server_metrics.py       where each number comes from on a server's /metrics
 llama_server.py         a llama-server process on 127.0.0.1 (tests, bench peer)
 llama_server_binary.py  where scripts/build_llama_server.sh put the binaries
+llama_tools.py          llama-quantize, llama-perplexity, and llama-server's token endpoints
 """

