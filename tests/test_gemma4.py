@@ -227,3 +227,18 @@ def test_a_multimodal_gemma4_folder_serves_its_text_model(tmp_path):
     runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=32, compile="off"), torch.device("cpu"))
     got = runner.forward(runner.start(ids[0].tolist()), ids[0].tolist(), logits_for="all")
     assert (got - expected).abs().max() < 1e-4
+
+
+def test_a_synthetic_tiny_gemma4_checkpoint_holds_transformers_tensors():
+    """engine.loading.synthetic's "tiny-gemma4" writes the tensors our model reads: transformers'
+    Gemma4ForCausalLM's names and shapes, the sharing layers without k/v projections, norms
+    and layer scalars at 1."""
+    from transformers import AutoModelForCausalLM
+    from engine.loading.synthetic import make_config, tensor_groups
+    config = make_config("tiny-gemma4")
+    specs = [spec for group in tensor_groups(config) for spec in group]
+    with torch.device("meta"):
+        theirs = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    assert {spec.name: spec.shape for spec in specs} == theirs
+    assert "model.layers.3.self_attn.k_proj.weight" not in theirs
+    assert {spec.init for spec in specs if spec.name.endswith(("norm.weight", "layer_scalar"))} == {"ones"}

@@ -93,9 +93,19 @@ PRESETS["tiny-qwen3-next"] = {**PRESETS["tiny-qwen3.5"], "model_type": "qwen3_ne
                               "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                               "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]}
 
+# Gemma 4 (engine.models.gemma4): sliding and full layers with a wider head, the last two reusing
+# earlier layers' KV (with double-wide MLPs), per-layer embeddings
+PRESETS["tiny-gemma4"] = {**PRESETS["tiny"], "model_type": "gemma4_text", "num_hidden_layers": 5, "global_head_dim": 32,
+                          "intermediate_size": 96, "sliding_window": 4, "num_kv_shared_layers": 2,
+                          "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                                          "sliding_attention", "full_attention"],
+                          "use_double_wide_mlp": True, "hidden_size_per_layer_input": 8,
+                          "vocab_size_per_layer_input": 49152, "rms_norm_eps": 1e-6}
+
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",       # model_type -> class
                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+                 "gemma4_text": "Gemma4ForCausalLM"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "tokenizer.model", "chat_template.jinja")
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -140,6 +150,8 @@ def _preset_fields(preset: str | dict) -> dict:
 
 def tensor_groups(config) -> list[list[TensorSpec]]:
     """transformers' tensor names and shapes, grouped: embedding, one group per layer, head."""
+    if config.model_type == "gemma4_text":
+        return _groups_of_our_model(config)
     h, v = config.hidden_size, config.vocab_size
     groups = [[TensorSpec("model.embed_tokens.weight", (v, h), "normal")]]
     groups += [_layer_tensors(config, i) for i in range(config.num_hidden_layers)]
@@ -147,6 +159,23 @@ def tensor_groups(config) -> list[list[TensorSpec]]:
     if not config.tie_word_embeddings:
         last.append(TensorSpec("lm_head.weight", (v, h), "normal"))
     return groups + [last]
+
+
+def _groups_of_our_model(config) -> list[list[TensorSpec]]:
+    """The checkpoint tensors our model of the config reads (its weight sources, built on the
+    meta device), grouped by layer: what differs from layer to layer (Gemma 4's KV-sharing
+    layers have no k/v projections) comes from the model itself. Norms and layer scalars 1."""
+    from engine.loading.loader import no_random_init
+    from engine.models import build_model
+    with torch.device("meta"), no_random_init():
+        model = build_model(config, max_positions=2)
+    groups: dict[str, list[TensorSpec]] = {}
+    for source in model.weight_sources():
+        for name, shape in source.parts:
+            one = name.endswith("norm.weight") or name.endswith("layer_scalar")
+            key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
+            groups.setdefault(key, []).append(TensorSpec(name, shape, "ones" if one else "normal"))
+    return list(groups.values())
 
 
 def _norm_init(config) -> str:
