@@ -173,7 +173,8 @@ def _write_like_llama_cpp(model, path) -> None:
             continue
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)) + ("" if name.endswith(".weight") else ".weight"),
                           tensor.float().numpy())
-    writer.add_tensor("rope_freqs.weight", torch.tensor([1.0] * 4 + [1e30] * 12).numpy())
+    rotated = int(c.rope_parameters["full_attention"]["partial_rotary_factor"] * 16)    # of the 16 pairs of a 32-wide head
+    writer.add_tensor("rope_freqs.weight", torch.tensor([1.0] * rotated + [1e30] * (16 - rotated)).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -182,9 +183,11 @@ def _write_like_llama_cpp(model, path) -> None:
 
 def test_a_llama_cpp_gemma4_file_gives_transformers_logits(tmp_path):
     """The gemma4 keys (sliding_window_pattern and feed_forward_length per layer, key_length and
-    key_length_swa, shared_kv_layers, embedding_length_per_layer_input) give transformers'
-    config back, and the file's tensors (norms as stored, PLE, layer scalars) its logits."""
-    make = lambda: _gemma4(vocab_size=49152, vocab_size_per_layer_input=49152)      # noqa: E731 (the tokenizer's)
+    key_length_swa, shared_kv_layers, embedding_length_per_layer_input) and the rope_freqs tensor
+    (half the full layers' pairs rotated here, not transformers' default quarter) give
+    transformers' config back, and the file's tensors (norms as stored, PLE, layer scalars) its logits."""
+    rope = {**ROPE, "full_attention": {**ROPE["full_attention"], "partial_rotary_factor": 0.5}}
+    make = lambda: _gemma4(vocab_size=49152, vocab_size_per_layer_input=49152, rope_parameters=rope)  # noqa: E731
     ref = _save(tmp_path / "hf", make)
     _write_like_llama_cpp(ref, tmp_path / "tiny-gemma4.gguf")
     loaded = load_model(str(tmp_path / "tiny-gemma4.gguf"), weight_dtype="float")

@@ -64,17 +64,31 @@ def norm_shift(hf_name: str, config) -> float:
     return 0.0
 
 
-def gguf_gemma_config(metadata: dict, shapes: dict[str, tuple[int, ...]], **extra):
-    """The config of a llama.cpp Gemma file of either generation."""
+def gguf_gemma_config(metadata: dict, shapes: dict[str, tuple[int, ...]], rope_freqs: list[float] | None = None,
+                      **extra):
+    """The config of a llama.cpp Gemma file of either generation (rope_freqs: a Gemma 4 file's
+    rope_freqs tensor, rope_freqs_of)."""
     if metadata.get("general.architecture") == "gemma4":
-        return gguf_gemma4_config(metadata, shapes, **extra)
+        return gguf_gemma4_config(metadata, shapes, rope_freqs, **extra)
     return gguf_gemma3_config(metadata, shapes, **extra)
 
 
-LLAMA_CPP_GEMMA4_FULL_ROPE = 0.25         # the full layers' partial_rotary_factor (see gguf_gemma4_config)
+TRANSFORMERS_GEMMA4_FULL_ROPE = 0.25      # the full layers' partial_rotary_factor where a file has no rope_freqs
+UNROTATED = 1e29                          # llama.cpp's rope_freqs: 1e30 for a pair left alone
 
 
-def gguf_gemma4_config(metadata: dict, shapes: dict[str, tuple[int, ...]], **extra):
+def rope_freqs_of(path, tensors) -> list[float] | None:
+    """The values of a file's `rope_freqs.weight` (F32; `tensors`: engine.loading.gguf_tensors
+    read_header's), or None where it has none."""
+    import numpy as np
+    stored = next((t for t in tensors if t.name == "rope_freqs.weight" and t.tensor_type.name == "F32"), None)
+    if stored is None:
+        return None
+    return np.fromfile(path, dtype=np.float32, count=stored.shape[0], offset=stored.data_offset).tolist()
+
+
+def gguf_gemma4_config(metadata: dict, shapes: dict[str, tuple[int, ...]], rope_freqs: list[float] | None = None,
+                       **extra):
     """A Gemma4TextConfig from the keys llama.cpp's convert (conversion/gemma.py, Gemma4Model)
     writes and its gemma4 graph reads (src/models/gemma4.cpp):
     - attention.sliding_window_pattern: one bool per layer (true: sliding) -> layer_types;
@@ -86,8 +100,9 @@ def gguf_gemma4_config(metadata: dict, shapes: dict[str, tuple[int, ...]], **ext
       (llama.cpp's default 10000 where absent); final_logit_softcapping where written;
     - from the tensors: the vocabularies (token_embd, per_layer_token_embd), a tied head (no
       output.weight), attention_k_eq_v (a full layer that stores KV has no attn_v).
-    The full layers' proportional RoPE has no key: llama.cpp writes it as rope_freqs (1 for a
-    rotated pair, 1e30 for a pair left alone); transformers' default quarter is assumed.
+    The full layers' proportional RoPE has no key: llama.cpp writes it as the rope_freqs tensor
+    (1 for a rotated pair, 1e30 for a pair left alone), whose rotated share is the
+    partial_rotary_factor (transformers' default quarter where a file has none).
     Norms are stored as w (Gemma 4's convert adds nothing), and the attention scale is 1."""
     from transformers import AutoConfig
     arch = "gemma4"
@@ -116,7 +131,7 @@ def gguf_gemma4_config(metadata: dict, shapes: dict[str, tuple[int, ...]], **ext
                   vocab_size_per_layer_input=shapes["per_layer_token_embd.weight"][1] if per_layer else 0,
                   final_logit_softcapping=key("final_logit_softcapping") or None,
                   rope_parameters={"full_attention": {"rope_type": "proportional", "rope_theta": float(key("rope.freq_base")),
-                                                      "partial_rotary_factor": LLAMA_CPP_GEMMA4_FULL_ROPE},
+                                                      "partial_rotary_factor": _rotated_share(rope_freqs)},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": float(
                                        key("rope.freq_base_swa", LLAMA_CPP_SWA_ROPE_BASE))}})
     if full_heads != sliding_heads:
@@ -127,3 +142,9 @@ def gguf_gemma4_config(metadata: dict, shapes: dict[str, tuple[int, ...]], **ext
 def _per_layer(value, layers: int) -> list[int]:
     """A key llama.cpp writes as one number or one per layer, as a list per layer."""
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)] * layers
+
+
+def _rotated_share(rope_freqs: list[float] | None) -> float:
+    if not rope_freqs:
+        return TRANSFORMERS_GEMMA4_FULL_ROPE
+    return sum(1 for f in rope_freqs if f < UNROTATED) / len(rope_freqs)

@@ -36,7 +36,7 @@ import torch
 from engine.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
 from engine.loading.awq_gptq import GPTQ_CONFIG_FILE, AWQGPTQTensors, read_quantization_config
 from engine.loading.checkpoint import Checkpoint
-from engine.loading.gguf_gemma import GGUF_GEMMA_ARCHES, gguf_gemma_config
+from engine.loading.gguf_gemma import GGUF_GEMMA_ARCHES, gguf_gemma_config, rope_freqs_of
 from engine.loading.stored_formats import format_of
 from engine.loading.weight_quant import AUTO, FLOAT, WeightReport, release_freed_memory, serve_weights, served_as_stored
 from engine.models import hybrid
@@ -170,7 +170,8 @@ def _read_gguf(gguf: Path):
         config = gguf_moe_config(metadata, {t.name: t.shape for t in tensors})
         return config, _gguf_tokenizer(gguf, config.model_type)
     if metadata.get("general.architecture") in GGUF_GEMMA_ARCHES:
-        config = gguf_gemma_config(metadata, {t.name: t.shape for t in tensors}, **_gguf_token_ids(metadata))
+        config = gguf_gemma_config(metadata, {t.name: t.shape for t in tensors}, rope_freqs_of(gguf, tensors),
+                                   **_gguf_token_ids(metadata))
         return config, _gguf_tokenizer(gguf, config.model_type)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):
