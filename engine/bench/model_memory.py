@@ -88,8 +88,7 @@ def model_memory(config, context: int) -> dict:
 
 def state_figures(model) -> dict | None:
     """A hybrid model's linear-attention state per sequence (any context); None for others."""
-    from engine.models.qwen3_5 import state_shape
-    shape = state_shape(model)
+    shape = getattr(model, "state_shape", None)      # a hybrid model's (engine.models.qwen3_5.HybridModel)
     if shape is None:
         return None
     return {"linear_layers": shape.num_layers, "bytes_per_sequence": shape.bytes_per_slot(torch.bfloat16),

@@ -102,8 +102,7 @@ def state_slots(config: EngineConfig, device: torch.device) -> int:
 
 
 def state_bytes(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> "StateBytes | None":
-    from engine.models.qwen3_5 import state_shape
-    shape = state_shape(model)
+    shape = getattr(model, "state_shape", None)      # a hybrid model's (engine.models.qwen3_5.HybridModel)
     if shape is None:
         return None
     return StateBytes(shape.num_layers, shape.bytes_per_slot(next(model.parameters()).dtype),

@@ -317,13 +317,6 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def decoder_layer(config, head_dim: int, index: int) -> nn.Module:
-    if is_hybrid(config):
-        from engine.models.qwen3_5 import HybridDecoderLayer
-        return HybridDecoderLayer(config, head_dim, index)
-    return DecoderLayer(config, head_dim, index)
-
-
 def attention_of(layer: nn.Module) -> "Attention | None":
     """A decoder layer's attention (None: a hybrid model's linear-attention layer)."""
     return getattr(layer, "self_attn", None)
@@ -345,13 +338,20 @@ class LlamaFamilyModel(nn.Module):
         self.sliding_rotary = Rotary(config, self.head_dim, self.max_positions, SLIDING) if per_type else None
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.scale = embedding_scale(config)
-        self.layers = nn.ModuleList(decoder_layer(config, self.head_dim, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_hidden_layers))
         # each layer's layer in the paged KV cache (None: a hybrid model's linear layer, which has none)
         self.kv_index = [a.layer_index if a is not None else None for a in map(attention_of, self.layers)]
         self.norm = norm_of(config, config.hidden_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_weights: list[torch.Tensor] = []     # see pack_for_cpu
         self.tie_weights()
+
+    def decoder_layer(self, config, index: int) -> nn.Module:
+        """Layer `index` (a subclass builds its own: engine.models.qwen3_5.HybridModel)."""
+        if is_hybrid(config):
+            raise UnsupportedModelError(f"{config.model_type}: build it with engine.models.build_model (its "
+                                        "linear-attention layers are engine.models.qwen3_5's)")
+        return DecoderLayer(config, self.head_dim, index)
 
     def tie_weights(self) -> None:
         if getattr(self.config, "tie_word_embeddings", False):
@@ -420,10 +420,6 @@ class LlamaFamilyModel(nn.Module):
         [out, in] (what save_pretrained would write for them)."""
         out = {}
         for i, layer in enumerate(self.layers):
-            if is_hybrid(self.config):
-                from engine.models.qwen3_5 import hf_layer_tensors
-                out.update(hf_layer_tensors(layer, f"model.layers.{i}."))
-                continue
             a, p = layer.self_attn, f"model.layers.{i}."
             q, k, v = a.qkv_proj.weight.split([a.q_size, a.kv_size, a.kv_size])
             gate, up = layer.mlp.gate_up_proj.weight.split(layer.mlp.inter)

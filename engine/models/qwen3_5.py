@@ -31,7 +31,7 @@ from engine.cache.state_cache import StateShape
 from engine.layers import attention_op, linear_attention_op
 from engine.layers.attention import attention
 from engine.models.hybrid import is_linear_layer
-from engine.models.llama import MLP, Linear, norm_of
+from engine.models.llama import MLP, Linear, LlamaFamilyModel, norm_of
 from engine.models.moe import SparseMoE
 
 
@@ -200,12 +200,28 @@ class SharedExpertMoE(SparseMoE):
         return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
+class HybridModel(LlamaFamilyModel):
+    """LlamaFamilyModel's interface (loading, packing, logits, the compiled step's decode_layers)
+    over Qwen3.5's / Qwen3-Next's layers; `state_shape` sizes the state cache."""
+
+    def decoder_layer(self, config, index: int) -> nn.Module:
+        return HybridDecoderLayer(config, self.head_dim, index)
+
+    @property
+    def state_shape(self) -> StateShape:
+        linear = [layer.linear_attn for layer in self.layers if layer.is_linear]
+        return StateShape(len(linear), *linear[0].state_shape)
+
+    def hf_layer_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, layer in enumerate(self.layers):
+            out.update(hf_layer_tensors(layer, f"model.layers.{i}."))
+        return out
+
+
 def state_shape(model) -> StateShape | None:
-    """The state cache's shape for `model` (None: no linear layers)."""
-    linear = [layer.linear_attn for layer in model.layers if getattr(layer, "is_linear", False)]
-    if not linear:
-        return None
-    return StateShape(len(linear), *linear[0].state_shape)
+    """The state cache's shape for `model` (None: a model without linear-attention layers)."""
+    return getattr(model, "state_shape", None)
 
 
 def hf_layer_tensors(layer: HybridDecoderLayer, p: str) -> dict[str, torch.Tensor]:
