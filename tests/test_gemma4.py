@@ -245,3 +245,23 @@ def test_a_synthetic_tiny_gemma4_checkpoint_holds_transformers_tensors():
     assert {spec.name: spec.shape for spec in specs} == theirs
     assert "model.layers.3.self_attn.k_proj.weight" not in theirs
     assert {spec.init for spec in specs if spec.name.endswith(("norm.weight", "layer_scalar"))} == {"ones"}
+
+
+def test_requests_together_and_drafted_give_their_solo_tokens(tmp_path):
+    """Six requests in shared steps, drafted by the target's first 4 layers (an early-exit draft
+    whose layer 3 reuses layer 2's KV, its per-layer inputs the first 4 slices) as chains and as
+    trees (the sharing layers attend their producers' K/V of a tree's rows too): each one's
+    greedy tokens are those it gets alone. (49152 tokens: speculation calibrates with ids past 1000.)"""
+    from tests.conftest import together
+    _save(tmp_path, lambda: _gemma4(vocab_size=49152, vocab_size_per_layer_input=49152))
+    loaded = load_model(str(tmp_path))
+    rng = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 49152, (n,), generator=rng).tolist() for n in (3, 7, 12, 20, 5, 9)]
+    params = SamplingParams(max_tokens=12, stop_on_eos=False)
+    config = dict(kv_cache_bytes=8 * 2**20, compile="off")
+    solo = LLMEngine(loaded, EngineConfig(**config), torch.device("cpu"))
+    expected = [solo.generate_text(p, params)[1] for p in prompts]
+    for spec in (dict(proposer="draft", draft_model="self:4"), dict(proposer="draft", draft_model="self:4",
+                                                                    draft_tree="4:3:8")):
+        eng = LLMEngine(loaded, EngineConfig(**config, **spec), torch.device("cpu"))
+        assert together(eng, prompts, params) == expected, spec

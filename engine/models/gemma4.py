@@ -286,7 +286,7 @@ class Gemma4Model(LlamaFamilyModel):
     def _per_layer_inputs(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """[N, layers, width]: (norm(proj(h) * hidden^-0.5) + rows) * 2^-0.5, as transformers'
         project_per_layer_inputs."""
-        n, shape = h.shape[0], (h.shape[0], len(self.layers), self.per_layer_width)
+        n, shape = h.shape[0], (h.shape[0], self.config.num_hidden_layers, self.per_layer_width)   # an early exit's too
         projected = self.per_layer_model_projection(h) * self.config.hidden_size ** -0.5
         projected = self.per_layer_projection_norm(projected.view(shape))
         return (projected + rows.reshape(n, *shape[1:])) * 2.0 ** -0.5
