@@ -125,7 +125,8 @@ def bench_prefix(args) -> dict:
     a, b = statistics.median(cold_ms), statistics.median(warm_ms)
     return {"prompt_tokens": prompt_tokens, "system_prompt_tokens": system_tokens,
             "ttft_cold_ms": a, "ttft_warm_ms": b, "ttft_reduction": 1 - b / a, "hit_tokens": warm.hit,
-            "hit_fraction_of_system_prompt": warm.hit / system_tokens, "repeats": args.repeats}
+            "hit_fraction_of_system_prompt": warm.hit / system_tokens, "repeats": args.repeats,
+            "prefix_caching": eng.runner.prefix_state}      # a hybrid model's: refused, and why
 
 
 # ---- KV cache: bytes and perplexity ----------------------------------------------
