@@ -28,12 +28,18 @@ def _qwen3_next(**extra):
                     shared_expert_intermediate_size=48, mlp_only_layers=[1], **extra)
 
 
+def _qwen3_5_moe():
+    """Qwen3.5-MoE: Qwen3.5's layers, every MLP experts with a shared one."""
+    return _qwen3_5(model_type="qwen3_5_moe_text", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=48)
+
+
 CONFIGS = {"qwen3_5_text": _qwen3_5, "qwen3_next": _qwen3_next}
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", [*sorted(CONFIGS), "qwen3_5_moe_text"])
 def test_logits_match_transformers(tmp_path, name):
-    assert_logits_match_transformers(tmp_path, CONFIGS[name])
+    assert_logits_match_transformers(tmp_path, CONFIGS.get(name, _qwen3_5_moe))
 
 
 def test_chunked_form_equals_the_recurrent_one():

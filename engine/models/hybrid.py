@@ -10,8 +10,8 @@ asks here, as it asks engine.models.gemma; the layers themselves are in engine.m
 """
 from __future__ import annotations
 
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_next")
-MULTIMODAL_WRAPPERS = ("qwen3_5",)       # configs whose text_config we serve (a qwen3_5_text)
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+MULTIMODAL_WRAPPERS = ("qwen3_5", "qwen3_5_moe")      # configs whose text_config we serve
 LINEAR, FULL = "linear_attention", "full_attention"
 
 

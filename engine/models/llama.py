@@ -450,7 +450,7 @@ class LlamaFamilyModel(nn.Module):
         module, _, attr = name.rpartition(".")
         prefix = "" if module == "lm_head" else "model."
         owner, _, proj = module.rpartition(".")
-        if proj == "router" and self.config.model_type in ("qwen3_moe", "qwen3_next"):
+        if proj == "router" and self.config.model_type in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):
             module = f"{owner}.gate"                        # Qwen3-MoE and Qwen3-Next name their router `gate`
         if proj not in FUSED_PROJECTIONS:
             return WeightSource(name, ((f"{prefix}{module}.{attr}", shape),))

@@ -1,4 +1,4 @@
-"""Qwen3.5's text model (transformers' `qwen3_5_text`) and Qwen3-Next (`qwen3_next`): Llama-family
+"""Qwen3.5's text models (transformers' `qwen3_5_text`, `qwen3_5_moe_text`) and Qwen3-Next (`qwen3_next`): Llama-family
 decoders whose layers are, three in four (`layer_types`), linear attention (Gated DeltaNet)
 instead of attention.
 
@@ -16,6 +16,8 @@ instead of attention.
   which `GatedDeltaNet` splits as transformers does (row-wise, in the graph); and its MLP is a
   mixture of experts (engine.models.moe's, routed as Qwen3-MoE's) plus a shared expert gated by
   sigmoid(shared_expert_gate(x)) (`SharedExpertMoE`), but on `mlp_only_layers`.
+- Qwen3.5-MoE (`qwen3_5_moe_text`): Qwen3.5's layers, every MLP Qwen3-Next's experts, the top-k
+  weights always renormalised.
 Only the full layers have KV in the paged cache (their own layer numbering there, `kv_index`);
 the linear layers' state is in engine.cache.state_cache, one slot per sequence.
 """
@@ -177,8 +179,10 @@ class HybridDecoderLayer(nn.Module):
 
 
 def has_experts(config, index: int) -> bool:
-    """Whether layer `index` of a Qwen3-Next config is a mixture of experts (decoder_sparse_step,
-    but mlp_only_layers)."""
+    """Whether layer `index` is a mixture of experts: every layer of a Qwen3.5-MoE; Qwen3-Next's
+    per decoder_sparse_step, but mlp_only_layers."""
+    if config.model_type == "qwen3_5_moe_text":
+        return True
     if config.model_type != "qwen3_next" or not getattr(config, "num_experts", 0):
         return False
     step = getattr(config, "decoder_sparse_step", 1) or 1
@@ -191,6 +195,7 @@ class SharedExpertMoE(SparseMoE):
 
     def __init__(self, config):
         super().__init__(config, Linear)
+        self.norm_topk_prob = self.norm_topk_prob or config.model_type == "qwen3_5_moe_text"   # always, there
         shared = SimpleNamespace(hidden_size=config.hidden_size, intermediate_size=config.shared_expert_intermediate_size,
                                  hidden_act=config.hidden_act)
         self.shared_expert = MLP(shared)
