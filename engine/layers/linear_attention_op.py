@@ -10,9 +10,10 @@ in the graph. The eager pass calls the same function. Both read the pass (its st
 each sequence's rows and slot) from `serving`, per thread.
 
 Each sequence is computed alone, so a row never depends on what shares its pass. A prefill
-chunk of more than one token takes the chunked form, a decode the recurrent one; a verify
-pass (a chain or a tree of draft tokens) goes row by row from each row's parent (the row
-before it, or its parent in the tree) and keeps the state after every row for the rollback.
+chunk takes the chunked form (one token: the recurrent one); a pass whose every row wants
+logits (a decode, a verify pass of a chain or a tree of draft tokens) goes row by row from each
+row's parent (the row before it, or its parent in the tree) and keeps the state after every
+row, for the rollback to the last accepted token.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ from engine.layers import gated_delta
 @dataclass
 class LinearSeq:
     """One sequence's rows start..start+count-1 of the pass, its state slot, and how it goes:
-    `parents` (a verify pass: each row's parent row in the pass, -1 for the state before it;
-    the states after each row are kept) or None (a prefill chunk or a decode)."""
+    `parents` (a decode or a verify pass: each row's parent row in the pass, -1 for the state
+    before it; the states after each row are kept) or None (a prefill chunk)."""
     start: int
     count: int
     slot: int
@@ -105,7 +106,7 @@ class Shape:
 
 
 def _run(states: StateCache, layer: int, s: LinearSeq, x, g, beta, weight, shape: Shape) -> torch.Tensor:
-    """A prefill chunk (chunked form) or a decode (recurrent form) of one sequence."""
+    """A prefill chunk of one sequence (the chunked form; one token: the recurrent one)."""
     conv_state, state = states.conv[layer, s.slot], states.recurrent[layer, s.slot]
     x, new_conv = gated_delta.causal_conv(x, conv_state, weight)
     q, k, v = gated_delta.prepare(*shape.split(x), shape.num_v_heads)
@@ -117,7 +118,7 @@ def _run(states: StateCache, layer: int, s: LinearSeq, x, g, beta, weight, shape
 
 
 def _run_rows(states: StateCache, layer: int, s: LinearSeq, x, g, beta, weight, shape: Shape) -> torch.Tensor:
-    """A verify pass: row by row, each from its parent's state; every row's state is kept."""
+    """A decode or a verify pass: row by row, each from its parent's state; every row's state is kept."""
     kept = states.keep(layer, s.slot, s.computed)
     width = weight.shape[1] - 1
     out = []
