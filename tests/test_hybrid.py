@@ -258,3 +258,42 @@ def _save_tokenizer(folder) -> None:
     from transformers import PreTrainedTokenizerFast
     vocab = {f"t{i}": i for i in range(TINY["vocab_size"])}
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(folder)
+
+
+def test_rollback_and_compact_restore_the_state_after_the_last_accepted_row(tiny_hybrid):
+    """A verify pass whose drafts are accepted in part: a chain rolled back after its second row,
+    and a tree compacted to the root, its second child and that child's child. The next decode
+    gives the logits of plain decoding (the state is the one after the last accepted token, in
+    every linear layer, and the full layer's KV was moved with it)."""
+    from engine.layers.attention_metadata import TreeRows
+    from engine.runtime.model_runner import ModelRunner, PassItem
+    if tiny_hybrid.model.lm_head.weight.dtype != torch.float32:
+        pytest.skip("checked in fp32")
+    runner = ModelRunner(tiny_hybrid, EngineConfig(block_size=4, num_blocks=64, compile="off"), torch.device("cpu"))
+    prompt = list(range(3000, 3021))
+    plain = runner.start(prompt)
+    logits, tokens = [runner.forward(plain, prompt)], []
+    for _ in range(4):                                         # plain greedy decoding
+        tokens.append(int(logits[-1].argmax()))
+        logits.append(runner.forward(plain, [tokens[-1]]))
+    t0, t1, t2, t3 = tokens
+    wrong = (t1 + 1) % 49152
+    start = len(prompt)
+
+    chain = runner.start(prompt)
+    runner.forward(chain, prompt)
+    runner.forward(chain, [t0, t1, wrong, t2], logits_for=4)   # accepted: t1; rejected from `wrong` on
+    runner.rollback(chain, start + 2)
+    assert torch.allclose(runner.forward(chain, [t2]), logits[3], atol=1e-5)
+
+    tree = runner.start(prompt)
+    runner.forward(tree, prompt)
+    rows = TreeRows(start, [start + r for r in range(4)], [[start], [start, start + 1], [start, start + 2],
+                                                             [start, start + 2, start + 3]])
+    runner.forward_batch([PassItem(tree, [t0, wrong, t1, t2], 4, rows)])    # root; wrong | t1 -> t2
+    runner.compact(tree, start, [0, 2, 3])
+    assert tree.num_computed == start + 3
+    assert torch.allclose(runner.forward(tree, [t3]), logits[4], atol=1e-5)
+    for seq in (plain, chain, tree):
+        runner.end(seq)
+    assert runner.states.num_used_slots == 0
