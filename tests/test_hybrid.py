@@ -297,3 +297,14 @@ def test_rollback_and_compact_restore_the_state_after_the_last_accepted_row(tiny
     for seq in (plain, chain, tree):
         runner.end(seq)
     assert runner.states.num_used_slots == 0
+
+
+def test_a_hybrid_model_cut_to_its_linear_layers_serves_without_kv(tmp_path):
+    """`bench load --synthetic qwen3.5-9b --layers 3` keeps three linear layers and no full one:
+    no KV layer in the pool (blocks only count tokens), the state cache does the rest."""
+    from engine.loading.synthetic import write_checkpoint
+    cut = {"preset": "tiny-qwen3.5", "num_hidden_layers": 3, "layer_types": ["linear_attention"] * 3}
+    eng = LLMEngine(load_model(str(write_checkpoint(tmp_path, cut, dtype=torch.float32))),
+                    EngineConfig(kv_cache_bytes=2**20, compile="off"), torch.device("cpu"))
+    reply = eng.generate_text(list(range(100, 130)), SamplingParams(max_tokens=5, stop_on_eos=False))[1]
+    assert len(reply) == 5 and eng.runner.kv.shape.num_layers == 0 and eng.runner.bytes_held() == 0

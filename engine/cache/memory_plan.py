@@ -154,7 +154,10 @@ def plan_memory(config: EngineConfig, device: torch.device, target: torch.nn.Mod
     budget, rule = kv_budget(config, device, free, total, reserve)
     state = state_bytes(target, config, device)
     budget -= state.pool_bytes if state else 0
-    num_blocks = config.num_blocks or budget // per_block
+    if per_block:
+        num_blocks = config.num_blocks or budget // per_block
+    else:                   # no KV layer (a hybrid model cut to linear layers): blocks only count tokens
+        num_blocks = config.num_blocks or state_slots(config, device) * -(-target.max_positions // config.block_size)
     plan = MemoryPlan(str(device), total, target_bytes + draft_bytes, draft_bytes, reserve, tokens,
                       per_block, config.block_size, num_blocks, "num_blocks" if config.num_blocks else rule,
                       expert_bytes(target), kv_layers(target), state)
@@ -252,13 +255,18 @@ def activation_bytes(model: torch.nn.Module, tokens: int, kernels: bool) -> int:
     the router's logits, top_k copies of each token (gathered inputs, expert outputs, their
     scatter back) and one expert's intermediates over at most every token (each token picks
     an expert at most once)."""
-    c, attn = model.config, _attentions(model)[0]
+    c, attentions = model.config, _attentions(model)
+    if attentions:
+        q_size, kv_size, num_heads = attentions[0].q_size, attentions[0].kv_size, attentions[0].num_heads
+    else:                   # a hybrid model cut to its first (linear) layers: its config's attention
+        num_heads = c.num_attention_heads
+        q_size, kv_size = num_heads * model.head_dim, c.num_key_value_heads * model.head_dim
     itemsize = next(model.parameters()).element_size()
     hidden = c.hidden_size
     mlp = max(_mlp_activations(layer.mlp, hidden) for layer in model.layers)
-    per_token = max(mlp, 3 * hidden + 4 * attn.q_size + 4 * attn.kv_size) * itemsize
+    per_token = max(mlp, 3 * hidden + 4 * q_size + 4 * kv_size) * itemsize
     logits = (MAX_SPEC_TOKENS + 1) * c.vocab_size * (itemsize + 4)
-    scores = 0 if kernels else 2 * 4 * attn.num_heads * tokens * tokens     # fp32 scores + probabilities
+    scores = 0 if kernels else 2 * 4 * num_heads * tokens * tokens     # fp32 scores + probabilities
     return tokens * per_token + logits + scores
 
 

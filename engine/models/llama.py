@@ -380,8 +380,9 @@ class LlamaFamilyModel(nn.Module):
 
     @property
     def cache_shape(self) -> CacheShape:
-        attentions = self.attention_layers
-        return CacheShape(len(attentions), attentions[0].num_kv_heads, self.head_dim)
+        attentions = self.attention_layers       # none: a hybrid model cut to its first linear layers
+        heads = attentions[0].num_kv_heads if attentions else self.config.num_key_value_heads
+        return CacheShape(len(attentions), heads, self.head_dim)
 
     def hidden_states(self, input_ids: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [N] -> final normed hidden states [N, hidden]."""

@@ -258,9 +258,9 @@ class ModelRunner:
 
     def _prepare(self, mode: str, positions, slots, slices) -> AttentionMetadata:
         """The pass's attention metadata and its mode's layout, once for every layer."""
-        attn = self.model.attention_layers[0]
+        config = self.model.config           # (a hybrid model cut to linear layers has no attention)
         return attention.prepare(mode, positions, slots, slices, self.kv.block_size,
-                                 attn.num_heads // attn.num_kv_heads)
+                                 config.num_attention_heads // self.kv.shape.num_kv_heads)
 
     def _pass(self, ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor) -> tuple:
         if self.compiled is not None:
