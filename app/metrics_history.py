@@ -81,7 +81,8 @@ def describe_change(key: str, value, settings: dict | None = None) -> str:
     if key == "enable_prefix_caching":
         return "prefix cache " + ("on" if value else "off")
     if key == "proposer":
-        by = (settings or {}).get({"draft": "draft_model", "eagle": "eagle_head"}.get(value, ""))
+        by = (settings or {}).get({"draft": "draft_model", "assistant": "draft_model",
+                                   "eagle": "eagle_head"}.get(value, ""))
         return f"spec {value} ({by})" if by else f"spec {value}"
     if key == "num_speculative_tokens":
         return f"k={value}"
@@ -183,7 +184,7 @@ class MetricsHistory:
         changed = [k for k in MARKED_SETTINGS if k in settings and settings.get(k) != previous.get(k)]
         if not changed:
             return
-        for proposer, reference in (("draft", "draft_model"), ("eagle", "eagle_head")):
+        for proposer, reference in (("draft", "draft_model"), ("assistant", "draft_model"), ("eagle", "eagle_head")):
             if "proposer" in changed and settings.get("proposer") == proposer and reference in changed:
                 changed.remove(reference)       # "spec draft (self)", "spec eagle (shipped)" say both
         label = ", ".join(describe_change(k, settings[k], settings) for k in changed)

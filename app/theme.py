@@ -38,7 +38,8 @@ PLOT_COLOURS = {
 }
 # The acceptance plot's points, by the proposer that drafted the step (a step that does not
 # say which keeps PLOT_COLOURS["acceptance"]).
-PROPOSER_COLOURS = {"suffix": "#bf3989", "ngram": "#bc4c00", "eagle": "#8250df", "draft": "#1a7f37"}
+PROPOSER_COLOURS = {"suffix": "#bf3989", "ngram": "#bc4c00", "eagle": "#8250df", "draft": "#1a7f37",
+                    "assistant": "#0550ae"}
 # The load panel's series.
 LOAD_COLOURS = {
     "running": "#1a7f37", "waiting": "#d4a72c", "kv_used": "#1a7f37", "capacity": "#57606a",

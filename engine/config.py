@@ -140,16 +140,21 @@ SETTINGS: tuple[Setting, ...] = (
     # ---- speculative decoding ----
     Setting("proposer", str, "off", ENGINE, LIVE, "Proposer",
             choices={"off": "Off", "draft": "Draft model", "eagle": "EAGLE head", "ngram": "N-gram (prompt lookup)",
-                     "suffix": "Suffix (earlier text and replies)", "auto": "Auto (the one that pays, measured)"},
-            help="auto: each step drafts with the proposer whose measured tokens per second is highest (suffix, "
-            "n-gram, the EAGLE head where one fits the model, the draft model where one is loaded), or none; "
-            "each is measured again every so often (engine.spec.proposer_choice)",
+                     "suffix": "Suffix (earlier text and replies)", "assistant": "Gemma 4 assistant",
+                     "auto": "Auto (the one that pays, measured)"},
+            help="assistant: a Gemma 4 target drafts with its shipped assistant, loaded through the draft model "
+            "slot (draft_model: a folder whose config.json says gemma4_assistant; it reads the target's hidden "
+            "states and KV, so it has no cache of its own); auto: each step drafts with the proposer whose "
+            "measured tokens per second is highest (suffix, n-gram, the EAGLE head where one fits the model, the "
+            "draft model or the assistant where one is loaded), or none; each is measured again every so often "
+            "(engine.spec.proposer_choice)",
             group=SPECULATION_GROUP),
     Setting("num_speculative_tokens", int, 4, ENGINE, LIVE, "k (draft tokens)", low=1, high=MAX_SPEC_TOKENS,
             help="draft tokens proposed per step, verified in one target pass", group=SPECULATION_GROUP),
     Setting("draft_model", str, None, ENGINE, NEXT_REQUEST, "Draft model", optional=True,
             help="'self', 'self:N' (the target's first N layers), a folder or a .gguf (for the default model, the "
-            "EAGLE head is the shipped draft: proposer 'eagle')",
+            "EAGLE head is the shipped draft: proposer 'eagle'); a Gemma 4 assistant's folder loads the assistant "
+            "(proposer 'assistant', or 'draft')",
             group=SPECULATION_GROUP),
     Setting("eagle_head", str, None, ENGINE, LIVE, "EAGLE head", optional=True, off_text="shipped",
             help="a folder made by python -m engine.training.distill; None: the head shipped for the default model",

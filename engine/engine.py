@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -31,11 +32,14 @@ from engine.errors import CacheTooSmallError, ConfigError, PromptTooLongError, W
 from engine.loading import loader
 from engine.metrics import EngineStep, ProposerCounts, RequestStats, StepEvent
 from engine.models.eagle_head import EagleHead
+from engine.models.gemma4 import is_gemma4
+from engine.models.gemma4_assistant import Gemma4Assistant, is_assistant_folder, load_assistant
 from engine.request import Request
 from engine.runtime import cpu_paths
 from engine.runtime.eagle_step import EagleStep
 from engine.runtime.model_runner import ModelRunner, PassItem, prepare_model
 from engine.scheduler import Scheduler
+from engine.spec.assistant_proposer import AssistantProposer
 from engine.spec.eagle_proposer import EagleProposer
 from engine.spec.policy import SpeculationPolicy
 from engine.spec.proposer_choice import OFF, ProposerChoice
@@ -196,6 +200,7 @@ class LLMEngine:
                                   on_settings_changed=self._settings_changed)
         self.draft_runner: ModelRunner | None = None
         self.draft_name: str | None = None
+        self.assistant: Gemma4Assistant | None = None      # a Gemma 4 assistant in the draft model slot
         self.scheduler = Scheduler()
         self.requests: dict[int, Request] = {}      # submitted and not yet finished
         self._ids = itertools.count()
@@ -212,6 +217,7 @@ class LLMEngine:
         self.eagle_step: EagleStep | None = None      # the head's passes, compiled as the target's step is
         self.plain_steps = PlainStepClock()
         self.thread_governor = ThreadGovernor(starting_threads())    # fewer threads while cores are busy
+        self._refuse_assistant_without_one(config)
         if config.draft_model:
             self.set_draft_model(config.draft_model)
         if config.proposer == "eagle":
@@ -249,11 +255,16 @@ class LLMEngine:
         for runner in self.runners():
             runner.release_cache()          # room for the draft's weights
         try:
-            draft = None if reference in (None, "") else self._load_draft(reference, progress or self.progress)
+            draft = assistant = None
+            if is_assistant_reference(reference):       # no cache of its own: it reads the target's
+                assistant = self._load_assistant(reference)
+            elif reference not in (None, ""):
+                draft = self._load_draft(reference, progress or self.progress)
             self.build_pools(draft)
         except BaseException:
             self.build_pools(self._draft())
             raise
+        self.assistant = assistant
         self.draft_name = reference or None
         self.config = self.config.with_changes(draft_model=self.draft_name)
 
@@ -288,6 +299,27 @@ class LLMEngine:
         check_draft_compatible(self.tokenizer, draft.tokenizer)
         return draft
 
+    def _load_assistant(self, reference: str) -> Gemma4Assistant:
+        dtype = next(self.target_model.model.parameters()).dtype
+        # served eagerly, unpacked: a few layers that read the ordered head's rows by index
+        return load_assistant(Path(reference).expanduser(), self.target_model.model, dtype, self.device)
+
+    def _target_is_gemma4(self) -> bool:
+        config = getattr(self.target_model.model, "config", None)
+        return config is not None and is_gemma4(config)
+
+    def _refuse_assistant_without_one(self, config: EngineConfig) -> None:
+        """`proposer: assistant` needs a Gemma 4 target and its assistant in the draft model slot."""
+        if config.proposer != "assistant":
+            return
+        if not self._target_is_gemma4():
+            kind = getattr(self.target_model.hf_config, "model_type", type(self.target_model.model).__name__)
+            raise ConfigError(f"proposer 'assistant' drafts with a Gemma 4 assistant for a Gemma 4 target; this "
+                              f"model is {kind!r}: choose another proposer (draft, eagle, ngram, suffix or auto)")
+        if not is_assistant_reference(config.draft_model):
+            raise ConfigError("proposer 'assistant' needs the Gemma 4 assistant loaded: set draft_model to its "
+                              "folder (a config.json whose model_type is gemma4_assistant)")
+
     # ---- settings --------------------------------------------------------------
     def reconfigure(self, **changes) -> ReconfigureResult:
         """Change settings without reloading weights. Live settings apply at the next step;
@@ -299,6 +331,7 @@ class LLMEngine:
                 raise ConfigError(f"{key!r} cannot change on a loaded engine (settings that can: "
                                   f"{', '.join(reconfigurable())}); load the model again to change it")
         new = self.config.with_changes(**changes)       # validate before touching anything
+        self._refuse_assistant_without_one(new)
         if new.proposer == "eagle":
             self.load_eagle_head(new.eagle_head)           # a missing or foreign head fails here
         elif new.proposer == "auto":
@@ -377,7 +410,7 @@ class LLMEngine:
         if proposer == "suffix":
             k = self.config.num_speculative_tokens
             return parse_tree(self.config.draft_tree) or TreeShape(k, k, k)
-        if proposer not in ("eagle", "draft"):
+        if proposer not in ("eagle", "draft"):           # the assistant drafts a chain
             return None
         return parse_tree(self.config.draft_tree)
 
@@ -387,19 +420,25 @@ class LLMEngine:
         p = self.config.proposer
         if p == "auto":
             return self.proposer_choice.chosen
-        if (p == "draft" and self.draft_runner is None) or (p == "eagle" and self.eagle is None):
+        if p == "draft" and self.assistant is not None:      # the draft model slot holds the assistant
+            return "assistant"
+        if ((p == "draft" and self.draft_runner is None) or (p == "eagle" and self.eagle is None)
+                or (p == "assistant" and self.assistant is None)):
             return "off"
         return p
 
     def auto_candidates(self) -> list[str]:
         """What `proposer: auto` chooses among: suffix and n-gram, EAGLE where a head for this
-        model is loaded, the draft model where one is, and "off" (engine.spec.proposer_choice)."""
+        model is loaded, the draft model or the Gemma 4 assistant where one is, and "off"
+        (engine.spec.proposer_choice)."""
         return (["suffix", "ngram"] + ["eagle"] * (self.eagle is not None)
-                + ["draft"] * (self.draft_runner is not None) + [OFF])
+                + ["draft"] * (self.draft_runner is not None) + ["assistant"] * (self.assistant is not None) + [OFF])
 
     def describe_proposer_choice(self) -> dict:
         """`auto`'s choice, why, and each candidate's measured figures; what it left out, and why."""
         left_out = {} if self.draft_runner is not None else {"draft": "no draft model loaded"}
+        if self.assistant is None and self._target_is_gemma4():
+            left_out["assistant"] = "no Gemma 4 assistant loaded (draft_model: its folder)"
         if self.eagle is None:
             left_out["eagle"] = self.eagle_refused[1] if self.eagle_refused else "no EAGLE head loaded"
         return self.proposer_choice.describe() | {"left_out": left_out}
@@ -428,7 +467,8 @@ class LLMEngine:
         if self.runner.compiled is not None and self.runner.compiled.is_built:
             self.eagle_step.warm(self.config.block_size)     # loaded after the target's step was warmed
 
-    def make_proposer(self, name: str) -> Proposer:
+    def make_proposer(self, name: str, seq=None) -> Proposer:
+        """A new proposer for one request; seq: its target sequence (engine.runtime.model_runner.RunnerSeq)."""
         if name == "ngram":
             return NgramProposer(self.config.ngram_min, self.config.ngram_max)
         if name == "suffix":
@@ -439,6 +479,10 @@ class LLMEngine:
         if name == "eagle":
             self.eagle_step.follow(self.runner)      # each request drafts one way from its start
             return EagleProposer(self.eagle[1], self.config.block_size, self.device, self.eagle_step)
+        if name == "assistant":
+            proposer = AssistantProposer(self.assistant, self.runner)
+            proposer.follow(seq)
+            return proposer
         raise ConfigError(f"no proposer named {name!r}")
 
     def runners(self) -> list[ModelRunner]:
@@ -756,6 +800,14 @@ def moe_figures(model) -> dict | None:
     read = weight_bytes_per_token(model)          # already counts top_k experts per MoE layer
     return experts.as_dict() | {"dense_bytes_per_token": read - experts.per_token_bytes,
                                 "bytes_read_per_token": read}
+
+
+def is_assistant_reference(reference) -> bool:
+    """A draft model reference that names a Gemma 4 assistant's folder (engine.models.gemma4_assistant)."""
+    if not isinstance(reference, str) or reference in ("", SELF_DRAFT) or reference.startswith("self:"):
+        return False
+    path = Path(reference).expanduser()
+    return path.is_dir() and is_assistant_folder(path)
 
 
 def _is_token_list(prompt) -> bool:

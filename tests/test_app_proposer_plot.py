@@ -54,7 +54,8 @@ def test_acceptance_points_take_the_colour_of_the_proposer_that_drafted_the_step
         assert panel.acceptance_by_drafter[name].opts["symbolBrush"] == PROPOSER_COLOURS[name]
     legend = legend_colours(panel.acceptance_title.text)
     assert legend == {name: PROPOSER_COLOURS[name] for name in ("eagle", "ngram", "suffix")}
-    assert len(set(PROPOSER_COLOURS.values()) | {PLOT_COLOURS["acceptance"], PLOT_COLOURS["running"]}) == 6
+    assert len(set(PROPOSER_COLOURS.values()) | {PLOT_COLOURS["acceptance"], PLOT_COLOURS["running"]}) == len(
+        PROPOSER_COLOURS) + 2
     assert [label["drafted_by"] for label in history.step_labels] == ["", "suffix", "suffix", "eagle", "ngram",
                                                                       "suffix"]
 

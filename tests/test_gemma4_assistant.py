@@ -2,12 +2,15 @@
 target: its draft equals transformers' assistant's on the same inputs (logits within fp32
 tolerance, reading the target's paged cache, sliding window included), and greedy speculative
 decoding with it gives the target's own greedy tokens and transformers' assisted generation's,
-on 5 prompts past the window."""
+on 5 prompts past the window. Through the engine (`proposer: assistant`, the assistant's folder
+in the draft model slot): the same tokens as without it, drafts kept; and the proposer refused,
+by name, where there is no assistant or no Gemma 4 target."""
 import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
-from engine.errors import UnsupportedModelError
+from engine.engine import LLMEngine
+from engine.errors import ConfigError, UnsupportedModelError
 from engine.loading.loader import load_model
 from engine.models.gemma4_assistant import load_assistant
 from engine.runtime.model_runner import ModelRunner
@@ -92,13 +95,19 @@ def _speculate(runner, proposer, prompt: list[int], new_tokens: int, k: int) -> 
 
 
 @pytest.fixture(scope="module")
-def echo_pair(tmp_path_factory, pair):
-    """The target with an assistant that drafts what the target last predicted, again and again
+def echo_pair(echo_folder, pair):
+    folder, theirs = echo_folder
+    return pair[0], load_assistant(folder, pair[0].model), pair[2], theirs
+
+
+@pytest.fixture(scope="module")
+def echo_folder(tmp_path_factory, pair):
+    """(Its folder, transformers' model:) the target with an assistant that drafts what the target last predicted, again and again
     (it passes the target's hidden state through: pre_projection picks it, attention and MLP add
     nothing, the head is the target's): a random assistant agrees with a random target too
     rarely for a test to see drafts kept, and this one is right wherever the target repeats."""
     from transformers.models.gemma4_assistant import Gemma4AssistantForCausalLM
-    loaded, _, ref, _ = pair
+    _, _, ref, _ = pair
     folder = tmp_path_factory.mktemp("gemma4-echo")
     config = _assistant_config()
     config.text_config.hidden_size = 64
@@ -114,7 +123,7 @@ def echo_pair(tmp_path_factory, pair):
             layer.mlp.down_proj.weight.zero_()
     theirs.generation_config.num_assistant_tokens = 3
     theirs.save_pretrained(folder)
-    return loaded, load_assistant(folder, loaded.model), ref, theirs
+    return folder, theirs
 
 
 def test_greedy_output_is_the_targets_with_and_without_the_assistant(echo_pair):
@@ -141,3 +150,41 @@ def test_an_assistant_for_another_target_is_refused(pair):
     loaded = pair[0]
     with pytest.raises(UnsupportedModelError, match="hidden size 48"):
         Gemma4Assistant(_assistant_config(backbone_hidden_size=48), loaded.model)
+
+
+def test_the_engine_drafts_with_the_assistant_and_gives_the_same_tokens(pair, echo_folder):
+    """`proposer: assistant` with the assistant's folder as draft_model, through LLMEngine (the
+    request's proposer, its verify and rollback): the tokens of the same engine without it, on
+    5 prompts past the window, with drafts kept; `proposer: draft` with the assistant in the
+    slot drafts with it too, and `auto` counts it among its candidates."""
+    loaded = pair[0]
+    eng = LLMEngine(loaded, EngineConfig(kv_cache_bytes=2**20, compile="off", speculation_policy="fixed",
+                                         num_speculative_tokens=3), torch.device("cpu"))
+    rng = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 128, (n,), generator=rng).tolist() for n in (3, 6, 9, 14, 21)]
+    plain = [eng.generate_text(p, GREEDY)[1] for p in prompts]
+    eng.reconfigure(proposer="assistant", draft_model=str(echo_folder[0]))
+    assert eng.settings()["proposer"] == "assistant" and eng.draft_runner is None      # no pool of its own
+    drafted = [eng.generate_text(p, GREEDY) for p in prompts]
+    assert [ids for _, ids, _ in drafted] == plain
+    assert sum(stats.accepted for _, _, stats in drafted) >= 3
+    eng.reconfigure(proposer="draft")
+    assert eng.proposer_in_effect() == "assistant"
+    assert eng.generate_text(prompts[0], GREEDY)[1] == plain[0]
+    eng.reconfigure(proposer="auto")                 # a candidate of auto's, measured first in its turn
+    assert "assistant" in eng.auto_candidates()
+    assert [eng.generate_text(p, GREEDY)[1] for p in prompts] == plain
+    assert eng.proposer_choice.total["assistant"].proposed > 0
+
+
+def test_the_assistant_proposer_is_refused_without_an_assistant_or_a_gemma4_target(pair, echo_folder, tiny_model):
+    gemma4 = LLMEngine(pair[0], EngineConfig(kv_cache_bytes=2**20, compile="off"), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="set draft_model to its folder"):
+        gemma4.reconfigure(proposer="assistant")
+    assert gemma4.config.proposer == "off"
+    llama = LLMEngine(tiny_model, EngineConfig(kv_cache_bytes=2**20, compile="off"), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="this model is 'llama'"):
+        llama.reconfigure(proposer="assistant", draft_model=str(echo_folder[0]))
+    with pytest.raises(UnsupportedModelError, match="not 'llama'"):
+        llama.reconfigure(draft_model=str(echo_folder[0]))      # the slot checks the pair as it loads
+    assert llama.draft_name is None

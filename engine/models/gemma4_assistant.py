@@ -132,9 +132,11 @@ class Gemma4Assistant(nn.Module):
 def check_pairs(config, target) -> None:
     """The assistant attends the target's K/V: a Gemma 4 target whose stored layers' heads are
     the assistant's, and whose hidden size is the one it was trained beside."""
-    text, tc = config.text_config, target.config
-    if tc.model_type != "gemma4_text":
-        raise UnsupportedModelError(f"a Gemma 4 assistant drafts for a Gemma 4 target, not {tc.model_type!r}")
+    text, tc = config.text_config, getattr(target, "config", None)
+    if getattr(tc, "model_type", None) != "gemma4_text":
+        kind = getattr(tc, "model_type", type(target).__name__)
+        raise UnsupportedModelError(f"a Gemma 4 assistant drafts for a Gemma 4 target, not {kind!r}; choose the "
+                                    "target it was shipped with, or another draft")
     if config.backbone_hidden_size != tc.hidden_size:
         raise UnsupportedModelError(f"the assistant was trained beside a target of hidden size "
                                     f"{config.backbone_hidden_size}; this target's is {tc.hidden_size}")
