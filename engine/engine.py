@@ -197,7 +197,8 @@ class LLMEngine:
         self._moe_blocks = moe_blocks(target.model)
         self.plan: MemoryPlan = plan_memory(config, device, target.model)
         self.runner = ModelRunner(target, config, device, num_blocks=self.plan.num_blocks, progress=progress,
-                                  on_settings_changed=self._settings_changed)
+                                  on_settings_changed=self._settings_changed,
+                                  num_snapshots=self.plan.prefix_snapshots)
         self.draft_runner: ModelRunner | None = None
         self.draft_name: str | None = None
         self.assistant: Gemma4Assistant | None = None      # a Gemma 4 assistant in the draft model slot
@@ -277,7 +278,7 @@ class LLMEngine:
         if draft is not None:
             prepare_model(draft.model, self.device)
         plan = plan_memory(self.config, self.device, self.target_model.model, draft.model if draft else None)
-        self.runner.build_cache(self.config, plan.num_blocks)
+        self.runner.build_cache(self.config, plan.num_blocks, plan.prefix_snapshots)
         self.settings_version += 1
         if draft is None:
             self.draft_runner = None

@@ -282,6 +282,7 @@ class StepEvent:
 class RequestStats:
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
+    prefix_recomputed_tokens: int = 0     # cached prompt tokens recomputed: no state snapshot reached them (hybrid)
     generated_tokens: int = 0
     ttft_s: float = 0.0
     decode_tokens: int = 0            # tokens emitted by decode steps (all but the first)
@@ -362,6 +363,7 @@ class RequestStats:
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
+                "prefix_recomputed_tokens": self.prefix_recomputed_tokens,
                 "generated_tokens": self.generated_tokens, "ttft_s": self.ttft_s, "decode_tokens": self.decode_tokens,
                 "decode_time_s": self.decode_time_s,
                 "decode_tok_s": self.decode_tok_s, "acceptance_rate": self.acceptance_rate,

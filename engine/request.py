@@ -103,6 +103,7 @@ class Request:
         if self.stats.queue_time_s is None:        # the first admission: its queue time and prefix hit
             self.stats.queue_time_s = time.perf_counter() - self.t_submit
             self.stats.prefix_hit_tokens = seq.num_cached_tokens
+            self.stats.prefix_recomputed_tokens = seq.num_unrestored_tokens
 
     def preempt(self) -> None:
         """Give its blocks back (its full blocks stay in the prefix cache) and wait again; it

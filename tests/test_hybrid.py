@@ -134,8 +134,10 @@ def solo_greedy(loaded) -> list[list[int]]:
 
 def test_eight_concurrent_requests_give_their_solo_tokens(tiny_hybrid):
     """test_batching's eight requests (5..150 tokens, chunked prefills) under its pool pressure:
-    each gives its solo tokens, with a preemption (recomputed from the first token, its state
-    slot given back and taken anew); the prefix cache is refused, and says so."""
+    each gives its solo tokens, with a preemption (its state slot given back and taken anew, its
+    state restored from the prefix cache's snapshots where they survived) and a prefix hit: the
+    second request's 64 shared tokens, the state restored at that block boundary (which the first
+    request's chunk [48, 96) crossed: the chunk was split there and the state saved)."""
     from tests.test_batching import PRESSURE, params_for, prompts, run_together
     from tests.test_batching import engine as make_engine
     all_prompts, all_params = prompts(tiny_hybrid), [params_for(i, False) for i in range(8)]
@@ -144,7 +146,8 @@ def test_eight_concurrent_requests_give_their_solo_tokens(tiny_hybrid):
     together, stats = run_together(eng, all_prompts, all_params)
     assert [together[i] for i in range(8)] == alone
     assert sum(s.preemptions for s in stats.values()) >= 1
-    assert stats[1].prefix_hit_tokens == 0 and "refused" in eng.settings()["prefix_caching"]
+    assert (stats[1].prefix_hit_tokens, stats[1].prefix_recomputed_tokens) == (64, 0)
+    assert eng.settings()["prefix_caching"].startswith("on: a hit restores the linear-attention layers' state")
     assert eng.runner.states.num_used_slots == 0 and eng.runner.blocks.num_used_blocks == 0
 
 
@@ -308,3 +311,86 @@ def test_a_hybrid_model_cut_to_its_linear_layers_serves_without_kv(tmp_path):
                     EngineConfig(kv_cache_bytes=2**20, compile="off"), torch.device("cpu"))
     reply = eng.generate_text(list(range(100, 130)), SamplingParams(max_tokens=5, stop_on_eos=False))[1]
     assert len(reply) == 5 and eng.runner.kv.shape.num_layers == 0 and eng.runner.bytes_held() == 0
+
+
+# ---- prefix caching: the state saved at block boundaries -----------------------------------
+def test_a_prefix_hit_restores_the_state_saved_at_its_last_block_boundary(tiny_hybrid):
+    """Block size 4, 8 blocks, a pool of 3 snapshots. A 14-token prompt computed in two chunks
+    ([0, 6), [6, 14)) saves the state at 4, 8 and 12 (each chunk is split at the boundaries inside
+    it); a hit on 3 blocks restores the state at 12 and gives the cold run's logits. Then the
+    pool's least recently used snapshots go to another prompt's, and a hit on 3 blocks whose last
+    one lost its snapshot falls back to 2 (the engine counts 4 cached tokens recomputed); when
+    the block itself is evicted, its snapshot goes with it."""
+    from engine.runtime.model_runner import ModelRunner
+    runner = ModelRunner(tiny_hybrid, EngineConfig(block_size=4, num_blocks=8, compile="off"), torch.device("cpu"),
+                         num_snapshots=3)
+    snapshots, blocks, slot_bytes = runner.snapshots, runner.blocks, runner.states.bytes_per_slot
+    prompt = list(range(3000, 3014))
+    cold = runner.admit(prompt)
+    runner.forward(cold, prompt[:6])
+    runner.commit(cold, prompt)
+    cold_logits = runner.forward(cold, prompt[6:])
+    runner.commit(cold, prompt)
+    k0, k1, k2 = cold.keys
+    assert cold.block_table == [0, 1, 2, 3]
+    assert list(snapshots.by_key.items()) == [(k0, 0), (k1, 2), (k2, 1)]      # boundary 4 first; then 12, 8
+    assert runner.snapshot_bytes_held() == snapshots.pool_bytes == 3 * slot_bytes
+    runner.end(cold)
+    assert list(blocks.free_queue) == [3, 4, 5, 6, 7, 2, 1, 0]
+
+    hit = runner.admit(prompt)                   # 3 blocks (never the last token): the state at 12
+    assert (hit.block_table, hit.num_computed, hit.num_unrestored_tokens) == ([0, 1, 2], 12, 0)
+    assert (runner.forward(hit, prompt[12:]) - cold_logits).abs().max() < 1e-5
+    runner.end(hit)
+
+    short = runner.admit(prompt[:9])             # a hit on 2 blocks: k1's snapshot is used last
+    runner.forward(short, prompt[8:9])
+    runner.end(short)
+    assert list(snapshots.by_key) == [k0, k2, k1]
+    other = runner.admit(list(range(5000, 5009)))
+    runner.forward(other, list(range(5000, 5009)))   # boundary 8 takes k0's snapshot, boundary 4 k2's
+    runner.commit(other, list(range(5000, 5009)))
+    o0, o1 = other.keys
+    assert other.block_table == [3, 4, 5] and list(snapshots.by_key.items()) == [(k1, 2), (o0, 1), (o1, 0)]
+
+    fallback = runner.admit(prompt)              # k2's block is cached, its snapshot gone: back to k1
+    assert (fallback.block_table, fallback.num_computed, fallback.num_unrestored_tokens) == ([0, 1], 8, 4)
+    assert (runner.forward(fallback, prompt[8:]) - cold_logits).abs().max() < 1e-5
+    runner.commit(fallback, prompt)              # the state at 12 saved again (o0's snapshot goes)
+    assert fallback.block_table == [0, 1, 6, 7] and list(snapshots.by_key.items()) == [(o1, 0), (k1, 2), (k2, 1)]
+    runner.end(fallback)
+    runner.end(other)
+    assert list(blocks.free_queue) == [5, 6, 7, 2, 1, 0, 4, 3]
+
+    filler = runner.admit([9] * 16)              # takes 5, 6, 7 and evicts block 2 (k2): its snapshot goes
+    blocks.ensure_capacity(filler, 16)
+    assert filler.block_table == [5, 6, 7, 2] and list(snapshots.by_key) == [o1, k1] and snapshots.free == [1]
+    runner.end(filler)
+    again = runner.admit(prompt)
+    assert (again.block_table, again.num_computed, again.num_unrestored_tokens) == ([0, 1], 8, 0)
+    runner.end(again)
+    blocks.reset_prefix_cache()                  # every key dropped: every snapshot with it
+    assert snapshots.num_saved == 0 and runner.snapshot_bytes_held() == 0 and runner.states.num_used_slots == 0
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_a_prefix_hit_gives_the_tokens_of_a_cold_run(tiny_hybrid, compile_mode):
+    """The engine: a 150-token prompt cold, then again (a hit on 9 blocks, the state restored at
+    144), then extended by its reply and a new turn (a hit on the 10 blocks the first reply's
+    decode steps reached, the state saved at 160 by a decode step): each gives the tokens of a
+    cold run of the same prompt, and says what was served from the cache."""
+    if compile_mode == "on" and tiny_hybrid.model.lm_head.weight.dtype != torch.float32:
+        pytest.skip("compiled: checked in fp32")
+    eng = LLMEngine(tiny_hybrid, EngineConfig(kv_cache_bytes=4 * 2**20, compile=compile_mode), torch.device("cpu"))
+    params = SamplingParams(max_tokens=12, stop_on_eos=False)
+    prompt = list(range(1000, 1150))
+    _, cold, cold_stats = eng.generate_text(prompt, params)
+    _, warm, warm_stats = eng.generate_text(prompt, params)
+    assert warm == cold and (cold_stats.prefix_hit_tokens, warm_stats.prefix_hit_tokens) == (0, 144)
+    follow_up = prompt + cold + list(range(2000, 2005))
+    _, extended, stats = eng.generate_text(follow_up, params)
+    assert (stats.prefix_hit_tokens, stats.prefix_recomputed_tokens) == (160, 0)
+    eng.reset_prefix_cache()
+    assert eng.runner.snapshot_bytes_held() == 0
+    _, extended_cold, stats = eng.generate_text(follow_up, params)
+    assert extended == extended_cold and stats.prefix_hit_tokens == 0

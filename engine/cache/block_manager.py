@@ -5,10 +5,15 @@ cached full block goes to the tail, so it can still be hit until it is reused; a
 block with no key goes to the head, so uncached blocks are reused before cached ones.
 Only full blocks get a key; a hit is confirmed against the stored token ids; the last
 prompt token is always recomputed (hits never cover it).
+
+A hybrid model's runner also asks that a hit end on a block whose linear-layer state was saved
+(`usable_hits`, engine.cache.state_snapshots) and hears of every key dropped (`on_drop`), so
+that a snapshot goes with its block.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.cache.hashing import block_key
@@ -29,6 +34,7 @@ class SeqBlocks:
     block_table: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
+    num_unrestored_tokens: int = 0      # cached prompt tokens recomputed: no state snapshot reached them
 
 
 class BlockManager:
@@ -39,6 +45,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        self.usable_hits: Callable[[list[bytes]], int] | None = None     # blocks of a hit that may be used
+        self.on_drop: Callable[[bytes], None] | None = None             # a key left the prefix cache
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -57,6 +65,12 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def lookup(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
+        """Block ids (and keys) of the longest usable cached prefix, never covering the last token."""
+        hit_ids, keys = self.lookup_kv(token_ids)
+        usable = len(keys) if self.usable_hits is None else self.usable_hits(keys)
+        return hit_ids[:usable], keys[:usable]
+
+    def lookup_kv(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
         """Block ids (and keys) of the longest cached prefix, never covering the last token."""
         if not self.enable_prefix_caching:
             return [], []
@@ -94,7 +108,10 @@ class BlockManager:
 
     def admit(self, token_ids: list[int]) -> SeqBlocks:
         """Take the cached prefix blocks only; the scheduler adds blocks a chunk at a time."""
-        return self._take_hits(*self.lookup(token_ids))
+        seq = self._take_hits(*self.lookup(token_ids))
+        if self.usable_hits is not None:
+            seq.num_unrestored_tokens = len(self.lookup_kv(token_ids)[0]) * self.block_size - seq.num_cached_tokens
+        return seq
 
     def _take_hits(self, hit_ids: list[int], keys: list[bytes]) -> SeqBlocks:
         for b in hit_ids:
@@ -172,4 +189,6 @@ class BlockManager:
     def _drop_key(self, block: Block) -> None:
         if self.cached.get(block.key) == block.block_id:
             del self.cached[block.key]
+            if self.on_drop is not None:
+                self.on_drop(block.key)
         block.key = block.token_ids = None

@@ -18,7 +18,10 @@ activations, and how many tokens of context the pool holds.
   have KV, and each running sequence holds a fixed-size state slot for the linear layers
   (engine.cache.state_cache), whatever its length. The plan counts the slots for the most
   sequences that run at once (`max_num_seqs` in effect) apart from the KV pool (`state`), and
-  takes them from the pool's budget first.
+  takes them from the pool's budget first. Then the prefix cache's snapshots of that state at
+  block boundaries (engine.cache.state_snapshots), a state slot's bytes each:
+  SNAPSHOTS_PER_SLOT per state slot, but no more than a SNAPSHOT_SHARE of what the budget
+  has left; the KV pool gets the rest.
 
 The reserve is an estimate: the largest activations of one forward pass over a prompt of
 `min(context length, RESERVE_PREFILL_TOKENS)` tokens (with the torch attention path's score
@@ -28,7 +31,7 @@ CUDA a fixed allowance for cuBLAS workspaces and allocator slack. A longer promp
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,6 +44,8 @@ CPU_RAM_DIVISOR = 32
 CPU_BUDGET_MIN, CPU_BUDGET_MAX = 256 * MiB, 8 * GiB
 RESERVE_PREFILL_TOKENS = 8192
 CUDA_FIXED_RESERVE = 256 * MiB
+SNAPSHOTS_PER_SLOT = 4      # a hybrid model's state snapshots for prefix hits, per state slot...
+SNAPSHOT_SHARE = 4          # ...taking at most a quarter of the budget left after the state slots
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,11 @@ class MemoryPlan:
         return self.num_blocks * self.kv_bytes_per_block
 
     @property
+    def prefix_snapshots(self) -> int:
+        """A hybrid target's state snapshots for prefix hits (0: none)."""
+        return self.state.snapshots if self.state else 0
+
+    @property
     def tokens_that_fit(self) -> int:
         return self.num_blocks * self.block_size
 
@@ -84,14 +94,27 @@ class StateBytes:
     linear_layers: int
     bytes_per_slot: int
     slots: int
+    snapshots: int = 0          # the prefix cache's state snapshots at block boundaries
 
     @property
     def pool_bytes(self) -> int:
         return self.slots * self.bytes_per_slot
 
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.snapshots * self.bytes_per_slot
+
     def as_dict(self) -> dict:
         return {"linear_layers": self.linear_layers, "state_bytes_per_sequence": self.bytes_per_slot,
-                "state_slots": self.slots, "state_pool_bytes": self.pool_bytes}
+                "state_slots": self.slots, "state_pool_bytes": self.pool_bytes,
+                "prefix_snapshots": self.snapshots, "prefix_snapshot_bytes": self.snapshot_bytes,
+                "prefix_snapshots_kept": "the state at block boundaries of cached blocks, for prefix hits "
+                                         "(least recently used dropped first, and with their blocks)"}
+
+
+def prefix_snapshots(slots: int, bytes_per_slot: int, budget: int) -> int:
+    """State snapshots the prefix cache keeps (SNAPSHOTS_PER_SLOT, SNAPSHOT_SHARE)."""
+    return max(0, min(SNAPSHOTS_PER_SLOT * slots, budget // SNAPSHOT_SHARE // bytes_per_slot))
 
 
 def state_slots(config: EngineConfig, device: torch.device) -> int:
@@ -153,7 +176,10 @@ def plan_memory(config: EngineConfig, device: torch.device, target: torch.nn.Mod
     per_block = sum(_kv_bytes_per_token(m, config) for m in models) * config.block_size
     budget, rule = kv_budget(config, device, free, total, reserve)
     state = state_bytes(target, config, device)
-    budget -= state.pool_bytes if state else 0
+    if state:
+        budget -= state.pool_bytes
+        state = replace(state, snapshots=prefix_snapshots(state.slots, state.bytes_per_slot, budget))
+        budget -= state.snapshot_bytes
     if per_block:
         num_blocks = config.num_blocks or budget // per_block
     else:                   # no KV layer (a hybrid model cut to linear layers): blocks only count tokens

@@ -10,8 +10,9 @@ back with it (engine.runtime.model_runner); a new one starts at zeros, the state
 A pass whose every row wants logits (a decode, a verify pass of a chain or a tree) keeps the state
 after each of its rows (`kept`), so that speculation can go back to the last accepted token
 (`restore`): a chain's row r follows row r - 1, a tree's row follows its parent. Only the last
-such pass of a sequence is kept: a rollback reaches back into that pass, no further. The state is never in the prefix cache: a hybrid model's prefix hits are refused (the
-runner says so), and a sequence is always computed from its first token.
+such pass of a sequence is kept: a rollback reaches back into that pass, no further. For prefix
+hits, the state at block boundaries is saved apart (engine.cache.state_snapshots) and copied
+into a new sequence's slot on a hit.
 """
 from __future__ import annotations
 

@@ -13,17 +13,20 @@ Each sequence is computed alone, so a row never depends on what shares its pass.
 chunk takes the chunked form (one token: the recurrent one); a pass whose every row wants
 logits (a decode, a verify pass of a chain or a tree of draft tokens) goes row by row from each
 row's parent (the row before it, or its parent in the tree) and keeps the state after every
-row, for the rollback to the last accepted token.
+row, for the rollback to the last accepted token. A prefill chunk that crosses block boundaries
+the prefix cache keeps the state at (engine.cache.state_snapshots) is split there, and the
+state at each is saved.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.cache.state_cache import StateCache
+from engine.cache.state_snapshots import StateSnapshots
 from engine.layers import gated_delta
 
 
@@ -37,6 +40,7 @@ class LinearSeq:
     slot: int
     computed: int                       # its tokens before the pass
     parents: list[int] | None = None
+    snapshots: list[tuple[int, int]] = field(default_factory=list)    # (boundary, snapshot) to save
 
 
 @dataclass
@@ -44,6 +48,7 @@ class LinearPass:
     states: StateCache
     seqs: list[LinearSeq]
     rows: int                           # the pass's rows (the compiled graph may run more)
+    snapshots: StateSnapshots | None = None
 
 
 _pass = threading.local()
@@ -73,7 +78,7 @@ def mix(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: t
     for s in current.seqs:
         rows = slice(s.start, s.start + s.count)
         if s.parents is None:
-            out[rows] = _run(current.states, layer, s, mixed[rows], g[rows], beta[rows], weight, shape)
+            out[rows] = _run_chunk(current, layer, s, mixed[rows], g[rows], beta[rows], weight, shape)
         else:
             out[rows] = _run_rows(current.states, layer, s, mixed[rows], g[rows], beta[rows], weight, shape)
     n = current.rows
@@ -105,16 +110,33 @@ class Shape:
                 v.reshape(t, self.num_v_heads, self.head_v_dim))
 
 
-def _run(states: StateCache, layer: int, s: LinearSeq, x, g, beta, weight, shape: Shape) -> torch.Tensor:
-    """A prefill chunk of one sequence (the chunked form; one token: the recurrent one)."""
-    conv_state, state = states.conv[layer, s.slot], states.recurrent[layer, s.slot]
+def _run_chunk(current: LinearPass, layer: int, s: LinearSeq, x, g, beta, weight, shape: Shape) -> torch.Tensor:
+    """A prefill chunk of one sequence, in pieces split at the boundaries whose state is saved."""
+    if not s.snapshots:
+        return _run(current.states, layer, s.slot, x, g, beta, weight, shape)
+    out, done = [], 0
+    for boundary, snapshot in s.snapshots:
+        end = boundary - s.computed
+        out.append(_run(current.states, layer, s.slot, x[done:end], g[done:end], beta[done:end], weight, shape))
+        current.snapshots.save_layer(snapshot, layer, current.states.conv[layer, s.slot],
+                                     current.states.recurrent[layer, s.slot])
+        done = end
+    if done < s.count:
+        out.append(_run(current.states, layer, s.slot, x[done:], g[done:], beta[done:], weight, shape))
+    return torch.cat(out)
+
+
+def _run(states: StateCache, layer: int, slot: int, x, g, beta, weight, shape: Shape) -> torch.Tensor:
+    """Rows of a prefill chunk of one sequence (the chunked form; one token: the recurrent one)."""
+    count = x.shape[0]
+    conv_state, state = states.conv[layer, slot], states.recurrent[layer, slot]
     x, new_conv = gated_delta.causal_conv(x, conv_state, weight)
     q, k, v = gated_delta.prepare(*shape.split(x), shape.num_v_heads)
-    form = gated_delta.chunked if s.count > 1 else gated_delta.recurrent
+    form = gated_delta.chunked if count > 1 else gated_delta.recurrent
     o, new_state = form(q, k, v, g.t().float(), beta.t().float(), state)      # o [Hv, T, Dv]
     conv_state.copy_(new_conv)
     state.copy_(new_state)
-    return o.transpose(0, 1).reshape(s.count, shape.value_dim).to(x.dtype)
+    return o.transpose(0, 1).reshape(count, shape.value_dim).to(x.dtype)
 
 
 def _run_rows(states: StateCache, layer: int, s: LinearSeq, x, g, beta, weight, shape: Shape) -> torch.Tensor:

@@ -12,6 +12,7 @@ from engine.cache.hashing import root_key
 from engine.cache.kv_cache import FP8_DTYPE, KVCache, is_rotated, resolve_kv_dtype
 from engine.cache.memory_plan import plan_memory, state_slots
 from engine.cache.state_cache import StateCache
+from engine.cache.state_snapshots import StateSnapshots
 from engine.config import EngineConfig
 from engine.errors import first_line
 from engine.layers import attention, linear_attention_op
@@ -24,9 +25,12 @@ from engine.models.qwen3_5 import state_shape
 from engine.runtime import compiled_step
 
 SCALE_MODE = "per_token_head_fp32"
-# Why a hybrid model's prompts are always computed from their first token (what "In effect" says).
-HYBRID_PREFIX_REFUSED = ("refused for this hybrid model: its linear-attention layers' state is not kept at "
-                         "block boundaries, so every prompt is computed in full (no prefill is skipped)")
+# What prefix caching does for a hybrid model (what "In effect" says).
+HYBRID_PREFIX_ON = ("on: a hit restores the linear-attention layers' state saved at its last block boundary "
+                    "({snapshots} snapshots kept at most, {bytes} bytes; least recently used dropped first, and "
+                    "with their blocks); a hit past the last snapshot is recomputed from there")
+HYBRID_PREFIX_NO_ROOM = ("on, but the memory plan left no room for state snapshots: a hybrid model's prompts are "
+                         "computed in full (no prefill is skipped)")
 
 
 @dataclass
@@ -56,7 +60,8 @@ def prepare_model(model, device: torch.device) -> None:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device,
-                 num_blocks: int | None = None, progress=None, on_settings_changed=None):
+                 num_blocks: int | None = None, progress=None, on_settings_changed=None,
+                 num_snapshots: int | None = None):
         self.loaded, self.model, self.device = loaded, loaded.model, device
         self.progress = progress            # where a compile reports ("compiling the decode step…")
         self.on_settings_changed = on_settings_changed or (lambda: None)   # e.g. the compiled step was given up
@@ -65,17 +70,21 @@ class ModelRunner:
         self.compiled: compiled_step.CompiledStep | None = None    # kept across pool rebuilds
         self.compile_error: str | None = None      # why the compiled step was given up, if it was
         self.last_hidden: torch.Tensor | None = None               # the last pass's, see forward
-        self.build_cache(config, num_blocks)
+        self.build_cache(config, num_blocks, num_snapshots)
 
     # ---- cache ---------------------------------------------------------------
-    def build_cache(self, config: EngineConfig, num_blocks: int | None = None) -> None:
+    def build_cache(self, config: EngineConfig, num_blocks: int | None = None,
+                    num_snapshots: int | None = None) -> None:
         """(Re)allocate the pool for the config's KV dtype and block size. Drops the prefix cache.
-        num_blocks: as the engine's memory plan says; None plans for this model alone."""
+        num_blocks (and a hybrid model's num_snapshots): as the engine's memory plan says; None
+        plans for this model alone."""
         self.release_cache()    # free the old pool before planning and allocating the new one
         shape = self.model.cache_shape
         dtype = resolve_kv_dtype(config.kv_cache_dtype, self.model_dtype)
-        if num_blocks is None:
-            num_blocks = plan_memory(config, self.device, self.model).num_blocks
+        if num_blocks is None or (num_snapshots is None and state_shape(self.model) is not None):
+            plan = plan_memory(config, self.device, self.model)
+            num_blocks = plan.num_blocks if num_blocks is None else num_blocks
+            num_snapshots = plan.prefix_snapshots if num_snapshots is None else num_snapshots
         self.kv = KVCache(shape, num_blocks, config.block_size, dtype, self.device,
                           rotated=is_rotated(config.kv_cache_dtype))
         states = state_shape(self.model)
@@ -85,6 +94,9 @@ class ModelRunner:
         root = root_key(self.loaded.identity, self.kv.name, scale_mode, config.block_size,
                         rope_identity(self.loaded.hf_config))
         self.blocks = BlockManager(self.kv.num_blocks, config.block_size, root, False)
+        self.snapshots = None if self.states is None else StateSnapshots(self.states, num_snapshots)
+        if self.snapshots is not None:
+            self.blocks.usable_hits, self.blocks.on_drop = self.snapshots.usable_hits, self.snapshots.drop
         self.set_prefix_caching(config.enable_prefix_caching)
         from engine.kernels.dispatch import kernels_in_effect      # imports without triton
         self.use_kernels, self.kernels_state = kernels_in_effect(config.attention_backend, self.device)
@@ -150,13 +162,16 @@ class ModelRunner:
         self.on_settings_changed()
 
     def release_cache(self) -> None:
-        self.kv = self.states = None
+        self.kv = self.states = self.snapshots = None
 
     def set_prefix_caching(self, enabled: bool) -> None:
-        """On where asked, but for a hybrid model (HYBRID_PREFIX_REFUSED; `prefix_state` says which)."""
-        refused = enabled and self.states is not None
-        self.blocks.enable_prefix_caching = enabled and not refused
-        self.prefix_state = HYBRID_PREFIX_REFUSED if refused else "on" if enabled else "off"
+        """On where asked; for a hybrid model, with its state snapshots (`prefix_state` says how many)."""
+        self.blocks.enable_prefix_caching = enabled
+        self.prefix_state = "on" if enabled else "off"
+        if enabled and self.snapshots is not None:
+            n = self.snapshots.num_snapshots
+            self.prefix_state = (HYBRID_PREFIX_ON.format(snapshots=n, bytes=self.snapshots.pool_bytes) if n
+                                 else HYBRID_PREFIX_NO_ROOM)
 
     @property
     def kv_dtype_name(self) -> str:
@@ -170,6 +185,10 @@ class ModelRunner:
         """A hybrid model's linear-layer state of the sequences running (0: none)."""
         return 0 if self.states is None else self.states.bytes_held()
 
+    def snapshot_bytes_held(self) -> int:
+        """A hybrid model's state snapshots the prefix cache holds (0: none)."""
+        return 0 if self.snapshots is None else self.snapshots.bytes_held()
+
     # ---- sequences -----------------------------------------------------------
     def start(self, token_ids: list[int], reserve_tokens: int = 0) -> RunnerSeq:
         """A sequence with blocks for its whole prompt (a single sequence driven by forward)."""
@@ -180,17 +199,18 @@ class ModelRunner:
         return self._with_state(_computed_from_cache(self.blocks.admit(token_ids)))
 
     def _with_state(self, seq: RunnerSeq) -> RunnerSeq:
-        """A hybrid model's sequence takes a zeroed state slot (prefix hits are refused: it starts
-        at its first token)."""
+        """A hybrid model's sequence takes a state slot: zeroed, or on a prefix hit the state
+        saved at the hit's last block boundary (the block manager asked for a hit that has one)."""
         if self.states is not None:
-            if seq.num_computed:
-                raise RuntimeError("a hybrid model's sequence must start at its first token (no prefix hit)")
             seq.state_slot = self.states.allocate()
+            if seq.num_computed:
+                self.snapshots.restore(seq.keys[-1], seq.state_slot)
         return seq
 
     def end(self, seq: RunnerSeq) -> None:
         self.blocks.free(seq)
         if seq.state_slot is not None:
+            self.snapshots.unstage(seq.state_slot)
             self.states.free(seq.state_slot)
             seq.state_slot = None
 
@@ -237,7 +257,9 @@ class ModelRunner:
                                                        self.device)
             slices.append(SeqSlice(row, n, table, start + n, item.tree))
             if item.seq.state_slot is not None:
-                linear.append(LinearSeq(row, n, item.seq.state_slot, start, _parents(item, start)))
+                parents = _parents(item, start)
+                staged = self._stage_snapshots(item.seq, start, n) if parents is None else []
+                linear.append(LinearSeq(row, n, item.seq.state_slot, start, parents, staged))
             positions.append(pos)
             slots.append(slot)
             ids.extend(item.tokens)
@@ -246,7 +268,7 @@ class ModelRunner:
         meta = self._prepare(self.attention_mode, torch.cat(positions), torch.cat(slots), slices)
         ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
         rows_t = torch.tensor(wanted, dtype=torch.int64, device=self.device)
-        linear_pass = None if self.states is None else LinearPass(self.states, linear, row)
+        linear_pass = None if self.states is None else LinearPass(self.states, linear, row, self.snapshots)
         with linear_attention_op.serving(linear_pass):
             logits, hidden = self._pass(ids_t, meta, rows_t)
         out, used = [], 0
@@ -255,6 +277,14 @@ class ModelRunner:
             out.append((logits[used:used + item.logits_rows], hidden[s.start:s.start + s.count]))
             used += item.logits_rows
         return out
+
+    def _stage_snapshots(self, seq: RunnerSeq, start: int, n: int) -> list[tuple[int, int]]:
+        """A prefill chunk's block boundaries strictly inside it, where the linear layers save their
+        state for prefix hits (one the chunk ends on is saved from the slot, at commit)."""
+        if not self.blocks.enable_prefix_caching:
+            return []
+        bs = self.kv.block_size
+        return self.snapshots.stage(seq.state_slot, list(range((start // bs + 1) * bs, start + n, bs)))
 
     def _prepare(self, mode: str, positions, slots, slices) -> AttentionMetadata:
         """The pass's attention metadata and its mode's layout, once for every layer."""
@@ -294,8 +324,12 @@ class ModelRunner:
         self.rollback(seq, start + len(rows))
 
     def commit(self, seq: RunnerSeq, token_ids: list[int]) -> None:
-        """token_ids: the sequence's final tokens; their first num_computed have KV."""
+        """token_ids: the sequence's final tokens; their first num_computed have KV. A hybrid
+        model's state snapshots of the blocks that became full are filed under their keys."""
         self.blocks.commit(seq, token_ids, seq.num_computed)
+        if seq.state_slot is not None and self.blocks.enable_prefix_caching:
+            self.snapshots.settle(seq.state_slot, seq.keys, seq.num_computed, self.kv.block_size,
+                                  self.blocks.cached.__contains__)
 
 
 def _parents(item: PassItem, start: int) -> list[int] | None:
@@ -313,4 +347,5 @@ def _parents(item: PassItem, start: int) -> list[int] | None:
 
 def _computed_from_cache(blocks: SeqBlocks) -> RunnerSeq:
     """Its cached prefix has KV already."""
-    return RunnerSeq(blocks.block_table, blocks.keys, blocks.num_cached_tokens, blocks.num_cached_tokens)
+    return RunnerSeq(blocks.block_table, blocks.keys, blocks.num_cached_tokens, blocks.num_unrestored_tokens,
+                     blocks.num_cached_tokens)
