@@ -25,6 +25,8 @@ from engine.workload import system_prompt_of as _system_prompt
 SPECULATIVE_PROMPTS = {"chat": [chat(p) for p in CHAT_PROMPTS[:8]], "repeat": [chat(p) for p in REPEAT_PROMPTS],
                        "edit": [edit_chat(i) for i in range(8)]}
 
+PREFIX_COMPARED_TOKENS = 16     # bench prefix: greedy tokens a hit must share with a cold run
+
 # Where transformers' copy of the model shares the device (parity, decode), the engine's pool
 # is this fixed budget rather than what the memory plan would give it (most of a GPU).
 HF_BESIDE_POOL_BYTES = 512 * 2**20
@@ -36,12 +38,19 @@ BUILTIN_SHAPES = {   # (layers, attention heads, kv heads, head_dim)
 
 
 def _engine(args, **config):
-    """The scenario's engine on --model; --device, --dtype and --weight-dtype, when given, win
-    over the scenario's own choice."""
+    """The scenario's engine on --model (or --synthetic's checkpoint, written once to the user
+    cache); --device, --dtype and --weight-dtype, when given, win over the scenario's own choice."""
     from engine import EngineConfig, LLMEngine
     given = (("device", args.device), ("dtype", args.dtype), ("weight_dtype", getattr(args, "weight_dtype", None)))
     config.update({key: value for key, value in given if value})
-    return LLMEngine.load(args.model, EngineConfig(**config), progress=_progress)
+    return LLMEngine.load(_model_path(args), EngineConfig(**config), progress=_progress)
+
+
+def _model_path(args) -> str | None:
+    if args.model or not getattr(args, "synthetic", None):
+        return args.model
+    from engine.bench.load import synthetic_checkpoint
+    return str(synthetic_checkpoint(args.synthetic))
 
 
 def _progress(message: str, fraction: float) -> None:
@@ -101,6 +110,11 @@ def _teacher_forced_diff(eng, prompt_ids, continuation, hf_logits) -> float:
 
 # ---- prefix caching --------------------------------------------------------------
 def bench_prefix(args) -> dict:
+    """TTFT with the system prompt's blocks cold (the prefix cache reset) and warm (a hit), and
+    that a hit gives the cold run's tokens (PREFIX_COMPARED_TOKENS greedy). For a hybrid model a
+    hit restores the linear layers' state saved at its last block boundary: what a hit saves is
+    the prefill of the hit tokens (`prefill_tokens_cold` - `prefill_tokens_warm`), and
+    `prefix_recomputed_tokens` counts cached tokens recomputed for want of a state snapshot."""
     from engine import SamplingParams
     eng = _engine(args, enable_prefix_caching=True)
     system = _system_prompt(eng.tokenizer, args.system_tokens)
@@ -115,7 +129,7 @@ def bench_prefix(args) -> dict:
 
     def warm():
         stats = eng.generate_text(msgs, one)[2]
-        warm.hit = stats.prefix_hit_tokens
+        warm.hit, warm.recomputed = stats.prefix_hit_tokens, stats.prefix_recomputed_tokens
         return stats.ttft_s
 
     eng.generate_text(msgs, one)      # warm up the allocator and kernels
@@ -123,10 +137,23 @@ def bench_prefix(args) -> dict:
     eng.generate_text(msgs, one)
     warm_ms = [warm() * 1e3 for _ in range(args.repeats)]
     a, b = statistics.median(cold_ms), statistics.median(warm_ms)
-    return {"prompt_tokens": prompt_tokens, "system_prompt_tokens": system_tokens,
+    compare = SamplingParams(max_tokens=PREFIX_COMPARED_TOKENS, stop_on_eos=False)
+    eng.reset_prefix_cache()
+    cold_reply = eng.generate_text(msgs, compare)[1]
+    warm_reply, warm_stats = eng.generate_text(msgs, compare)[1:]
+    snapshots = eng.runner.snapshots
+    return {"model": eng.target_model.display_name, "prompt_tokens": prompt_tokens,
+            "system_prompt_tokens": system_tokens,
             "ttft_cold_ms": a, "ttft_warm_ms": b, "ttft_reduction": 1 - b / a, "hit_tokens": warm.hit,
             "hit_fraction_of_system_prompt": warm.hit / system_tokens, "repeats": args.repeats,
-            "prefix_caching": eng.runner.prefix_state}      # a hybrid model's: refused, and why
+            "prefill_tokens_cold": prompt_tokens, "prefill_tokens_warm": prompt_tokens - warm.hit,
+            "prefix_recomputed_tokens": warm.recomputed,
+            "hit_tokens_identical": warm_reply == cold_reply and warm_stats.prefix_hit_tokens == warm.hit,
+            "compared_tokens": len(cold_reply),
+            "state_snapshots": None if snapshots is None else {
+                "kept": snapshots.num_saved, "max": snapshots.num_snapshots, "bytes_held": snapshots.bytes_held(),
+                "bytes_per_snapshot": snapshots.bytes_per_snapshot},
+            "prefix_caching": eng.runner.prefix_state}
 
 
 # ---- KV cache: bytes and perplexity ----------------------------------------------
