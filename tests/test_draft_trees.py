@@ -282,3 +282,24 @@ def test_sampled_eagle_tree_keeps_the_target_distribution(make_engine):
     eng = make_engine(enable_prefix_caching=True)
     eng.reconfigure(proposer="eagle", draft_tree="4:2:8")
     assert_second_token_follows_the_target(eng, eng.encode(chat("Name a colour.")))
+
+
+def test_a_draft_model_tree_left_unverified_is_rolled_back_before_the_next_one(tiny_by_dtype):
+    """A draft model's tree the target never verified (trimmed to no node, or cut short by the
+    draft's own full pool: the request decodes plainly and `accepted` is not called) leaves its
+    rows in the draft's cache. The next proposal rolls them back to the last token the draft
+    agrees on and catches up from there: the tree a fresh draft grows. (It used to feed an empty
+    catch-up pass: IndexError in attention.prepare, under pool pressure with 8 requests.)"""
+    from engine.spec.spec_decode import DraftModelProposer
+    model = tiny_by_dtype(torch.float32)
+    prompt, shape = list(range(200, 230)), TreeShape(3, 4, 10)
+    stale = DraftModelProposer(_runner(model))
+    stale.begin(prompt)
+    stale.propose_tree(prompt, shape, GREEDY, None)               # never verified
+    assert stale.seq.num_computed == 30 + 9                        # the nodes it expanded (all but the last depth)
+    later = prompt + [41]                                          # the target decoded one token alone
+    fresh = DraftModelProposer(_runner(model))
+    fresh.begin(later)
+    got, want = (p.propose_tree(later, shape, GREEDY, None).tree for p in (stale, fresh))
+    assert (got.tokens, got.parents) == (want.tokens, want.parents)
+    assert stale.seq.num_computed == fresh.seq.num_computed == 31 + 9

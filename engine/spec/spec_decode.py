@@ -134,6 +134,7 @@ class DraftModelProposer(Proposer):
     def propose(self, token_ids, k, params, generator) -> Proposal:
         t0 = time.perf_counter()
         seq, runner = self.seq, self.runner
+        self._sync(token_ids)
         logits = runner.forward(seq, token_ids[seq.num_computed:])      # catch up with the target
         tokens, probs = [], []
         for i in range(k):
@@ -153,11 +154,14 @@ class DraftModelProposer(Proposer):
 
     def propose_tree(self, token_ids, shape, params, generator) -> Proposal:
         """Each depth's frontier is one tree pass of the draft model over its own cache (rows
-        past the context, each attending its chain: engine.spec.tree); `accepted` rolls the
-        nodes back, and the next catch-up feeds the accepted tokens as a chain."""
+        past the context, each attending its chain: engine.spec.tree); `accepted` (or, for a
+        tree the target never verified, the next proposal) rolls the nodes back, and the next
+        catch-up feeds the accepted tokens as a chain."""
         t0 = time.perf_counter()
         seq, runner = self.seq, self.runner
+        self._sync(token_ids)
         logits = runner.forward(seq, token_ids[seq.num_computed:])      # catch up; the root's row is last
+        self.fed = list(token_ids)
         context = seq.num_computed
         index: dict[int, int] = {}                                      # node -> its cache index
 
@@ -167,15 +171,20 @@ class DraftModelProposer(Proposer):
             return torch.log_softmax(out, -1)
 
         tree = grow(torch.log_softmax(logits[-1], -1), expand, shape)
-        self.fed = list(token_ids)
         return Proposal(select(tree, shape.nodes), None, time.perf_counter() - t0, grown=True)
 
     def accepted(self, token_ids: list[int]) -> None:
-        # Draft KV stays valid only where what it was fed agrees with what the target settled on.
-        keep = min(_common_prefix(token_ids, self.fed), len(token_ids) - 1)
+        self._sync(token_ids)
+        self.runner.commit(self.seq, token_ids)
+
+    def _sync(self, token_ids: list[int]) -> None:
+        """Draft KV stays valid only where what it was fed agrees with what the target settled on,
+        and never past what `fed` records: a draft the target did not verify (a tree trimmed to no
+        node, a draft cut short by the draft's own full pool) left rows past it. At least the
+        last token is fed again, so a catch-up pass always has a row."""
+        keep = min(_common_prefix(token_ids, self.fed), len(token_ids) - 1, self.seq.num_computed)
         self.runner.rollback(self.seq, keep)
         del self.fed[keep:]
-        self.runner.commit(self.seq, token_ids)
 
     def end(self) -> None:
         if self.seq is not None:
