@@ -196,3 +196,16 @@ def test_sampled_suffix_trees_keep_the_target_distribution(make_engine, monkeypa
     assert_second_token_follows_the_target(eng, eng.encode(chat("Name a colour.")), max_tokens=4)
     assert sum(len(t.children()[0]) > 1 for t in trees) >= 50      # siblings at the second token
     assert eng.suffix_cache.counters()["draft_tokens_from_global"] > 0
+
+
+def test_the_ceiling_counts_the_passes_an_oracle_drafting_from_earlier_text_needs():
+    from engine.spec.suffix_ceiling import ceiling, ceiling_passes
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    # 11 never had a successor: one plain pass (token 1); then 2..5 follow an earlier 1 (4 drafts
+    # + the pass's token 6); then 7, 8, 9 follow the earlier 6
+    assert ceiling_passes(prompt, [1, 2, 3, 4, 5, 6, 7, 8, 9], k=4) == 3
+    assert ceiling_passes(prompt, [1, 2, 3, 4, 5, 6, 7, 8, 9], k=1) == 5
+    assert ceiling_passes([5], [6, 7, 8], k=4) == 3               # nothing to copy: a pass a token
+    # an earlier reply is a source (as the global index); an earlier prompt is not
+    c = ceiling([[5], [9]], [[6, 7, 8], [5, 6, 7, 8]], k=4)
+    assert c == {"tokens": 7, "passes": 6, "tokens_per_pass": 7 / 6}

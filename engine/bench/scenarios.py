@@ -428,7 +428,20 @@ def bench_speculative(args) -> dict:
             "proposal_ms_per_step": 1e3 * spec.draft_time_s / spec.target_passes if spec.target_passes else None,
             "dtype": _dtype(eng), "compile": eng.settings()["compile"], "threads": torch.get_num_threads(),
             "greedy_identical": spec_out == base_out, **_tree_figures(spec, plain_step_s, eng),
-            **_suffix_figures(eng, args.proposer), **_auto_figures(eng, args.proposer)}
+            **_suffix_figures(eng, args.proposer), **_auto_figures(eng, args.proposer),
+            "ceiling": _ceiling_figures(encoded, base_out, args.k, spec, plain_step_s, report.get("verify_cost"))}
+
+
+def _ceiling_figures(prompts, replies, k: int, spec, plain_step_s: float, verify_cost) -> dict:
+    """What any draft taken from earlier text (the request's own, or earlier replies) could
+    reach on these replies at most k tokens a pass (engine.spec.suffix_ceiling): tokens per
+    pass, and the speedup that bounds at this arm's measured cost of a drafting pass (a tree
+    step's, else the chain's verify; never under a plain step)."""
+    from engine.spec.suffix_ceiling import ceiling
+    c = ceiling(prompts, replies, k)
+    pass_cost = spec.tree_time_s / spec.tree_steps / plain_step_s if spec.tree_steps else verify_cost or 1.0
+    pass_cost = max(pass_cost, 1.0)
+    return c | {"pass_cost": pass_cost, "speedup": c["tokens_per_pass"] / pass_cost if c["passes"] else None}
 
 
 def _auto_figures(eng, proposer: str) -> dict:
