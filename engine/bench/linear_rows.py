@@ -34,20 +34,25 @@ def linear_rows_bench(reference: str = "default", repeats: int = REPEATS) -> dic
     if not body:
         return {"message": f"no quantized linears: {loaded.weights.summary()}"}
 
-    def timed(weights, rows: int) -> float:
-        gen = torch.Generator().manual_seed(rows)
-        xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {qw.shape[1] for qw in weights}}
-        times = []
-        for _ in range(repeats + 1):            # the first pass warms the caches: dropped
-            start = time.perf_counter()
-            for qw in weights:
-                quantized_linear.linear(xs[qw.shape[1]], qw, None)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[1:]) * 1e3
+    def timed(weights) -> dict[str, float]:
+        """Median ms of one pass over `weights` at each row count. The row counts take turns
+        pass by pass, so a neighbour's load or a clock change weighs on every count alike and
+        the ratios between them hold on a shared machine."""
+        gen = torch.Generator().manual_seed(0)
+        xs = {n: {k: torch.randn(n, k, generator=gen).to(dtype) for k in {qw.shape[1] for qw in weights}} for n in ROWS}
+        times = {n: [] for n in ROWS}
+        for repeat in range(repeats + 1):       # the first round warms the caches: dropped
+            for n in ROWS:
+                start = time.perf_counter()
+                for qw in weights:
+                    quantized_linear.linear(xs[n][qw.shape[1]], qw, None)
+                if repeat:
+                    times[n].append(time.perf_counter() - start)
+        return {str(n): round(statistics.median(t) * 1e3, 3) for n, t in times.items()}
 
     from engine.spec.step_costs import read_bandwidth
     bandwidth = read_bandwidth()
-    rows_ms = {str(n): round(timed(body, n), 3) for n in ROWS}
+    rows_ms = timed(body)
     body_bytes = sum(qw.nbytes for qw in body)
     result = {"model": reference, "dtype": f"{str(dtype).removeprefix('torch.')} ({why})",
               "weights": loaded.weights.summary(), "kernel": quantized_linear.path(),
@@ -60,7 +65,7 @@ def linear_rows_bench(reference: str = "default", repeats: int = REPEATS) -> dic
               "read_bandwidth_gb_s": round(bandwidth / 1e9, 2)}
     result["fraction_of_bandwidth"] = round(result["linear_rows_gb_s"] / result["read_bandwidth_gb_s"], 3)
     if head is not None:
-        head_ms = {str(n): round(timed([head], n), 3) for n in ROWS}
+        head_ms = timed([head])
         result["head_rows"] = head_ms
         result["head_ratio_to_1_row"] = {n: round(ms / head_ms["1"], 3) for n, ms in head_ms.items()}
         result["head_gb_s"] = round(head.nbytes / head_ms["1"] / 1e6, 2)
