@@ -146,6 +146,42 @@ void quantize_row_avx2(const float* x, int64_t K, int64_t G, int8_t* xq, float* 
   group_sums(xq, K, G, sx, sxs, xsum);
 }
 
+// ---- bf16 in and out: the scalar conversions of cpu_bf16.h, eight at a time (the same bits;
+// one call's M x N outputs made the scalar loop cost as much as the 8-row tiles' fmas) --------
+__attribute__((target("avx2")))
+void widen_bf16_avx2(const uint16_t* h, float* out, int64_t n) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + k)));
+    _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+  }
+  for (; k < n; ++k) out[k] = bf16_to_float(h[k]);
+}
+
+// 8 values of y (+ bias) -> their bf16 bits in the low half of each 32-bit lane
+__attribute__((target("avx2"))) inline __m256i narrow8_bf16(const float* y, const float* bias) {
+  __m256 v = _mm256_loadu_ps(y);
+  if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+  const __m256i kept = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));      // NaN stays NaN
+  return _mm256_blendv_epi8(rounded, kept, nan);
+}
+
+// out[n] = bf16(y[n] (+ bias[n])): the sum in fp32, then rounded once to nearest even
+__attribute__((target("avx2")))
+void narrow_bf16_avx2(const float* y, const float* bias, uint16_t* out, int64_t n) {
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const __m256i packed = _mm256_packus_epi32(narrow8_bf16(y + k, bias ? bias + k : nullptr),
+                                               narrow8_bf16(y + k + 8, bias ? bias + k + 8 : nullptr));   // per 128-bit lane
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+  for (; k < n; ++k) out[k] = float_to_bf16(bias ? y[k] + bias[k] : y[k]);
+}
+
 // ---- scales --------------------------------------------------------------------------------
 template <typename S> inline float scale_at(const S* p, int64_t i);
 template <> inline float scale_at<float>(const float* p, int64_t i) { return p[i]; }
@@ -339,9 +375,10 @@ void vnni_rows(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t 
   if (M - i == 1) group_of(std::integral_constant<int, 1>{});
 }
 
-// 256-bit: rows eight at a time (then four, then the rest), each group of rows in one pass over
-// the tile; the first streams it from memory (prefetching the tiles ahead), the others re-read
-// it from L1 (re-decoding costs less here than reading a decoded copy: measured)
+// 256-bit: rows eight at a time, then the rest in one group, each group of rows in one pass over
+// the tile (a verify pass of 4 drafts is 5 rows: one pass); the first streams the tile from
+// memory (prefetching the tiles ahead), the others re-read it from L1 (re-decoding costs less
+// here than reading a decoded copy: measured)
 template <typename Tile, int BITS, typename S>
 void rows256(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t ldy) {
   int64_t i = 0;
@@ -351,7 +388,10 @@ void rows256(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t ld
     i += RN;
   };
   while (i + 8 <= M) group_of(std::integral_constant<int, 8>{});
-  if (M - i >= 4) group_of(std::integral_constant<int, 4>{});
+  if (M - i == 7) group_of(std::integral_constant<int, 7>{});
+  if (M - i == 6) group_of(std::integral_constant<int, 6>{});
+  if (M - i == 5) group_of(std::integral_constant<int, 5>{});
+  if (M - i == 4) group_of(std::integral_constant<int, 4>{});
   if (M - i == 3) group_of(std::integral_constant<int, 3>{});
   if (M - i == 2) group_of(std::integral_constant<int, 2>{});
   if (M - i == 1) group_of(std::integral_constant<int, 1>{});
@@ -409,7 +449,8 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
     const float* xr;
     if (bf16) {
       const uint16_t* h = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) + i * K;
-      for (int64_t k = 0; k < K; ++k) widened[k] = bf16_to_float(h[k]);     // exact
+      if (isa == SCALAR) for (int64_t k = 0; k < K; ++k) widened[k] = bf16_to_float(h[k]);     // exact
+      else widen_bf16_avx2(h, widened.data(), K);       // every other path runs on an AVX2 CPU
       xr = widened.data();
     } else {
       xr = xc.data_ptr<float>() + i * K;
@@ -442,12 +483,18 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
              : run_tiles<8, float>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N);
       }
       if (!biased && !bf16) return;
-      for (int64_t i = 0; i < M; ++i)
-        for (int64_t n = t0 * COLS; n < t1 * COLS; ++n) {
+      const int64_t n0 = t0 * COLS, n1 = t1 * COLS;
+      for (int64_t i = 0; i < M; ++i) {
+        if (bf16 && isa != SCALAR) {
+          narrow_bf16_avx2(yp + i * N + n0, biased ? bp + n0 : nullptr, op + i * N + n0, n1 - n0);
+          continue;
+        }
+        for (int64_t n = n0; n < n1; ++n) {
           const float v = biased ? yp[i * N + n] + bp[n] : yp[i * N + n];
           if (bf16) op[i * N + n] = float_to_bf16(v);
           else yp[i * N + n] = v;
         }
+      }
     });
   }
   return out;
