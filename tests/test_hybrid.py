@@ -77,6 +77,18 @@ def test_chunked_form_equals_the_recurrent_one():
     assert (out_r - out_c).abs().max() < 1e-4 and (state_r - state_c).abs().max() < 1e-4
 
 
+def test_a_prefill_chunk_is_computed_in_pieces_on_the_sequences_chunk_grid():
+    """A chunk's pieces (engine.layers.linear_attention_op.pieces): cut at the boundaries whose
+    state is saved, and so that the chunked form's 64-token chunks lie on the multiples of 64 of
+    the sequence, wherever the scheduler cut the chunk (the state at each comes free)."""
+    from engine.layers.linear_attention_op import pieces
+    assert pieces(0, 150, [64, 128, 144]) == [(0, 64), (64, 128), (128, 144), (144, 150)]
+    assert pieces(0, 150, [144]) == [(0, 144), (144, 150)]
+    assert pieces(48, 96, [64, 80]) == [(48, 64), (64, 80), (80, 96)]
+    assert pieces(100, 300, []) == [(100, 128), (128, 300)]
+    assert pieces(6, 14, [12]) == [(6, 12), (12, 14)]
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def hybrid_folder(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
@@ -137,7 +149,7 @@ def test_eight_concurrent_requests_give_their_solo_tokens(tiny_hybrid):
     each gives its solo tokens, with a preemption (its state slot given back and taken anew, its
     state restored from the prefix cache's snapshots where they survived) and a prefix hit: the
     second request's 64 shared tokens, the state restored at that block boundary (which the first
-    request's chunk [48, 96) crossed: the chunk was split there and the state saved)."""
+    request's chunk [48, 96) crossed: a multiple of the chunked form's 64 tokens, saved)."""
     from tests.test_batching import PRESSURE, params_for, prompts, run_together
     from tests.test_batching import engine as make_engine
     all_prompts, all_params = prompts(tiny_hybrid), [params_for(i, False) for i in range(8)]
@@ -313,11 +325,12 @@ def test_a_hybrid_model_cut_to_its_linear_layers_serves_without_kv(tmp_path):
 # ---- prefix caching: the state saved at block boundaries -----------------------------------
 def test_a_prefix_hit_restores_the_state_saved_at_its_last_block_boundary(tiny_hybrid):
     """Block size 4, 8 blocks, a pool of 3 snapshots. A 14-token prompt computed in two chunks
-    ([0, 6), [6, 14)) saves the state at 4, 8 and 12 (each chunk is split at the boundaries inside
-    it); a hit on 3 blocks restores the state at 12 and gives the cold run's logits. Then the
-    pool's least recently used snapshots go to another prompt's, and a hit on 3 blocks whose last
-    one lost its snapshot falls back to 2 (the engine counts 4 cached tokens recomputed); when
-    the block itself is evicted, its snapshot goes with it."""
+    ([0, 6), [6, 14)) saves the state at each chunk's last block boundary inside it, 4 and 12
+    (and at the multiples of the chunked form's 64 tokens, none here): a hit on 3 blocks restores
+    the state at 12 and gives the cold run's logits; a hit on 2 falls back to 4 (the engine counts
+    4 cached tokens recomputed). Then the pool's least recently used snapshots go to other
+    prompts', a hit whose last block lost its snapshot falls back to the longest one with one,
+    and when a block is evicted its snapshot goes with it."""
     from engine.runtime.model_runner import ModelRunner
     runner = ModelRunner(tiny_hybrid, EngineConfig(block_size=4, num_blocks=8, compile="off"), torch.device("cpu"),
                          num_snapshots=3)
@@ -329,9 +342,8 @@ def test_a_prefix_hit_restores_the_state_saved_at_its_last_block_boundary(tiny_h
     cold_logits = runner.forward(cold, prompt[6:])
     runner.commit(cold, prompt)
     k0, k1, k2 = cold.keys
-    assert cold.block_table == [0, 1, 2, 3]
-    assert list(snapshots.by_key.items()) == [(k0, 0), (k1, 2), (k2, 1)]      # boundary 4 first; then 12, 8
-    assert runner.snapshot_bytes_held() == snapshots.pool_bytes == 3 * slot_bytes
+    assert cold.block_table == [0, 1, 2, 3] and list(snapshots.by_key.items()) == [(k0, 0), (k2, 1)]
+    assert (runner.snapshot_bytes_held(), snapshots.pool_bytes) == (2 * slot_bytes, 3 * slot_bytes)
     runner.end(cold)
     assert list(blocks.free_queue) == [3, 4, 5, 6, 7, 2, 1, 0]
 
@@ -340,28 +352,31 @@ def test_a_prefix_hit_restores_the_state_saved_at_its_last_block_boundary(tiny_h
     assert (runner.forward(hit, prompt[12:]) - cold_logits).abs().max() < 1e-5
     runner.end(hit)
 
-    short = runner.admit(prompt[:9])             # a hit on 2 blocks: k1's snapshot is used last
-    runner.forward(short, prompt[8:9])
+    short = runner.admit(prompt[:9])             # 2 blocks, but no state at 8: back to k0's at 4
+    assert (short.block_table, short.num_computed, short.num_unrestored_tokens) == ([0], 4, 4)
+    runner.forward(short, prompt[4:9])           # saves the state at 8, its chunk's last boundary
+    runner.commit(short, prompt[:9])
+    assert short.block_table == [0, 3, 4] and list(snapshots.by_key.items()) == [(k2, 1), (k0, 0), (k1, 2)]
     runner.end(short)
-    assert list(snapshots.by_key) == [k0, k2, k1]
+    assert list(blocks.free_queue) == [3, 4, 5, 6, 7, 2, 1, 0]
     other = runner.admit(list(range(5000, 5009)))
-    runner.forward(other, list(range(5000, 5009)))   # boundary 8 takes k0's snapshot, boundary 4 k2's
+    runner.forward(other, list(range(5000, 5009)))   # its state at 8 takes the least recently used: k2's
     runner.commit(other, list(range(5000, 5009)))
     o0, o1 = other.keys
-    assert other.block_table == [3, 4, 5] and list(snapshots.by_key.items()) == [(k1, 2), (o0, 1), (o1, 0)]
+    assert other.block_table == [3, 4, 5] and list(snapshots.by_key.items()) == [(k0, 0), (k1, 2), (o1, 1)]
 
     fallback = runner.admit(prompt)              # k2's block is cached, its snapshot gone: back to k1
     assert (fallback.block_table, fallback.num_computed, fallback.num_unrestored_tokens) == ([0, 1], 8, 4)
     assert (runner.forward(fallback, prompt[8:]) - cold_logits).abs().max() < 1e-5
-    runner.commit(fallback, prompt)              # the state at 12 saved again (o0's snapshot goes)
-    assert fallback.block_table == [0, 1, 6, 7] and list(snapshots.by_key.items()) == [(o1, 0), (k1, 2), (k2, 1)]
+    runner.commit(fallback, prompt)              # the state at 12 saved again (k0's snapshot goes)
+    assert fallback.block_table == [0, 1, 6, 7] and list(snapshots.by_key.items()) == [(o1, 1), (k1, 2), (k2, 0)]
     runner.end(fallback)
     runner.end(other)
     assert list(blocks.free_queue) == [5, 6, 7, 2, 1, 0, 4, 3]
 
     filler = runner.admit([9] * 16)              # takes 5, 6, 7 and evicts block 2 (k2): its snapshot goes
     blocks.ensure_capacity(filler, 16)
-    assert filler.block_table == [5, 6, 7, 2] and list(snapshots.by_key) == [o1, k1] and snapshots.free == [1]
+    assert filler.block_table == [5, 6, 7, 2] and list(snapshots.by_key) == [o1, k1] and snapshots.free == [0]
     runner.end(filler)
     again = runner.admit(prompt)
     assert (again.block_table, again.num_computed, again.num_unrestored_tokens) == ([0, 1], 8, 0)
@@ -372,8 +387,8 @@ def test_a_prefix_hit_restores_the_state_saved_at_its_last_block_boundary(tiny_h
 
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
 def test_a_prefix_hit_gives_the_tokens_of_a_cold_run(tiny_hybrid, compile_mode):
-    """The engine: a 150-token prompt cold, then again (a hit on 9 blocks, the state restored at
-    144), then extended by its reply and a new turn (a hit on the 10 blocks the first reply's
+    """The engine: a 150-token prompt cold (one chunk: the state saved at 64, 128 and 144), then
+    again (a hit on 9 blocks, the state restored at 144), then extended by its reply and a new turn (a hit on the 10 blocks the first reply's
     decode steps reached, the state saved at 160 by a decode step): each gives the tokens of a
     cold run of the same prompt, and says what was served from the cache."""
     if compile_mode == "on" and tiny_hybrid.model.lm_head.weight.dtype != torch.float32:

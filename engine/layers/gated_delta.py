@@ -66,8 +66,11 @@ def recurrent(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torc
     return out, state
 
 
-def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """What `recurrent` computes, a chunk of tokens at a time (same arguments and result)."""
+def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK,
+            states_after: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `recurrent` computes, a chunk of tokens at a time (same arguments and result).
+    states_after: a list to append the state after each chunk to (the last one: after the last
+    token), which come free (the prefix cache keeps some: engine.layers.linear_attention_op)."""
     heads, length, dk = k.shape
     pad = -length % chunk
     q, k, v = (F.pad(x, (0, 0, 0, pad)).view(heads, -1, chunk, x.shape[-1]) for x in (q, k, v))
@@ -90,4 +93,6 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> tuple[
         corrected = values[:, i] - k_decayed[:, i] @ state               # what the old state does not predict
         out[:, i] = q[:, i] @ state + within[:, i] @ corrected
         state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ corrected
+        if states_after is not None:
+            states_after.append(state)
     return out.reshape(heads, -1, out.shape[-1])[:, :length], state

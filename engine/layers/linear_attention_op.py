@@ -13,9 +13,10 @@ Each sequence is computed alone, so a row never depends on what shares its pass.
 chunk takes the chunked form (one token: the recurrent one); a pass whose every row wants
 logits (a decode, a verify pass of a chain or a tree of draft tokens) goes row by row from each
 row's parent (the row before it, or its parent in the tree) and keeps the state after every
-row, for the rollback to the last accepted token. A prefill chunk that crosses block boundaries
-the prefix cache keeps the state at (engine.cache.state_snapshots) is split there, and the
-state at each is saved.
+row, for the rollback to the last accepted token. A prefill chunk's chunks of the chunked form lie on
+multiples of CHUNK of its sequence wherever the scheduler cut it; the state after each comes
+free, and the prefix cache keeps those on block boundaries (engine.cache.state_snapshots) and
+the chunk's last block boundary (the chunk is cut there too).
 """
 from __future__ import annotations
 
@@ -111,32 +112,49 @@ class Shape:
 
 
 def _run_chunk(current: LinearPass, layer: int, s: LinearSeq, x, g, beta, weight, shape: Shape) -> torch.Tensor:
-    """A prefill chunk of one sequence, in pieces split at the boundaries whose state is saved."""
-    if not s.snapshots:
-        return _run(current.states, layer, s.slot, x, g, beta, weight, shape)
-    out, done = [], 0
-    for boundary, snapshot in s.snapshots:
-        end = boundary - s.computed
-        out.append(_run(current.states, layer, s.slot, x[done:end], g[done:end], beta[done:end], weight, shape))
-        current.snapshots.save_layer(snapshot, layer, current.states.conv[layer, s.slot],
-                                     current.states.recurrent[layer, s.slot])
-        done = end
-    if done < s.count:
-        out.append(_run(current.states, layer, s.slot, x[done:], g[done:], beta[done:], weight, shape))
-    return torch.cat(out)
-
-
-def _run(states: StateCache, layer: int, slot: int, x, g, beta, weight, shape: Shape) -> torch.Tensor:
-    """Rows of a prefill chunk of one sequence (the chunked form; one token: the recurrent one)."""
-    count = x.shape[0]
-    conv_state, state = states.conv[layer, slot], states.recurrent[layer, slot]
+    """A prefill chunk of one sequence: the convolution over all of it, then the delta rule in
+    pieces (`pieces`) whose chunks of the chunked form lie on multiples of CHUNK of the sequence;
+    the state at each staged boundary (a piece's end, or one of its chunks') is saved."""
+    states = current.states
+    conv_state, state = states.conv[layer, s.slot], states.recurrent[layer, s.slot]
+    width = weight.shape[1] - 1
+    inputs = torch.cat([conv_state.to(weight.dtype), x.t().to(weight.dtype)], dim=1)     # [C, K-1+T]
     x, new_conv = gated_delta.causal_conv(x, conv_state, weight)
-    q, k, v = gated_delta.prepare(*shape.split(x), shape.num_v_heads)
-    form = gated_delta.chunked if count > 1 else gated_delta.recurrent
-    o, new_state = form(q, k, v, g.t().float(), beta.t().float(), state)      # o [Hv, T, Dv]
-    conv_state.copy_(new_conv)
-    state.copy_(new_state)
-    return o.transpose(0, 1).reshape(count, shape.value_dim).to(x.dtype)
+    q, k, v = gated_delta.prepare(*shape.split(x), shape.num_v_heads)                   # [Hv, T, D]
+    g, beta = g.t().float(), beta.t().float()
+    wanted = dict(s.snapshots)                  # boundary -> snapshot
+    out = []
+    cuts = [b for b in wanted if b % gated_delta.CHUNK]      # the others are chunk ends of the form
+    for begin, end in pieces(s.computed, s.computed + s.count, cuts):
+        rows, after = slice(begin - s.computed, end - s.computed), []
+        if end - begin > 1:
+            o, state = gated_delta.chunked(q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows], state,
+                                           states_after=after)
+        else:
+            o, state = gated_delta.recurrent(q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows], state)
+        out.append(o)
+        ends = [min(begin + gated_delta.CHUNK * (i + 1), end) for i in range(len(after))] or [end]
+        for boundary, kept in zip(ends, after or [state]):
+            if boundary in wanted:
+                r = boundary - s.computed
+                current.snapshots.save_layer(wanted[boundary], layer, inputs[:, r:r + width], kept)
+    conv_state.copy_(new_conv.to(conv_state.dtype))
+    states.recurrent[layer, s.slot].copy_(state)
+    return torch.cat(out, dim=1).transpose(0, 1).reshape(s.count, shape.value_dim).to(x.dtype)
+
+
+def pieces(start: int, end: int, cuts: list[int]) -> list[tuple[int, int]]:
+    """[start, end) cut at `cuts`, and so that past the first multiple of CHUNK every piece begins
+    on one or at a cut (then its first chunk ends on the next multiple): the chunked form's chunks
+    lie where they would in one pass from the sequence's first token, and the state at each
+    multiple of CHUNK comes with them."""
+    points = {c for c in cuts if start < c < end}
+    for c in [start, *points]:
+        aligned = (c // gated_delta.CHUNK + 1) * gated_delta.CHUNK
+        if c % gated_delta.CHUNK and aligned < end:
+            points.add(aligned)
+    bounds = [start, *sorted(points), end]
+    return list(zip(bounds, bounds[1:]))
 
 
 def _run_rows(states: StateCache, layer: int, s: LinearSeq, x, g, beta, weight, shape: Shape) -> torch.Tensor:

@@ -15,7 +15,7 @@ from engine.cache.state_cache import StateCache
 from engine.cache.state_snapshots import StateSnapshots
 from engine.config import EngineConfig
 from engine.errors import first_line
-from engine.layers import attention, linear_attention_op
+from engine.layers import attention, gated_delta, linear_attention_op
 from engine.layers.attention import CPU, KERNELS, TORCH, AttentionMetadata
 from engine.layers.attention_metadata import SeqSlice, TreeRows, pass_positions, tree_pass_positions
 from engine.layers.linear_attention_op import LinearPass, LinearSeq
@@ -279,12 +279,16 @@ class ModelRunner:
         return out
 
     def _stage_snapshots(self, seq: RunnerSeq, start: int, n: int) -> list[tuple[int, int]]:
-        """A prefill chunk's block boundaries strictly inside it, where the linear layers save their
-        state for prefix hits (one the chunk ends on is saved from the slot, at commit)."""
+        """Where a prefill chunk's linear layers save their state for prefix hits: the block
+        boundaries strictly inside it that the chunked form passes anyway (multiples of its
+        CHUNK), and the last one (the chunk is cut there: a repeated prompt's hit ends on it).
+        One the chunk ends on is saved from the slot, at commit."""
         if not self.blocks.enable_prefix_caching:
             return []
         bs = self.kv.block_size
-        return self.snapshots.stage(seq.state_slot, list(range((start // bs + 1) * bs, start + n, bs)))
+        inside = list(range((start // bs + 1) * bs, start + n, bs))
+        boundaries = [b for b in inside[:-1] if b % gated_delta.CHUNK == 0] + inside[-1:]
+        return self.snapshots.stage(seq.state_slot, boundaries)
 
     def _prepare(self, mode: str, positions, slots, slices) -> AttentionMetadata:
         """The pass's attention metadata and its mode's layout, once for every layer."""
