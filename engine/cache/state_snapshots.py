@@ -8,14 +8,16 @@ block's chained key (engine.cache.block_manager), and a hit is only as long as i
 of blocks whose last block has a snapshot (`usable_hits`); on a hit that snapshot is copied
 into the sequence's state slot (`restore`) and the sequence resumes after it.
 
-What is saved: a prefill chunk's state at each block boundary inside it (the chunk is split
-there, engine.layers.linear_attention_op), and a sequence's state whenever a pass leaves it on
-a boundary (a chunk ending on one, a decode, a verify pass whose accepted tokens end on one).
-A boundary inside a verify pass that its accepted tokens do not end on is not saved.
+What is saved (the runner stages it, engine.layers.linear_attention_op writes it): a prefill
+chunk's state at the block boundaries inside it that its chunked form passes anyway (the
+sequence's multiples of gated_delta.CHUNK) and at its last block boundary inside it (the chunk
+is cut there); and a sequence's state whenever a pass leaves it on a boundary (a chunk ending
+on one, a decode, a verify pass whose accepted tokens end on one). Other boundaries are not
+saved: a hit ending on one falls back to the last saved boundary before it.
 
 Bounded: a fixed pool of `num_snapshots` (the memory plan's `prefix_snapshots`, bytes of one
 state slot each). A chunk's boundaries are first `stage`d (the last ones of a chunk when it
-crosses more than the pool holds); once its blocks are committed a staged snapshot is filed
+has more than the pool holds); once its blocks are committed a staged snapshot is filed
 under its block's key (`settle`) or given back. When the pool is full the least recently used
 snapshot goes (saving and hitting both count as use). When the block manager drops a block's
 key (eviction, reset) the snapshot goes with it (`drop`); a block whose snapshot went keeps
