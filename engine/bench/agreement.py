@@ -26,7 +26,15 @@ all agree) of each arm with llama-server.
 
 The fake quantization runs in Python over the dequantized weights (each arm's linear replaced
 on the loaded model, never in the kernels); it does not copy llama.cpp's block-wise fp32
-accumulation order or Q8_1's fp16 block sums, only its rounding of the activations.
+accumulation order, Q8_1's fp16 block sums or its flash attention's f16 arithmetic, only its
+rounding of the activations.
+
+`agree_pairs` measures how far a tiny change carries: our own engine beside itself with only
+its K/V rounded to float16 (`ours / ours_kv_f16`). With 8-bit activations a change in the last
+bits of a linear's input flips some roundings by a whole step, and the flips compound layer by
+layer: on the F32 file that change leaves 10 of 10 replies as they were, on the K-quant files
+it parts 6-8 of 10 (README, "Real GGUF files against llama.cpp"). Two engines that are not
+bit-identical agree no better than that, whichever rounding each uses.
 """
 from __future__ import annotations
 
