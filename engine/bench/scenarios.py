@@ -111,7 +111,8 @@ def _teacher_forced_diff(eng, prompt_ids, continuation, hf_logits) -> float:
 # ---- prefix caching --------------------------------------------------------------
 def bench_prefix(args) -> dict:
     """TTFT with the system prompt's blocks cold (the prefix cache reset) and warm (a hit), and
-    that a hit gives the cold run's tokens (PREFIX_COMPARED_TOKENS greedy). For a hybrid model a
+    that a hit gives the cold run's tokens (PREFIX_COMPARED_TOKENS greedy); then the same system
+    prompt with another question (`other_question`: a hit ending inside it). For a hybrid model a
     hit restores the linear layers' state saved at its last block boundary: what a hit saves is
     the prefill of the hit tokens (`prefill_tokens_cold` - `prefill_tokens_warm`), and
     `prefix_recomputed_tokens` counts cached tokens recomputed for want of a state snapshot."""
@@ -141,15 +142,20 @@ def bench_prefix(args) -> dict:
     eng.reset_prefix_cache()
     cold_reply = eng.generate_text(msgs, compare)[1]
     warm_reply, warm_stats = eng.generate_text(msgs, compare)[1:]
+    # the same system prompt, another question: the hit ends inside the system prompt's blocks
+    other = eng.generate_text(chat("List three of the rules above.", system=system), one)[2]
     snapshots = eng.runner.snapshots
-    return {"model": eng.target_model.display_name, "prompt_tokens": prompt_tokens,
-            "system_prompt_tokens": system_tokens,
+    return {"model": eng.target_model.display_name, "dtype": _dtype(eng), "compile": eng.settings()["compile"],
+            "prompt_tokens": prompt_tokens, "system_prompt_tokens": system_tokens,
             "ttft_cold_ms": a, "ttft_warm_ms": b, "ttft_reduction": 1 - b / a, "hit_tokens": warm.hit,
             "hit_fraction_of_system_prompt": warm.hit / system_tokens, "repeats": args.repeats,
             "prefill_tokens_cold": prompt_tokens, "prefill_tokens_warm": prompt_tokens - warm.hit,
             "prefix_recomputed_tokens": warm.recomputed,
             "hit_tokens_identical": warm_reply == cold_reply and warm_stats.prefix_hit_tokens == warm.hit,
             "compared_tokens": len(cold_reply),
+            "other_question": {"prompt_tokens": other.prompt_tokens, "hit_tokens": other.prefix_hit_tokens,
+                               "prefix_recomputed_tokens": other.prefix_recomputed_tokens,
+                               "ttft_ms": other.ttft_s * 1e3},
             "state_snapshots": None if snapshots is None else {
                 "kept": snapshots.num_saved, "max": snapshots.num_snapshots, "bytes_held": snapshots.bytes_held(),
                 "bytes_per_snapshot": snapshots.bytes_per_snapshot},
