@@ -177,6 +177,11 @@ def test_state_bytes_are_counted_apart_from_kv_bytes(tiny_hybrid):
     plan = eng.settings()["memory_plan"]["state"]
     assert plan["state_bytes_per_sequence"] == runner.states.bytes_per_slot
     assert plan["state_pool_bytes"] == plan["state_slots"] * runner.states.bytes_per_slot
+    # the prefix cache's snapshots: 4 a slot, at most a quarter of the 8 MiB left after the slots
+    slot, left = runner.states.bytes_per_slot, 8 * 2**20 - 33 * runner.states.bytes_per_slot
+    assert plan["state_slots"] == 33 and plan["prefix_snapshots"] == min(4 * 33, left // 4 // slot)
+    assert plan["prefix_snapshot_bytes"] == runner.snapshots.pool_bytes == plan["prefix_snapshots"] * slot
+    assert eng.plan.num_blocks == (left - plan["prefix_snapshot_bytes"]) // eng.plan.kv_bytes_per_block
     a = eng.submit(list(range(100, 140)), SamplingParams(max_tokens=3, stop_on_eos=False))
     eng.submit(list(range(200, 210)), SamplingParams(max_tokens=3, stop_on_eos=False))
     eng.step()
