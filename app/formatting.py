@@ -76,7 +76,17 @@ def describe_memory_plan(plan: dict) -> str:
     return (f"<b>Memory plan</b>: weights {_size(plan['weights_bytes'])}{draft}, "
             f"KV pool {_size(plan['kv_pool_bytes'])} = {plan['tokens_that_fit']:,} tokens, "
             f"reserve {_size(plan['reserve_bytes'])} for a {plan['reserve_tokens']:,}-token prompt "
-            f"({escape(str(plan['device']))}, {escape(str(plan['budget']))})" + _window_layers(plan.get("kv_layers")))
+            f"({escape(str(plan['device']))}, {escape(str(plan['budget']))})" + _window_layers(plan.get("kv_layers"))
+            + _state(plan.get("state")))
+
+
+def _state(state: dict | None) -> str:
+    """A hybrid model's linear-layer state: its slots, and the prefix cache's snapshots of it."""
+    if not state:
+        return ""
+    return (f"; linear-layer state {state['state_slots']} slots × {_bytes(state['state_bytes_per_sequence'])} = "
+            f"{_bytes(state['state_pool_bytes'])}, prefix snapshots up to {state['prefix_snapshots']} "
+            f"({_bytes(state['prefix_snapshot_bytes'])})")
 
 
 def _window_layers(layers: dict | None) -> str:
@@ -136,6 +146,8 @@ def message_stats(summary: dict | None, finish_reason: str | None, settings: dic
         parts.append(describe_speedup(speculation))
     if summary.get("prefix_hit_tokens"):
         parts.append(f"prefix hit {summary['prefix_hit_tokens']}/{summary['prompt_tokens']} tokens")
+    if summary.get("prefix_recomputed_tokens"):     # a hybrid model's hit cut back to a state snapshot
+        parts.append(f"{summary['prefix_recomputed_tokens']} cached tokens recomputed (no state saved there)")
     if settings:
         dtype = settings.get("kv_cache_dtype")
         parts.append(f"KV {dtype}" if dtype else "KV dtype not reported")     # a server may not say

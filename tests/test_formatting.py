@@ -46,3 +46,17 @@ def test_auto_says_which_proposer_drafts_and_why():
     html = describe_settings({"proposer": "auto", "num_speculative_tokens": 8,
                               "proposer_choice": {"chosen": "suffix", "why": "suffix has the highest expected rate"}})
     assert "auto, k=8; now suffix: suffix has the highest expected rate" in html
+
+
+def test_a_hybrid_models_state_and_its_prefix_snapshots_are_said():
+    """In effect's memory plan line gives the state slots and the prefix snapshots apart from KV,
+    and a reply whose hit was cut back to a state snapshot says how many cached tokens it recomputed."""
+    from app.formatting import describe_memory_plan
+    plan = {"weights_bytes": 2**20, "draft_weights_bytes": 0, "kv_pool_bytes": 2**22, "tokens_that_fit": 4096,
+            "reserve_bytes": 2**20, "reserve_tokens": 512, "device": "cpu", "budget": "kv_cache_bytes",
+            "state": {"state_slots": 33, "state_bytes_per_sequence": 16896, "state_pool_bytes": 33 * 16896,
+                      "prefix_snapshots": 115, "prefix_snapshot_bytes": 115 * 16896}}
+    assert describe_memory_plan(plan).endswith(
+        "; linear-layer state 33 slots × 16.5 KiB = 544 KiB, prefix snapshots up to 115 (1.85 MiB)")
+    line = message_stats(SUMMARY | {"prefix_hit_tokens": 896, "prompt_tokens": 951, "prefix_recomputed_tokens": 32}, "stop")
+    assert "prefix hit 896/951 tokens · 32 cached tokens recomputed (no state saved there)" in line
