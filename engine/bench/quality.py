@@ -20,7 +20,9 @@ stored) beside llama.cpp on the same file (bench_against_llama_cpp):
     issue's), through llama-server as users run it and again with its K/V in f32: per prompt
     the first divergence (null: all tokens agree) and, where they part, each side's log-prob
     margin between the two tokens there (a margin of a few hundredths of a nat is a near tie
-    that any rounding difference flips; a large one would be a bug).
+    that any rounding difference flips; a large one would be a bug). engine.bench.agreement
+    asks, at each such divergence, which token the fp32 reference on the dequantized weights
+    prefers, and what emulating llama.cpp's activation rounding changes.
 """
 from __future__ import annotations
 
