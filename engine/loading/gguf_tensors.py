@@ -70,6 +70,7 @@ import torch
 from engine.errors import CheckpointError
 from engine.layers.quantized_linear import INT4, INT8_GROUPS
 from engine.loading.gguf_gemma import norm_shift
+from engine.loading.gguf_qwen35 import check_hybrid_tensors, hybrid_layout
 from engine.models.gemma import sandwich_norms
 from engine.loading.stored_formats import format_of
 
@@ -90,7 +91,13 @@ GEMMA4_GLOBAL_NAMES = ("model.embed_tokens_per_layer.weight", "model.per_layer_m
 GEMMA4_LAYER_NAMES = ("per_layer_input_gate.weight", "per_layer_projection.weight", "post_per_layer_input_norm.weight",
                       "layer_scalar")
 # the router (ffn_gate_inp in the file) under the names the model type gives it
-ROUTER_NAMES = {"qwen3_moe": ("mlp.gate.weight",), "gpt_oss": ("mlp.router.weight", "mlp.router.bias")}
+ROUTER_NAMES = {"qwen3_moe": ("mlp.gate.weight",), "gpt_oss": ("mlp.router.weight", "mlp.router.bias"),
+                "qwen3_next": ("mlp.gate.weight",), "qwen3_5_moe_text": ("mlp.gate.weight",)}
+# Qwen3.5's and Qwen3-Next's linear-attention layers and shared expert (engine.loading.gguf_qwen35)
+HYBRID_LAYER_NAMES = (*(f"linear_attn.{n}" for n in ("A_log", "dt_bias", "conv1d.weight", "norm.weight", "out_proj.weight",
+                                                     "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
+                                                     "in_proj_a.weight", "in_proj_qkvz.weight", "in_proj_ba.weight")),
+                      *(f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")), "mlp.shared_expert_gate.weight")
 EXPERT_NAMES = tuple(f"{p}_proj.{w}" for p in ("gate", "up", "down") for w in ("weight", "bias"))
 _EXPERT = re.compile(r"^(?P<experts>model\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)"
                      r"\.(?P<proj>(gate|up|down)_proj\.(weight|bias))$")
@@ -110,6 +117,13 @@ class GGUFTensors:
         self.num_experts = int(self.metadata.get(f"{self.arch}.expert_count", 0))
         self._resolved: dict[str, StoredTensor | None] = {}
         check_stored(self.path, tensors, self.num_experts, f"{self.arch}.expert_count")
+        self.layout = hybrid_layout(self.arch, hf_config, self.by_name)     # Qwen3.5 / Qwen3-Next: None otherwise
+        if self.layout is not None:
+            check_hybrid_tensors(self.path, self.layout, {t.name: t.shape for t in tensors})
+
+    def source_of(self, hf_name: str):
+        """A hybrid file's tensor: where it is and what undoes the converter (gguf_qwen35.Source), or None."""
+        return None if self.layout is None else self.layout.source(hf_name)
 
     def _tensor(self, hf_name: str) -> "StoredTensor | None":
         if hf_name not in self._resolved:
@@ -118,6 +132,10 @@ class GGUFTensors:
         return self._resolved[hf_name]
 
     def _stored(self, hf_name: str) -> "StoredTensor | None":
+        source = self.source_of(hf_name)
+        if source is not None and source.parts:
+            parts = [self.by_name.get(n) for n in source.parts]
+            return None if None in parts else parts[0] if len(parts) == 1 else _concatenated(parts)
         name = self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             return None
@@ -145,17 +163,29 @@ class GGUFTensors:
         gemma4 = getattr(self.hf_config, "model_type", None) == "gemma4_text"
         if gemma4:
             sandwich = SANDWICH_NAMES + GEMMA4_LAYER_NAMES
+        hybrid = HYBRID_LAYER_NAMES if self.layout is not None else ()
         candidates = [*GLOBAL_NAMES, *(GEMMA4_GLOBAL_NAMES if gemma4 else ()),
-                      *(f"model.layers.{i}.{n}" for i in layers for n in (*LAYER_NAMES, *sandwich, *moe))]
+                      *(f"model.layers.{i}.{n}" for i in layers for n in (*LAYER_NAMES, *sandwich, *moe, *hybrid))]
         return [n for n in candidates if self._tensor(n) is not None]
 
     def type_of(self, hf_name: str) -> str | None:
-        """The stored type ("Q4_K", "Q6_K", "F32", ...), or None if the file lacks the tensor."""
+        """The stored type ("Q4_K", "Q6_K", "F32", ...), or None if the file lacks the tensor. A
+        hybrid file's tensor that cannot be served as stored says "F32" (it is read dequantized):
+        one made of two stored tensors, or whose column reorder splits its type's groups."""
         t = self._tensor(hf_name)
-        return None if t is None else t.tensor_type.name
+        if t is None:
+            return None
+        source = self.source_of(hf_name)
+        if t.parts or (source is not None and source.cols is not None and t.tensor_type.name not in FLOAT_READS
+                       and not _whole_groups(source.cols, format_of(t.tensor_type.name).group or BLOCK)):
+            return "F32"
+        return t.tensor_type.name
 
     def shape(self, hf_name: str) -> tuple[int, ...]:
         """transformers' shape ([out, in]; GGUF lists the dimensions the other way round)."""
+        source = self.source_of(hf_name)
+        if source is not None and source.shape is not None:
+            return source.shape
         return tuple(int(n) for n in reversed(self._tensor(hf_name).shape))
 
     def nbytes(self, hf_name: str) -> int:
@@ -191,27 +221,51 @@ class GGUFTensors:
         `dtype`), rows in transformers' order (`rows`: only those); decoded a slice of rows at
         a time, so no float32 copy of a large tensor is made on the way to a bf16 one."""
         t = self._tensor(hf_name)
-        qtype = t.tensor_type
-        if t.tensor_type.name in FLOAT_READS:
-            decode = lambda raw: (raw.reshape(raw.shape[0], -1).view(FLOAT_READS[qtype.name]),)   # noqa: E731
-        elif t.tensor_type.name in _FLOAT_DECODERS:
-            decode = lambda raw: (_FLOAT_DECODERS[qtype.name](raw),)                               # noqa: E731
+        if t.parts:         # a hybrid file's tensor made of two: each read whole, then transformers' rows
+            whole = torch.cat([self._read_rows(p, self._float_decoder(p), dtype, np.arange(p.shape[-1]))[0]
+                               for p in t.parts])
+            values = whole[torch.from_numpy(self._rows_of(hf_name, t, whole.shape[0])[rows])]
         else:
-            decode = lambda raw: (self._gguf.quants.dequantize(raw.reshape(raw.shape[0], -1), qtype),)  # noqa: E731
-        (values,) = self._decoded(hf_name, decode, dtype, rows=rows)
+            (values,) = self._decoded(hf_name, self._float_decoder(t), dtype, rows=rows)
         return values.reshape(self.shape(hf_name)) if rows == slice(None) else values
+
+    def _float_decoder(self, t: "StoredTensor"):
+        """Stored blocks [rows, blocks, bytes] -> (float values [rows, n],), for t's type."""
+        qtype = t.tensor_type
+        if qtype.name in FLOAT_READS:
+            return lambda raw: (raw.reshape(raw.shape[0], -1).view(FLOAT_READS[qtype.name]),)
+        if qtype.name in _FLOAT_DECODERS:
+            return lambda raw: (_FLOAT_DECODERS[qtype.name](raw),)
+        return lambda raw: (self._gguf.quants.dequantize(raw.reshape(raw.shape[0], -1), qtype),)
 
     def _decoded(self, hf_name: str, decode, dtype: torch.dtype | None = None,
                  rows: slice = slice(None)) -> tuple[torch.Tensor, ...]:
         """`decode` (stored blocks [rows, blocks, block bytes] -> arrays [rows, ...]) applied
         to slices of rows read from the file, written into whole tensors in transformers'
         row order (each output in `dtype` when given, else as decoded); `rows`: of
-        transformers' rows, only these (the file's rows that hold them are read)."""
+        transformers' rows, only these (the file's rows that hold them are read). A hybrid
+        file's column reorder (gguf_qwen35) moves each output's columns (groups) after."""
         t = self._tensor(hf_name)
+        total = int(t.shape[-1]) if len(t.shape) > 1 else 1
+        wanted = (self._rows_of(hf_name, t, total) if len(t.shape) > 1 else np.zeros(1, dtype=np.int64))[rows]
+        outputs = self._read_rows(t, decode, dtype, wanted)
+        source = self.source_of(hf_name)
+        if source is None or source.cols is None:
+            return outputs
+        return tuple(_columns_moved(out, source.cols) for out in outputs)
+
+    def _rows_of(self, hf_name: str, t: "StoredTensor", total: int) -> np.ndarray:
+        """Where each of transformers' rows is in the file (a hybrid file's reorder, or the Llama q/k one)."""
+        source = self.source_of(hf_name)
+        if source is not None and source.rows is not None:
+            return source.rows
+        return self._row_order(t.name, total)
+
+    def _read_rows(self, t: "StoredTensor", decode, dtype: torch.dtype | None, wanted: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """`decode` applied to the file rows `wanted` of t (in that order), a slice of rows at a time."""
         total = int(t.shape[-1]) if len(t.shape) > 1 else 1
         block_values, block_bytes = self._gguf.GGML_QUANT_SIZES[t.tensor_type]
         row_bytes = t.n_bytes // total
-        wanted = (self._row_order(t.name, total) if len(t.shape) > 1 else np.zeros(1, dtype=np.int64))[rows]
         where = np.full(total, -1, dtype=np.int64)      # file row -> its place in the output
         where[wanted] = np.arange(len(wanted))
         outputs = None
@@ -356,6 +410,29 @@ class StoredTensor:
     shape: tuple[int, ...]      # GGUF's order: the fastest-varying dimension first
     n_bytes: int
     data_offset: int            # from the start of the file
+    parts: tuple["StoredTensor", ...] = ()      # a tensor made of these, their rows concatenated
+
+
+def _concatenated(parts: list[StoredTensor]) -> StoredTensor:
+    """One of transformers' tensors stored as several (Qwen3-Next's in_proj_qkvz: attn_qkv and
+    attn_gate), read dequantized (type_of says F32)."""
+    import gguf
+    return StoredTensor("+".join(p.name for p in parts), gguf.GGMLQuantizationType.F32,
+                        (parts[0].shape[0], sum(p.shape[-1] for p in parts)), sum(p.n_bytes for p in parts), -1,
+                        tuple(parts))
+
+
+def _whole_groups(cols: np.ndarray, group: int) -> bool:
+    """Whether a column order moves whole groups of `group` columns (each kept in order)."""
+    blocks = cols.reshape(-1, group) if cols.size % group == 0 else None
+    return blocks is not None and bool((blocks[:, :1] % group == 0).all() and (np.diff(blocks, axis=1) == 1).all())
+
+
+def _columns_moved(values: torch.Tensor, cols: np.ndarray) -> torch.Tensor:
+    """values [rows, n / g] (a decoded form's columns or its groups' scales) with column c taken
+    from the file's cols[c], a group at a time."""
+    group = cols.size // values.shape[1]
+    return values[:, torch.from_numpy(cols[::group] // group)]
 
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -469,6 +546,9 @@ class GGUFCheckpoint:
         return self.source.nbytes(name)
 
     def read(self, name: str) -> torch.Tensor:
+        hybrid = self.source.source_of(name)
+        if hybrid is not None and (hybrid.values or hybrid.elements is not None):    # Qwen3.5 / Qwen3-Next
+            return self.source.layout.float_values(hybrid, self.source.dequantized(name, torch.float32)).to(self.dtype)
         shift = norm_shift(name, self.source.hf_config)      # Gemma's norms are stored as 1 + w
         if shift:
             return (self.source.dequantized(name, torch.float32) - shift).to(self.dtype)

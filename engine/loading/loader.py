@@ -37,6 +37,7 @@ from engine.errors import CheckpointError, ModelNotFoundError, UnsupportedModelE
 from engine.loading.awq_gptq import GPTQ_CONFIG_FILE, AWQGPTQTensors, read_quantization_config
 from engine.loading.checkpoint import Checkpoint
 from engine.loading.gguf_gemma import GGUF_GEMMA_ARCHES, gguf_gemma_config, rope_freqs_of
+from engine.loading.gguf_qwen35 import GGUF_HYBRID_ARCHES, gguf_hybrid_config
 from engine.loading.stored_formats import format_of
 from engine.loading.weight_quant import AUTO, FLOAT, WeightReport, release_freed_memory, serve_weights, served_as_stored
 from engine.models import hybrid
@@ -168,6 +169,9 @@ def _read_gguf(gguf: Path):
     metadata, tensors = read_header(gguf)
     if metadata.get("general.architecture") in GGUF_MOE_ARCHES:
         config = gguf_moe_config(metadata, {t.name: t.shape for t in tensors})
+        return config, _gguf_tokenizer(gguf, config.model_type)
+    if metadata.get("general.architecture") in GGUF_HYBRID_ARCHES:       # Qwen3.5, Qwen3-Next (gguf_qwen35)
+        config = gguf_hybrid_config(metadata, {t.name: t.shape for t in tensors}, **_gguf_token_ids(metadata))
         return config, _gguf_tokenizer(gguf, config.model_type)
     if metadata.get("general.architecture") in GGUF_GEMMA_ARCHES:
         config = gguf_gemma_config(metadata, {t.name: t.shape for t in tensors}, rope_freqs_of(gguf, tensors),

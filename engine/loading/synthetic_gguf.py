@@ -39,8 +39,11 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from engine.loading import synthetic_gguf_hybrid as hybrid_gguf
 from engine.loading.synthetic import TensorSpec, make_config, tensor_groups
+from engine.models.hybrid import is_hybrid
 from engine.models.moe import MOE_MODEL_TYPES, expert_intermediate, num_experts
 
 QK_K = 256
@@ -89,7 +92,7 @@ def recipe_type(hf_name: str, shape: tuple[int, ...], config, recipe: str = "Q4_
 
 
 def _num_experts(config) -> int:
-    return num_experts(config) if config.model_type in MOE_MODEL_TYPES else 0
+    return num_experts(config) if config.model_type in MOE_MODEL_TYPES else getattr(config, "num_experts", 0) or 0
 
 
 def gguf_tensor_specs(config) -> list[TensorSpec]:
@@ -222,26 +225,50 @@ def write_gguf(path, preset: str | dict, recipe: str = "Q4_K_M", seed: int = 0) 
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     _add_metadata(writer, config, recipe, source)
-    specs = gguf_tensor_specs(config)
-    kinds = {s.name: recipe_type(s.name, s.shape, config, recipe) for s in specs}
-    for s in specs:
-        kind = gguf.GGMLQuantizationType[kinds[s.name]]
-        name = gguf_name(names, s.name)
+    entries = [e for s in gguf_tensor_specs(config) for e in _entries(s, config, names, recipe, seed)]
+    for name, shape, kind_name, _ in entries:
+        kind = gguf.GGMLQuantizationType[kind_name]
         if kind.name == "F32":
-            writer.add_tensor_info(name, list(s.shape), np.dtype(np.float32), 4 * int(np.prod(s.shape)))
+            writer.add_tensor_info(name, list(shape), np.dtype(np.float32), 4 * int(np.prod(shape)))
             continue
-        byte_shape = gguf.quant_shape_to_byte_shape(s.shape, kind)
+        byte_shape = gguf.quant_shape_to_byte_shape(shape, kind)
         writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for s in specs:     # one tensor's stored bytes at a time (the largest: a Q6_K embedding)
-        writer.write_tensor_data(np.concatenate(list(_quantized_slices(s, kinds[s.name], config.initializer_range, seed))))
+    for *_, stored in entries:     # one tensor's stored bytes at a time (the largest: a Q6_K embedding)
+        writer.write_tensor_data(np.concatenate(list(stored())))
     writer.close()
     return path
 
 
-GGUF_ARCHES = {"qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}     # model_type -> llama.cpp's arch name
+def _entries(spec, config, names, recipe: str, seed: int) -> list:
+    """(llama.cpp's name, shape, stored type, its stored bytes' slices) of one of transformers'
+    tensors: one, or what a hybrid model's converter makes of it (engine.loading.synthetic_gguf_hybrid)."""
+    std = config.initializer_range
+    if not hybrid_gguf.converted_by_llama_cpp(config, spec.name):
+        kind = recipe_type(spec.name, spec.shape, config, recipe)
+        return [(gguf_name(names, spec.name), spec.shape, kind, lambda: _quantized_slices(spec, kind, std, seed))]
+    out = []
+    for i, (name, meta) in enumerate(hybrid_gguf.convert(config, spec.name, torch.empty(spec.shape, device="meta"))):
+        kind = "F32" if spec.name.endswith(hybrid_gguf.KEPT_F32) else recipe_type(spec.name, tuple(meta.shape), config, recipe)
+
+        def stored(i=i, kind=kind):
+            w = hybrid_gguf.convert(config, spec.name, torch.from_numpy(_hf_values(spec, std, seed)))[i][1]
+            return [quantize(w.reshape(-1, w.shape[-1]).numpy(), kind)]
+        out.append((name, tuple(meta.shape), kind, stored))
+    return out
+
+
+def _hf_values(spec, std: float, seed: int) -> np.ndarray:
+    """A hybrid model's tensor in transformers' layout, whole: its init plus noise (a norm's or
+    dt_bias' values differ, so a reorder or a shift left undone shows)."""
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(f"{seed}:{spec.name}".encode()).digest()[:8], "little"))
+    base = {"ones": 1.0, "zeros": 0.0}.get(spec.init, 0.0)
+    return (base + rng.standard_normal(spec.shape, dtype=np.float32) * std).astype(np.float32)
+
+
+GGUF_ARCHES = {"qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", **hybrid_gguf.GGUF_HYBRID_ARCH}     # model_type -> llama.cpp's arch
 
 
 def gguf_name(names, hf_name: str) -> str:
@@ -284,13 +311,15 @@ def _add_metadata(writer, config, recipe: str, source) -> None:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(hybrid_gguf.rope_dimension_count(config, head_dim))
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"] if hasattr(config, "rope_parameters")
                               and config.rope_parameters else config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if _num_experts(config):
         _add_moe_metadata(writer, config)
+    if is_hybrid(config):
+        hybrid_gguf.add_hybrid_metadata(writer, config)
     add_tokenizer(writer, source, config.vocab_size)
 
 
