@@ -35,6 +35,7 @@ nibbles 16-31, gguf.quants' quantizer), every other quantized weight Q8_0.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -220,7 +221,7 @@ def write_gguf(path, preset: str | dict, recipe: str = "Q4_K_M", seed: int = 0) 
     import gguf
     path = Path(path)
     config = make_config(preset)
-    source = gguf.GGUFReader(str(_default_gguf()))
+    source = _default_gguf()
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == GGUF_ARCHES.get(config.model_type, config.model_type))
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
@@ -324,17 +325,28 @@ def _add_metadata(writer, config, recipe: str, source) -> None:
 
 
 def add_tokenizer(writer, source, vocab_size: int) -> None:
-    """The tokenizer keys of the GGUF `source` (a gguf.GGUFReader), its vocabulary padded to
-    `vocab_size` entries."""
-    for name, field in source.fields.items():
-        if not name.startswith("tokenizer."):
-            continue
-        value = field.contents()
+    """The tokenizer keys of the GGUF `source` (a gguf.GGUFReader, or a file's path: read once
+    per process), its vocabulary padded to `vocab_size` entries."""
+    keys = _tokenizer_keys(Path(source)) if isinstance(source, (str, Path)) else _keys_of(source)
+    for name, value, types in keys:
         if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type") and len(value) < vocab_size:
             pad = vocab_size - len(value)    # the embedding's rows past the vocabulary
             # plain entries: as added tokens, 100k pads would cost transformers' tokenizer 330 MB
             value = value + ([f"<|pad_{i}|>" for i in range(pad)] if name.endswith("tokens") else [1] * pad)
-        writer.add_key_value(name, value, field.types[0], field.types[1] if len(field.types) > 1 else None)
+        writer.add_key_value(name, value, types[0], types[1] if len(types) > 1 else None)
+
+
+@functools.cache
+def _tokenizer_keys(path: Path) -> tuple:
+    """A file's tokenizer keys as plain values (gguf's reader takes seconds on a vocabulary, and
+    holds it as numpy arrays: the plain lists are kept instead)."""
+    import gguf
+    return _keys_of(gguf.GGUFReader(str(path)))
+
+
+def _keys_of(reader) -> tuple:
+    return tuple((name, field.contents(), tuple(field.types)) for name, field in reader.fields.items()
+                 if name.startswith("tokenizer."))
 
 
 def _add_moe_metadata(writer, config) -> None:
