@@ -22,14 +22,11 @@ from engine.loading.gguf_tensors import GGUFTensors, read_header
 from engine.loading.loader import load_config, load_model, resolve, transformers_model
 from engine.loading.synthetic import make_config
 from engine.loading.synthetic_gguf import write_gguf
+from engine.loading.synthetic_gguf_hybrid import TINY_QWEN35_GGUF, TINY_QWEN3_NEXT_GGUF
 from tests.test_moe_gguf import PROMPTS, greedy, our_logits
 
 QWEN35, QWEN3_NEXT = "qwen3_5_text", "qwen3_next"
-# Qwen3.5 with 32-wide heads: a value head is whole Q8_0 blocks, so ssm_out's column reorder is
-# served as stored; Qwen3-Next with every layer experts (llama.cpp's qwen3next has no dense layer) and
-# a shared expert of whole blocks
-PRESETS = {QWEN35: {"preset": "tiny-qwen3.5", "linear_key_head_dim": 32, "linear_value_head_dim": 32},
-           QWEN3_NEXT: {"preset": "tiny-qwen3-next", "mlp_only_layers": [], "shared_expert_intermediate_size": 64}}
+PRESETS = {QWEN35: TINY_QWEN35_GGUF, QWEN3_NEXT: TINY_QWEN3_NEXT_GGUF}
 LLAMA_CPP_ARCH = {QWEN35: "qwen35", QWEN3_NEXT: "qwen3next"}
 LOGITS_ATOL = 1e-5
 

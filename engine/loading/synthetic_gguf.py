@@ -60,7 +60,10 @@ TINY_QWEN3_MOE_Q4_K = {"preset": "tiny-qwen3-moe", "hidden_size": 256, "moe_inte
 SYNTHETIC_GGUF_PRESETS = {"qwen3-1.7b-q4_k_m": ("qwen3-1.7b", "Q4_K_M"),
                           "qwen3-1.7b-q5_k_m": ("qwen3-1.7b", "Q5_K_M"),
                           "tiny-qwen3-moe-q4_k_m": (TINY_QWEN3_MOE_Q4_K, "Q4_K_M"),
-                          "tiny-gpt-oss-mxfp4": ("tiny-gpt-oss", "MXFP4_MOE")}
+                          "tiny-gpt-oss-mxfp4": ("tiny-gpt-oss", "MXFP4_MOE"),
+                          "tiny-qwen3.5-q8_0": (hybrid_gguf.TINY_QWEN35_GGUF, "Q8_0"),
+                          "tiny-qwen3-next-q8_0": (hybrid_gguf.TINY_QWEN3_NEXT_GGUF, "Q8_0"),
+                          "qwen3.5-9b-q4_k_m": ("qwen3.5-9b", "Q4_K_M")}
 ROUTERS = ("mlp.gate.weight", "mlp.router.weight")      # llama.cpp's ffn_gate_inp: never quantized
 
 

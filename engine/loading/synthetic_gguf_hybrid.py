@@ -15,6 +15,11 @@ from engine.models.hybrid import is_hybrid, rotary_dim
 GGUF_HYBRID_ARCH = {"qwen3_5_text": "qwen35", "qwen3_next": "qwen3next"}
 QWEN35_MROPE_SECTIONS = [11, 11, 10, 0]         # the converter's default (_Qwen35MRopeMixin)
 KEPT_F32 = ("linear_attn.conv1d.weight", "mlp.shared_expert_gate.weight")   # llama.cpp leaves them unquantized
+# The tiny presets as llama.cpp files: Qwen3.5's heads 32 wide (a value head is whole Q8_0 blocks, so
+# ssm_out's column reorder is served as stored); Qwen3-Next with every layer experts (llama.cpp's
+# qwen3next has no dense layer) and a shared expert of whole blocks
+TINY_QWEN35_GGUF = {"preset": "tiny-qwen3.5", "linear_key_head_dim": 32, "linear_value_head_dim": 32}
+TINY_QWEN3_NEXT_GGUF = {"preset": "tiny-qwen3-next", "mlp_only_layers": [], "shared_expert_intermediate_size": 64}
 
 
 def converted_by_llama_cpp(config, hf_name: str) -> bool:
