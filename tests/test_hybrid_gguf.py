@@ -238,6 +238,21 @@ def test_bf16_serves_the_reordered_linears_as_stored(arch, gguf_file, reference)
     assert err_stored <= 2 * err_bf16 + 1e-3 * exact.abs().max(), (float(err_stored), float(err_bf16))
 
 
+@pytest.mark.parametrize("arch", [QWEN3_NEXT], scope="module")
+def test_a_qwen3_next_file_from_before_the_qkvz_split_loads(arch, gguf_file, tmp_path, monkeypatch):
+    """A file with ssm_in (transformers' in_proj_qkvz as is: llama.cpp's legacy path) and no
+    attn_qkv / attn_gate gives the split file's logits: the same weights."""
+    from engine.loading import synthetic_gguf_hybrid
+    monkeypatch.setattr(synthetic_gguf_hybrid, "SPLIT_QKVZ", False)
+    legacy = write_gguf(tmp_path / "legacy.gguf", TINY_QWEN3_NEXT_GGUF, "Q8_0", seed=7)
+    names = {t.name for t in read_header(legacy)[1]}
+    assert "blk.0.ssm_in.weight" in names and "blk.0.attn_qkv.weight" not in names
+    loaded = load_model(str(legacy), weight_dtype="float")
+    assert GGUFTensors(legacy, loaded.hf_config).type_of("model.layers.0.linear_attn.in_proj_qkvz.weight") == "Q8_0"
+    torch.testing.assert_close(our_logits(loaded), our_logits(load_model(str(gguf_file), weight_dtype="float")),
+                               atol=LOGITS_ATOL, rtol=0)
+
+
 # ---- broken files ----------------------------------------------------------------------
 def _header_edited(gguf_file, tmp_path, old: bytes, new: bytes, name: str):
     data = bytearray(gguf_file.read_bytes())

@@ -15,6 +15,9 @@ from engine.models.hybrid import is_hybrid, rotary_dim
 GGUF_HYBRID_ARCH = {"qwen3_5_text": "qwen35", "qwen3_next": "qwen3next"}
 QWEN35_MROPE_SECTIONS = [11, 11, 10, 0]         # the converter's default (_Qwen35MRopeMixin)
 KEPT_F32 = ("linear_attn.conv1d.weight", "mlp.shared_expert_gate.weight")   # llama.cpp leaves them unquantized
+# Qwen3-Next's in_proj_qkvz split into attn_qkv and attn_gate, as today's converter does; False: one
+# ssm_in in transformers' layout, as files from before the split have it (llama.cpp's legacy path)
+SPLIT_QKVZ = True
 # The tiny presets as llama.cpp files: Qwen3.5's heads 32 wide (a value head is whole Q8_0 blocks, so
 # ssm_out's column reorder is served as stored); Qwen3-Next with every layer experts (llama.cpp's
 # qwen3next has no dense layer) and a shared expert of whole blocks
@@ -46,6 +49,8 @@ def convert(config, hf_name: str, w: torch.Tensor) -> list[tuple[str, torch.Tens
         return [(blk + "ssm_dt.bias", w)]
     if what == "conv1d.weight":
         return [(blk + "ssm_conv1d.weight", w.squeeze(1))]
+    if what == "in_proj_qkvz.weight" and not SPLIT_QKVZ:
+        return [(blk + "ssm_in.weight", w)]
     if what == "in_proj_qkvz.weight":        # per key head [q, k, v, z] -> [all q; all k; all v], [all z]
         per = hv // hk * dv
         q, k, v, z = w.view(hk, 2 * dk + 2 * per, -1).split([dk, dk, per, per], dim=1)
