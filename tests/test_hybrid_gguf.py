@@ -188,6 +188,23 @@ def test_the_config_read_from_the_file_is_the_presets(arch, gguf_file):
     assert ours.rope_parameters["rope_theta"] == preset.rope_parameters["rope_theta"]
 
 
+def test_a_files_recurrent_layers_key_wins_over_the_interval():
+    """llama.cpp's `attention.recurrent_layers` (one bool per layer, MTP blocks past block_count
+    - nextn_predict_layers included) says which layers are linear, where a file has it."""
+    from engine.loading.gguf_qwen35 import gguf_hybrid_config
+    keys = {"block_count": 5, "nextn_predict_layers": 1, "embedding_length": 64, "attention.head_count": 4,
+            "attention.head_count_kv": 2, "attention.key_length": 16, "feed_forward_length": 128,
+            "context_length": 2048, "attention.layer_norm_rms_epsilon": 1e-6, "ssm.conv_kernel": 4,
+            "ssm.state_size": 16, "ssm.group_count": 2, "ssm.time_step_rank": 4, "ssm.inner_size": 64,
+            "rope.dimension_count": 4, "full_attention_interval": 4,
+            "attention.recurrent_layers": [True, False, True, True, False]}
+    metadata = {"general.architecture": "qwen35", **{f"qwen35.{k}": v for k, v in keys.items()}}
+    config = gguf_hybrid_config(metadata, {"token_embd.weight": (64, 1000)})
+    assert config.num_hidden_layers == 4 and config.tie_word_embeddings
+    assert config.layer_types == ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+    assert (config.linear_value_head_dim, config.rope_parameters["partial_rotary_factor"]) == (16, 0.25)
+
+
 # ---- loading ---------------------------------------------------------------------------
 def test_a_float_load_of_the_file_is_the_reference_weights(arch, gguf_file, reference):
     """fp32: the logits of the reference folder through our safetensors path (within 1e-5)

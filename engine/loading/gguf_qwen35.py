@@ -12,6 +12,7 @@ layer_norm_rms_epsilon, rope.freq_base, context_length), and
   ssm.time_step_rank  linear_num_value_heads
   ssm.inner_size      linear_value_head_dim * linear_num_value_heads
   full_attention_interval   layer i is full attention where (i + 1) % interval == 0 (4 by default)
+  attention.recurrent_layers   (newer files) one bool per layer, true: linear; preferred to the interval
   rope.dimension_count      head_dim * partial_rotary_factor (the rotated dims)
   nextn_predict_layers      (qwen35) the MTP blocks appended to block_count: not ours, skipped
   expert_count, expert_used_count, expert_feed_forward_length, expert_shared_feed_forward_length
@@ -76,6 +77,7 @@ def gguf_hybrid_config(metadata: dict, shapes: dict[str, tuple[int, ...]], **ext
     head_dim = key("attention.key_length", hidden // heads)
     value_heads = key("ssm.time_step_rank")
     interval = int(key("full_attention_interval", LLAMA_CPP_FULL_ATTENTION_INTERVAL))
+    recurrent = key("attention.recurrent_layers") or [(i + 1) % interval != 0 for i in range(layers)]
     fields = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=key("attention.head_count_kv", heads), head_dim=head_dim,
                   intermediate_size=key("feed_forward_length"), max_position_embeddings=key("context_length"),
@@ -83,7 +85,7 @@ def gguf_hybrid_config(metadata: dict, shapes: dict[str, tuple[int, ...]], **ext
                   tie_word_embeddings="output.weight" not in shapes, linear_conv_kernel_dim=key("ssm.conv_kernel"),
                   linear_key_head_dim=key("ssm.state_size"), linear_num_key_heads=key("ssm.group_count"),
                   linear_num_value_heads=value_heads, linear_value_head_dim=key("ssm.inner_size") // value_heads,
-                  layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)],
+                  layer_types=["linear_attention" if recurrent[i] else "full_attention" for i in range(layers)],
                   rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0)),
                                    "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim})
     if key("expert_count"):
