@@ -41,7 +41,9 @@ _LinearAttentionVReorderBase); the reader undoes it:
 A row reorder is applied to the row index, as the Llama q/k permutation is (so a quantized
 tensor is still served as stored); ssm_out's column reorder moves whole value heads, so the
 decoded groups move with them where a head is whole groups, and the tensor is dequantized
-where it is not; Qwen3-Next's in_proj_qkvz, made of two stored tensors, is dequantized.
+where it is not; Qwen3-Next's in_proj_qkvz, made of two stored tensors, is served as stored
+where they share a type (each row read from its part), and dequantized where they do not (a
+Q4_K_M file's attn_qkv is Q5_K and its attn_gate Q4_K, llama.cpp's recipe).
 """
 from __future__ import annotations
 

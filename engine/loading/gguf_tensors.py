@@ -171,13 +171,14 @@ class GGUFTensors:
     def type_of(self, hf_name: str) -> str | None:
         """The stored type ("Q4_K", "Q6_K", "F32", ...), or None if the file lacks the tensor. A
         hybrid file's tensor that cannot be served as stored says "F32" (it is read dequantized):
-        one made of two stored tensors, or whose column reorder splits its type's groups."""
+        one made of two stored tensors of different types, or whose column reorder splits its
+        type's groups."""
         t = self._tensor(hf_name)
         if t is None:
             return None
         source = self.source_of(hf_name)
-        if t.parts or (source is not None and source.cols is not None and t.tensor_type.name not in FLOAT_READS
-                       and not _whole_groups(source.cols, format_of(t.tensor_type.name).group or BLOCK)):
+        if source is not None and source.cols is not None and t.tensor_type.name not in FLOAT_READS \
+                and not _whole_groups(source.cols, format_of(t.tensor_type.name).group or BLOCK):
             return "F32"
         return t.tensor_type.name
 
@@ -221,12 +222,8 @@ class GGUFTensors:
         `dtype`), rows in transformers' order (`rows`: only those); decoded a slice of rows at
         a time, so no float32 copy of a large tensor is made on the way to a bf16 one."""
         t = self._tensor(hf_name)
-        if t.parts:         # a hybrid file's tensor made of two: each read whole, then transformers' rows
-            whole = torch.cat([self._read_rows(p, self._float_decoder(p), dtype, np.arange(p.shape[-1]))[0]
-                               for p in t.parts])
-            values = whole[torch.from_numpy(self._rows_of(hf_name, t, whole.shape[0])[rows])]
-        else:
-            (values,) = self._decoded(hf_name, self._float_decoder(t), dtype, rows=rows)
+        decode = self._float_decoder if t.parts else self._float_decoder(t)     # a hybrid's parts: each its own
+        (values,) = self._decoded(hf_name, decode, dtype, rows=rows)
         return values.reshape(self.shape(hf_name)) if rows == slice(None) else values
 
     def _float_decoder(self, t: "StoredTensor"):
@@ -248,7 +245,7 @@ class GGUFTensors:
         t = self._tensor(hf_name)
         total = int(t.shape[-1]) if len(t.shape) > 1 else 1
         wanted = (self._rows_of(hf_name, t, total) if len(t.shape) > 1 else np.zeros(1, dtype=np.int64))[rows]
-        outputs = self._read_rows(t, decode, dtype, wanted)
+        outputs = self._read_parts(t, decode, dtype, wanted) if t.parts else self._read_rows(t, decode, dtype, wanted)
         source = self.source_of(hf_name)
         if source is None or source.cols is None:
             return outputs
@@ -260,6 +257,23 @@ class GGUFTensors:
         if source is not None and source.rows is not None:
             return source.rows
         return self._row_order(t.name, total)
+
+    def _read_parts(self, t: "StoredTensor", decode, dtype: torch.dtype | None, wanted: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """_read_rows of a tensor made of parts (their rows concatenated), each part's rows read
+        from it (`decode`: a decoder, or for float reads a function of the part giving its decoder)."""
+        outputs, start = None, 0
+        for part in t.parts:
+            n = int(part.shape[-1])
+            mine = np.nonzero((wanted >= start) & (wanted < start + n))[0]
+            if len(mine):
+                part_decode = decode(part) if decode == self._float_decoder else decode
+                values = self._read_rows(part, part_decode, dtype, wanted[mine] - start)
+                if outputs is None:
+                    outputs = [torch.empty((len(wanted), *v.shape[1:]), dtype=v.dtype) for v in values]
+                for out, v in zip(outputs, values):
+                    out[torch.from_numpy(mine)] = v.to(out.dtype)
+            start += n
+        return tuple(outputs)
 
     def _read_rows(self, t: "StoredTensor", decode, dtype: torch.dtype | None, wanted: np.ndarray) -> tuple[torch.Tensor, ...]:
         """`decode` applied to the file rows `wanted` of t (in that order), a slice of rows at a time."""
@@ -415,9 +429,12 @@ class StoredTensor:
 
 def _concatenated(parts: list[StoredTensor]) -> StoredTensor:
     """One of transformers' tensors stored as several (Qwen3-Next's in_proj_qkvz: attn_qkv and
-    attn_gate), read dequantized (type_of says F32)."""
+    attn_gate): of their type where they share one (served as stored, each row from its part),
+    else said F32 (read dequantized, each part by its own type)."""
     import gguf
-    return StoredTensor("+".join(p.name for p in parts), gguf.GGMLQuantizationType.F32,
+    kinds = {p.tensor_type for p in parts}
+    return StoredTensor("+".join(p.name for p in parts),
+                        parts[0].tensor_type if len(kinds) == 1 else gguf.GGMLQuantizationType.F32,
                         (parts[0].shape[0], sum(p.shape[-1] for p in parts)), sum(p.n_bytes for p in parts), -1,
                         tuple(parts))
 
