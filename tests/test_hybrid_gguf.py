@@ -205,6 +205,32 @@ def test_a_files_recurrent_layers_key_wins_over_the_interval():
     assert (config.linear_value_head_dim, config.rope_parameters["partial_rotary_factor"]) == (16, 0.25)
 
 
+@pytest.mark.parametrize("preset", ["qwen3.5-9b", "qwen3-next-80b-a3b"])
+def test_at_real_shapes_the_writer_and_the_loader_agree_with_llama_cpps_dims(preset):
+    """The published sizes (4 of their layers; headers only, nothing generated): every linear-layer
+    tensor the writer would write is one llama.cpp's loader asks for, of its dims (create_tensor in
+    src/models/qwen35.cpp / qwen3next.cpp, torch's order here): Qwen3.5-9B's attn_qkv {4096, 8192},
+    ssm_beta {4096, 32}, ssm_conv1d {4, 8192}; and Q4_K_M gives the big matrices Q4_K."""
+    import gguf as gguf_py
+    from engine.loading.gguf_qwen35 import hybrid_layout
+    from engine.loading.synthetic_gguf import _entries, gguf_tensor_specs
+    from engine.loading.synthetic_gguf_hybrid import GGUF_HYBRID_ARCH
+    config = make_config({"preset": preset, "num_hidden_layers": 4})
+    arch = next(a for a, n in gguf_py.MODEL_ARCH_NAMES.items() if n == GGUF_HYBRID_ARCH[config.model_type])
+    names = gguf_py.get_tensor_name_map(arch, 4)
+    written = {name: (tuple(shape), kind) for s in gguf_tensor_specs(config)
+               for name, shape, kind, _ in _entries(s, config, names, "Q4_K_M", 0)}
+    layout = hybrid_layout(GGUF_HYBRID_ARCH[config.model_type], config, written)
+    assert {n: s for n, (s, _) in written.items() if n in layout.expected()} == layout.expected()
+    if preset == "qwen3.5-9b":
+        assert written["blk.0.attn_qkv.weight"] == ((8192, 4096), "Q4_K")
+        assert written["blk.0.ssm_beta.weight"][0] == (32, 4096) and written["blk.0.ssm_conv1d.weight"] == ((8192, 4), "F32")
+        assert written["blk.0.ssm_out.weight"] == ((4096, 4096), "Q4_K")
+    else:
+        assert written["blk.0.attn_qkv.weight"][0] == (2 * 16 * 128 + 32 * 128, 2048)
+        assert written["blk.0.ssm_ba.weight"][0] == (64, 2048) and written["blk.0.ffn_gate_exps.weight"][0] == (512, 512, 2048)
+
+
 # ---- loading ---------------------------------------------------------------------------
 def test_a_float_load_of_the_file_is_the_reference_weights(arch, gguf_file, reference):
     """fp32: the logits of the reference folder through our safetensors path (within 1e-5)
