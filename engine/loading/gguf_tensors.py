@@ -201,14 +201,16 @@ class GGUFTensors:
     def int4_groups(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [out, in] uint8 0..15, scale, zero [out, in / 32] float32) with
         w = (q - 8) * scale + zero, rows in transformers' order (`rows`: only those)."""
-        return self._decoded(hf_name, self._decoder(hf_name, INT4), rows=rows)
+        decode = self._decoder(hf_name, INT4)
+        return self._decoded(hf_name, lambda stored: decode, rows=rows)
 
     def int8_groups(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor, ...]:
         """(q [out, in], scale [out, in / group] float32) with w = q * scale, q int8 (Q8_0:
         group 32; Q6_K: 16); or, for a type with a zero point (Q5_0, Q5_1, Q5_K: group 32),
         (q uint8 0..31, scale, zero) with w = q * scale + zero. Rows in transformers' order
         (`rows`: only those)."""
-        return self._decoded(hf_name, self._decoder(hf_name, INT8_GROUPS), rows=rows)
+        decode = self._decoder(hf_name, INT8_GROUPS)
+        return self._decoded(hf_name, lambda stored: decode, rows=rows)
 
     def _decoder(self, hf_name: str, form: str):
         """The decoder of the tensor's type into `form`, which the table must give that type."""
@@ -221,9 +223,7 @@ class GGUFTensors:
         """The tensor in `dtype`, as `gguf.quants.dequantize` gives it (then rounded to
         `dtype`), rows in transformers' order (`rows`: only those); decoded a slice of rows at
         a time, so no float32 copy of a large tensor is made on the way to a bf16 one."""
-        t = self._tensor(hf_name)
-        decode = self._float_decoder if t.parts else self._float_decoder(t)     # a hybrid's parts: each its own
-        (values,) = self._decoded(hf_name, decode, dtype, rows=rows)
+        (values,) = self._decoded(hf_name, self._float_decoder, dtype, rows=rows)
         return values.reshape(self.shape(hf_name)) if rows == slice(None) else values
 
     def _float_decoder(self, t: "StoredTensor"):
@@ -235,9 +235,10 @@ class GGUFTensors:
             return lambda raw: (_FLOAT_DECODERS[qtype.name](raw),)
         return lambda raw: (self._gguf.quants.dequantize(raw.reshape(raw.shape[0], -1), qtype),)
 
-    def _decoded(self, hf_name: str, decode, dtype: torch.dtype | None = None,
+    def _decoded(self, hf_name: str, decoder_of, dtype: torch.dtype | None = None,
                  rows: slice = slice(None)) -> tuple[torch.Tensor, ...]:
-        """`decode` (stored blocks [rows, blocks, block bytes] -> arrays [rows, ...]) applied
+        """A decoder (stored blocks [rows, blocks, block bytes] -> arrays [rows, ...]; `decoder_of`
+        gives it for a stored tensor: a hybrid file's tensor made of parts decodes each by its own) applied
         to slices of rows read from the file, written into whole tensors in transformers'
         row order (each output in `dtype` when given, else as decoded); `rows`: of
         transformers' rows, only these (the file's rows that hold them are read). A hybrid
@@ -245,7 +246,8 @@ class GGUFTensors:
         t = self._tensor(hf_name)
         total = int(t.shape[-1]) if len(t.shape) > 1 else 1
         wanted = (self._rows_of(hf_name, t, total) if len(t.shape) > 1 else np.zeros(1, dtype=np.int64))[rows]
-        outputs = self._read_parts(t, decode, dtype, wanted) if t.parts else self._read_rows(t, decode, dtype, wanted)
+        outputs = (self._read_parts(t, decoder_of, dtype, wanted) if t.parts
+                   else self._read_rows(t, decoder_of(t), dtype, wanted))
         source = self.source_of(hf_name)
         if source is None or source.cols is None:
             return outputs
@@ -258,16 +260,16 @@ class GGUFTensors:
             return source.rows
         return self._row_order(t.name, total)
 
-    def _read_parts(self, t: "StoredTensor", decode, dtype: torch.dtype | None, wanted: np.ndarray) -> tuple[torch.Tensor, ...]:
-        """_read_rows of a tensor made of parts (their rows concatenated), each part's rows read
-        from it (`decode`: a decoder, or for float reads a function of the part giving its decoder)."""
+    def _read_parts(self, t: "StoredTensor", decoder_of, dtype: torch.dtype | None,
+                    wanted: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """_read_rows of a tensor made of parts (their rows concatenated): each wanted row read from
+        its part, decoded by that part's decoder."""
         outputs, start = None, 0
         for part in t.parts:
             n = int(part.shape[-1])
             mine = np.nonzero((wanted >= start) & (wanted < start + n))[0]
             if len(mine):
-                part_decode = decode(part) if decode == self._float_decoder else decode
-                values = self._read_rows(part, part_decode, dtype, wanted[mine] - start)
+                values = self._read_rows(part, decoder_of(part), dtype, wanted[mine] - start)
                 if outputs is None:
                     outputs = [torch.empty((len(wanted), *v.shape[1:]), dtype=v.dtype) for v in values]
                 for out, v in zip(outputs, values):
