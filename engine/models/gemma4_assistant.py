@@ -149,8 +149,13 @@ def check_pairs(config, target) -> None:
 
 
 def is_assistant_folder(folder) -> bool:
-    path = Path(folder) / "config.json"
-    return path.is_file() and json.loads(path.read_text()).get("model_type") == ASSISTANT_MODEL_TYPE
+    """Whether a folder's config.json names a Gemma 4 assistant. A config that cannot be read is
+    not one: the draft loader then names what is wrong with the folder."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") == ASSISTANT_MODEL_TYPE
 
 
 def load_assistant(folder, target, dtype: torch.dtype = torch.float32, device="cpu") -> Gemma4Assistant:
