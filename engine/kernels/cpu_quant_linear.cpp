@@ -15,7 +15,8 @@
 // steps. Vectors run across
 // output columns, never across k, so a row's bits depend neither on the row count nor on the
 // instruction set nor on the thread count (threads split column tiles, never K). Each weight
-// tile is decoded once per call for every group of (up to 4) rows that uses it (llama.cpp's
+// tile is decoded once per call for every group of rows that uses it (up to 4 rows on AVX-512, 8
+// on the 256-bit paths: cpu_quant_tile256.h) (llama.cpp's
 // CPU method, written for this project); AVX-512 keeps a 4-bit tile read by more than 4 rows
 // decoded for the later groups, where the 256-bit paths re-decode it from L1 (faster there).
 //
