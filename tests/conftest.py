@@ -119,6 +119,14 @@ def make_tiny_engine(tiny_model):
     return engine_factory(tiny_model, 8 * 2**20)
 
 
+@pytest.fixture
+def still_governor(monkeypatch):
+    """The engines' thread governor never moves torch's count (a test that counts settings events
+    or dtype-cache keys must not see another program's load, e.g. a second test run)."""
+    from engine.thread_policy import ThreadGovernor
+    monkeypatch.setattr(ThreadGovernor, "tick", lambda self: False)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """A test module on one torch thread (its step timings and trees steady), restored after."""

@@ -157,6 +157,8 @@ def test_a_b_gives_two_rows_with_intervals_a_comparison_and_a_csv(open_workbench
     store.save(tiny_profile(name="prefix on", enable_prefix_caching=True))
     store.save(tiny_profile(name="prefix off", enable_prefix_caching=False, kv_cache_dtype="fp8_e4m3"))
     bench.controller._show_title()                 # the profile menus and A/B's choices
+    qtbot.waitUntil(lambda: bench.controller.effective.get("kv_cache_dtype") is not None, timeout=RUN_TIMEOUT_MS)
+    model_dtype = bench.controller.effective["kv_cache_dtype"]      # dtype auto's pick on this CPU
     panel = bench.window.load_panel
     panel.profile_a.setCurrentText("prefix on")
     panel.profile_b.setCurrentText("prefix off")
@@ -167,14 +169,14 @@ def test_a_b_gives_two_rows_with_intervals_a_comparison_and_a_csv(open_workbench
     assert (a["label"], b["label"]) == ("A: prefix on", "B: prefix off")
     assert a["rounds"] == b["rounds"] == 2 and len(a["stats"]) == len(b["stats"]) == 16    # A B B A
     assert (a["settings"]["enable_prefix_caching"], b["settings"]["enable_prefix_caching"]) == (True, False)
-    assert (a["settings"]["kv_cache_dtype"], b["settings"]["kv_cache_dtype"]) == ("bfloat16", "fp8_e4m3")
+    assert (a["settings"]["kv_cache_dtype"], b["settings"]["kv_cache_dtype"]) == (model_dtype, "fp8_e4m3")
     assert sum(s.prefix_hit_tokens for s in a["stats"]) > 0 == sum(s.prefix_hit_tokens for s in b["stats"])
     for row in (a, b):
         assert all(row["intervals"][name] is not None for name in row["figures"])
     assert [label for _, label in bench.load.history.markers] == ["A: prefix on", "B: prefix off",
                                                                   "B: prefix off", "A: prefix on"]
     # The session's own settings come back after the A/B.
-    qtbot.waitUntil(lambda: bench.controller.effective.get("kv_cache_dtype") == "bfloat16"
+    qtbot.waitUntil(lambda: bench.controller.effective.get("kv_cache_dtype") == model_dtype
                     and bench.controller.effective.get("enable_prefix_caching") is True, timeout=RUN_TIMEOUT_MS)
     # Two selected rows: B over A, and whether the interval of the difference excludes 0.
     panel.table.selectRow(0)

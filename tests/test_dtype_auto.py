@@ -122,7 +122,8 @@ def test_pick_dtype_auto_takes_the_whole_step_over_the_float_linear(cache_dir):
     assert pick_dtype("bfloat16", cpu, asked) == (torch.bfloat16, "asked for") and asked.asked == []
 
 
-def test_load_with_dtype_auto_keeps_the_trials_model_and_loads_once_after(cache_dir, monkeypatch, tiny_model):
+def test_load_with_dtype_auto_keeps_the_trials_model_and_loads_once_after(cache_dir, monkeypatch, tiny_model,
+                                                                        still_governor):
     """The first load of a model format times each dtype, and the engine keeps the model the
     trial loaded in the winning dtype (no third load); the next load reads the cache (one load)."""
     from engine import EngineConfig, LLMEngine

@@ -202,7 +202,9 @@ def test_a_folder_without_a_head_is_named(make_engine, tmp_path):
 
 def test_speculation_report_says_whether_it_pays(tiny_head, make_tiny_engine):
     eng = make_tiny_engine()
-    eng.reconfigure(proposer="eagle", eagle_head=str(tiny_head[0]), num_speculative_tokens=4)
+    # fixed: the report needs drafted tokens, which the auto policy may decline on a busy machine
+    eng.reconfigure(proposer="eagle", eagle_head=str(tiny_head[0]), num_speculative_tokens=4,
+                    speculation_policy="fixed")
     events = list(eng.generate(chat("What is the capital of France?"), GREEDY))
     report = events[-1].speculation
     assert report["plain_source"] == "calibration"               # no plain reply yet in this session

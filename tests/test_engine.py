@@ -18,7 +18,7 @@ def test_answers_the_capital_of_france(make_engine):
     assert stats.generated_tokens == len(ids) and stats.ttft_s > 0
 
 
-def test_events_stream_text_and_exact_cache_bytes(make_engine):
+def test_events_stream_text_and_exact_cache_bytes(make_engine, still_governor):
     eng = make_engine()
     prompt = eng.encode(chat("Count from one to ten."))
     events = list(eng.generate(prompt, SamplingParams(max_tokens=8, stop_on_eos=False)))
