@@ -75,17 +75,28 @@ def test_every_pass_takes_one_graph(make_tiny_engine):
     assert len(eng.runner.compiled.row_counts) >= 5
 
 
-def test_compiled_graphs_are_cached_in_the_user_cache_folder(make_tiny_engine):
-    """Importing torch._dynamo points inductor at torch's /tmp default; ours wins over that."""
+def test_compiled_graphs_are_cached_in_the_user_cache_folder(make_tiny_engine, tmp_path):
+    """Importing torch._dynamo points inductor at torch's /tmp default; ours wins over that, in a
+    folder of this version of the engine's sources (another version's graphs are never read)."""
     import os
     from pathlib import Path
 
     from engine.loading.loader import cache_dir
+    from engine.runtime import compiled_step
     eng = make_tiny_engine(compile="on")
     eng.generate_text([1, 2, 3, 4], SamplingParams(max_tokens=3, stop_on_eos=False))
-    folder = cache_dir() / "inductor"
+    tag = compiled_step.engine_source_tag()
+    folder = cache_dir() / "inductor" / tag
     assert Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) == folder
     assert any((folder / "fxgraph").rglob("*"))
+    # the tag follows the sources: a copy of the engine gives the same one, a changed byte another
+    import shutil
+    copy = tmp_path / "engine"
+    shutil.copytree(Path(compiled_step.__file__).resolve().parents[1], copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    assert compiled_step.source_tag(copy) == tag
+    (copy / "engine.py").write_text((copy / "engine.py").read_text() + "\n")
+    assert compiled_step.source_tag(copy) != tag
 
 
 def test_compiling_is_reported_once_per_model(make_tiny_engine, tmp_path):

@@ -44,6 +44,7 @@ path splits rows or output columns, never a reduction: engine.thread_policy).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -89,6 +90,24 @@ def compiler_refusal(device_type: str) -> str | None:
     return None
 
 
+def source_tag(root: Path) -> str:
+    """A hash of the Python and C++ sources under `root`, with their paths."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h") and p.is_file()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@functools.cache
+def engine_source_tag() -> str:
+    """The engine's sources' tag: the inductor cache's folder. Inductor keys a graph by its FX
+    code, torch and its own settings, not by what our custom ops do behind their names; a graph
+    cached by an earlier version of the engine once crashed a later one's first compiled call
+    (heap corruption, `free(): invalid pointer`; a fresh folder ran clean), so every version of
+    the engine compiles into a folder of its own."""
+    return source_tag(Path(__file__).resolve().parents[1])
+
+
 def configure_compiler(cache_dir: Path) -> None:
     """Inductor settings for inference, and its on-disk cache in our cache folder unless the
     user chose one (importing torch._dynamo already sets the variable to torch's /tmp default,
@@ -108,7 +127,7 @@ def configure_compiler(cache_dir: Path) -> None:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor" / engine_source_tag())
     inductor.fx_graph_cache = True
     inductor.cpp.dynamic_threads = True
     inductor.graph_partition = True             # CUDA graphs around the attention op
