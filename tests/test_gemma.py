@@ -14,7 +14,7 @@ from engine import EngineConfig, SamplingParams
 from engine.engine import LLMEngine
 from engine.errors import UnsupportedModelError
 from engine.loading.loader import load_model
-from tests.test_models import TINY, _save_tiny, assert_logits_match_transformers
+from tests.test_models import TINY, _save_tiny, assert_greedy_matches_transformers, assert_logits_match_transformers
 
 WINDOW = 4
 
@@ -59,20 +59,7 @@ def gemma_folder(request, tmp_path_factory):
 
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
 def test_greedy_output_is_token_identical_to_transformers(gemma_folder, compile_mode):
-    from engine.loading.loader import transformers_model
-    loaded = load_model(str(gemma_folder))
-    ref = transformers_model(loaded.folder).eval()
-    eng = LLMEngine(loaded, EngineConfig(kv_cache_bytes=4 * 2**20, compile=compile_mode), torch.device("cpu"))
-    rng = torch.Generator().manual_seed(11)
-    for n in (3, 6, 9, 14, 21):                  # past the 4-token window
-        prompt = torch.randint(0, TINY["vocab_size"], (n,), generator=rng).tolist()
-        ours = eng.generate_text(prompt, SamplingParams(max_tokens=10, stop_on_eos=False))[1]
-        with torch.no_grad():
-            theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, n:].tolist()
-        assert ours == theirs, f"prompt of {n} tokens"
-    if compile_mode == "on":
-        assert eng.runner.compiled is not None and len(eng.runner.compiled.row_counts) > 1
+    assert_greedy_matches_transformers(gemma_folder, compile_mode)
 
 
 def test_embedding_rows_in_bf16_are_transformers_own():

@@ -16,7 +16,7 @@ from engine.engine import LLMEngine
 from engine.errors import UnsupportedModelError
 from engine.loading.loader import load_model
 from engine.runtime.model_runner import ModelRunner
-from tests.test_models import TINY
+from tests.test_models import TINY, assert_greedy_matches_transformers, assert_whole_prompt_logits_match
 
 WINDOW = 4
 TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
@@ -86,21 +86,7 @@ def test_logits_match_transformers(gemma4):
 
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
 def test_greedy_output_is_token_identical_to_transformers(gemma4, compile_mode):
-    from engine.loading.loader import transformers_model
-    folder, _ = gemma4
-    loaded = load_model(str(folder))
-    ref = transformers_model(loaded.folder).eval()
-    eng = LLMEngine(loaded, EngineConfig(kv_cache_bytes=4 * 2**20, compile=compile_mode), torch.device("cpu"))
-    rng = torch.Generator().manual_seed(11)
-    for n in (3, 6, 9, 14, 21):                  # past the 4-token window
-        prompt = torch.randint(0, TINY["vocab_size"], (n,), generator=rng).tolist()
-        ours = eng.generate_text(prompt, SamplingParams(max_tokens=10, stop_on_eos=False))[1]
-        with torch.no_grad():
-            theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, n:].tolist()
-        assert ours == theirs, f"prompt of {n} tokens"
-    if compile_mode == "on":
-        assert eng.runner.compiled is not None and len(eng.runner.compiled.row_counts) > 1
+    assert_greedy_matches_transformers(gemma4[0], compile_mode)
 
 
 def test_a_layer_that_reuses_kv_holds_no_cache(tmp_path):
@@ -224,12 +210,7 @@ def test_a_multimodal_gemma4_folder_serves_its_text_model(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path))
     assert loaded.hf_config.model_type == "gemma4_text"
-    ids = torch.randint(0, TINY["vocab_size"], (1, 23), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = ref(input_ids=ids).logits[0]
-    runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=32, compile="off"), torch.device("cpu"))
-    got = runner.forward(runner.start(ids[0].tolist()), ids[0].tolist(), logits_for="all")
-    assert (got - expected).abs().max() < 1e-4
+    assert_whole_prompt_logits_match(loaded, ref)
 
 
 def test_a_synthetic_tiny_gemma4_checkpoint_holds_transformers_tensors():

@@ -74,6 +74,38 @@ def assert_logits_match_transformers(tmp_path, make_config) -> None:
     assert (got - expected).abs().max() < 1e-4
 
 
+def assert_whole_prompt_logits_match(loaded, ref, tol: float = 1e-4) -> None:
+    """Our logits of a 23-token prompt in one prefill (block size 4) within `tol` of `ref`'s (a
+    transformers model of the same weights)."""
+    ids = torch.randint(0, TINY["vocab_size"], (1, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(input_ids=ids).logits[0]
+    runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=32, compile="off"), torch.device("cpu"))
+    got = runner.forward(runner.start(ids[0].tolist()), ids[0].tolist(), logits_for="all")
+    assert (got - expected).abs().max() < tol
+
+
+def assert_greedy_matches_transformers(folder, compile_mode: str) -> None:
+    """Greedy output of the model in `folder` equals transformers' generate on 5 random prompts
+    of 3 to 21 tokens (past a 4-token window), 10 tokens each, eager or compiled."""
+    from engine import SamplingParams
+    from engine.engine import LLMEngine
+    from engine.loading.loader import transformers_model
+    loaded = load_model(str(folder))
+    ref = transformers_model(loaded.folder).eval()
+    eng = LLMEngine(loaded, EngineConfig(kv_cache_bytes=4 * 2**20, compile=compile_mode), torch.device("cpu"))
+    rng = torch.Generator().manual_seed(11)
+    for n in (3, 6, 9, 14, 21):
+        prompt = torch.randint(0, TINY["vocab_size"], (n,), generator=rng).tolist()
+        ours = eng.generate_text(prompt, SamplingParams(max_tokens=10, stop_on_eos=False))[1]
+        with torch.no_grad():
+            theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, n:].tolist()
+        assert ours == theirs, f"prompt of {n} tokens"
+    if compile_mode == "on":
+        assert eng.runner.compiled is not None and len(eng.runner.compiled.row_counts) > 1
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
     with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported"):
