@@ -14,7 +14,8 @@ from engine import EngineConfig, SamplingParams
 from engine.engine import LLMEngine
 from engine.errors import UnsupportedModelError
 from engine.loading.loader import load_model
-from tests.test_models import TINY, _save_tiny, assert_greedy_matches_transformers, assert_logits_match_transformers
+from tests.test_models import (TINY, _save_tiny, assert_greedy_matches_transformers, assert_logits_match_transformers,
+                               assert_whole_prompt_logits_match)
 
 WINDOW = 4
 
@@ -122,7 +123,6 @@ def test_a_llama_cpp_gemma3_file_gives_transformers_logits(tmp_path):
     """What llama.cpp fixes without a key (a full layer every 6th, the sliding layers' RoPE base
     10000, the attention scale 1/sqrt(head_dim)) is what this config has; the file's keys give
     the rest, and the norms come back to transformers' values."""
-    from engine.runtime.model_runner import ModelRunner
     make = lambda: _gemma(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16,  # noqa: E731
                           vocab_size=49152, rope_local_base_freq=10000.0, rope_theta=1e6,
                           rope_scaling={"rope_type": "linear", "factor": 8.0})
@@ -136,12 +136,7 @@ def test_a_llama_cpp_gemma3_file_gives_transformers_logits(tmp_path):
     # each norm multiplies by what transformers' does: 1 + w, which is the value stored
     norm = loaded.model.layers[0].pre_feedforward_layernorm.weight
     assert torch.equal(1.0 + norm, 1.0 + ref.model.layers[0].pre_feedforward_layernorm.weight)
-    ids = torch.randint(0, 49152, (1, 23), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = ref(ids).logits[0]
-    runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=32, compile="off"), torch.device("cpu"))
-    got = runner.forward(runner.start(ids[0].tolist()), ids[0].tolist(), logits_for="all")
-    assert (got - expected).abs().max() < 1e-4
+    assert_whole_prompt_logits_match(loaded, ref, vocab=49152)
 
 
 def test_a_27b_file_gets_llama_cpps_attention_scale_and_its_rope_scaling():

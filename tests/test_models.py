@@ -74,10 +74,10 @@ def assert_logits_match_transformers(tmp_path, make_config) -> None:
     assert (got - expected).abs().max() < 1e-4
 
 
-def assert_whole_prompt_logits_match(loaded, ref, tol: float = 1e-4) -> None:
-    """Our logits of a 23-token prompt in one prefill (block size 4) within `tol` of `ref`'s (a
-    transformers model of the same weights)."""
-    ids = torch.randint(0, TINY["vocab_size"], (1, 23), generator=torch.Generator().manual_seed(1))
+def assert_whole_prompt_logits_match(loaded, ref, vocab: int = TINY["vocab_size"], tol: float = 1e-4) -> None:
+    """Our logits of a 23-token prompt (ids under `vocab`) in one prefill (block size 4) within
+    `tol` of `ref`'s (a transformers model of the same weights)."""
+    ids = torch.randint(0, vocab, (1, 23), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(input_ids=ids).logits[0]
     runner = ModelRunner(loaded, EngineConfig(block_size=4, num_blocks=32, compile="off"), torch.device("cpu"))
