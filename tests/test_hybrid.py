@@ -405,3 +405,12 @@ def test_a_prefix_hit_gives_the_tokens_of_a_cold_run(tiny_hybrid, compile_mode):
     assert eng.runner.snapshot_bytes_held() == 0
     _, extended_cold, stats = eng.generate_text(follow_up, params)
     assert extended == extended_cold and stats.prefix_hit_tokens == 0
+
+
+def test_bench_memory_counts_kv_for_the_attention_layers_only():
+    """Qwen3.5-9B's shapes: 8 of 32 layers attend (4 KV heads of 256); the 24 linear ones hold a
+    fixed state, not KV."""
+    from engine.bench.scenarios import cache_bytes
+    result = cache_bytes("qwen3.5-9b", 32768)
+    assert result["num_layers"] == 8
+    assert result["bytes_per_sequence"]["gqa4_fp16"] == 8 * 4 * 256 * 2 * 2 * 32768 == 2**30

@@ -262,7 +262,11 @@ def _shape_for(config: str):
     cfg = _config_for(config)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return cfg.num_hidden_layers, heads, getattr(cfg, "num_key_value_heads", heads) or heads, head_dim, config
+    # a hybrid model's linear-attention layers hold a fixed state, not KV (the `model` section's
+    # `state` counts it)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    layers = cfg.num_hidden_layers - sum(kind == "linear_attention" for kind in layer_types)
+    return layers, heads, getattr(cfg, "num_key_value_heads", heads) or heads, head_dim, config
 
 
 def _config_for(config: str):
