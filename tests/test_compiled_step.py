@@ -75,7 +75,7 @@ def test_every_pass_takes_one_graph(make_tiny_engine):
     assert len(eng.runner.compiled.row_counts) >= 5
 
 
-def test_compiled_graphs_are_cached_in_the_user_cache_folder(make_tiny_engine, tmp_path):
+def test_compiled_graphs_are_cached_in_the_user_cache_folder(make_tiny_engine, tmp_path, monkeypatch):
     """Importing torch._dynamo points inductor at torch's /tmp default; ours wins over that, in a
     folder of this version of the engine's sources (another version's graphs are never read)."""
     import os
@@ -86,7 +86,7 @@ def test_compiled_graphs_are_cached_in_the_user_cache_folder(make_tiny_engine, t
     eng = make_tiny_engine(compile="on")
     eng.generate_text([1, 2, 3, 4], SamplingParams(max_tokens=3, stop_on_eos=False))
     tag = compiled_step.engine_source_tag()
-    folder = cache_dir() / "inductor" / tag
+    folder = cache_dir() / "inductor" / f"{tag}-{compiled_step.platform_tag()}"
     assert Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) == folder
     assert any((folder / "fxgraph").rglob("*"))
     # the tag follows the sources: a copy of the engine gives the same one, a changed byte another
@@ -97,6 +97,13 @@ def test_compiled_graphs_are_cached_in_the_user_cache_folder(make_tiny_engine, t
     assert compiled_step.source_tag(copy) == tag
     (copy / "engine.py").write_text((copy / "engine.py").read_text() + "\n")
     assert compiled_step.source_tag(copy) != tag
+    # and the platform: a graph cached under another ATen capability or forced kernel ISA is not read
+    platform = compiled_step.platform_tag()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert compiled_step.platform_tag() != platform
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    monkeypatch.setenv("WORKBENCH_CPU_ISA", "scalar")
+    assert compiled_step.platform_tag() != platform
 
 
 def test_compiling_is_reported_once_per_model(make_tiny_engine, tmp_path):

@@ -108,6 +108,25 @@ def engine_source_tag() -> str:
     return source_tag(Path(__file__).resolve().parents[1])
 
 
+# The environment that changes what a compiled graph's code does without changing the graph:
+# ATen's and inductor's vector ISA (ATEN_CPU_CAPABILITY), oneDNN's and MKL's caps, and our
+# kernels' forced instruction set.
+PLATFORM_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "WORKBENCH_CPU_ISA")
+_our_cache_dir: str | None = None       # the inductor folder configure_compiler last chose
+
+
+def platform_tag() -> str:
+    """A hash of what the compiled code runs with besides the engine's sources: torch's version,
+    ATen's CPU capability and the vector ISA inductor generates for, and the variables above. A
+    graph cached under ATEN_CPU_CAPABILITY=avx512 and read under =avx2 gave wrong tokens (seen in
+    a test that imitates an AVX2-only CPU); one cached under each runs right. (An instruction
+    set a test forces in-process with force_isa is not in it.)"""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    parts = [torch.__version__, torch.backends.cpu.get_cpu_capability(), str(pick_vec_isa()),
+             *(f"{name}={os.environ.get(name, '')}" for name in PLATFORM_VARIABLES)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:8]
+
+
 def configure_compiler(cache_dir: Path) -> None:
     """Inductor settings for inference, and its on-disk cache in our cache folder unless the
     user chose one (importing torch._dynamo already sets the variable to torch's /tmp default,
@@ -125,9 +144,11 @@ def configure_compiler(cache_dir: Path) -> None:
     import torch._inductor.config as inductor
     import torch.fx.experimental._config as fx_config
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    global _our_cache_dir
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor" / engine_source_tag())
+    if current is None or os.path.abspath(current) in (os.path.abspath(default_cache_dir()), _our_cache_dir):
+        _our_cache_dir = str(cache_dir / "inductor" / f"{engine_source_tag()}-{platform_tag()}")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = _our_cache_dir
     inductor.fx_graph_cache = True
     inductor.cpp.dynamic_threads = True
     inductor.graph_partition = True             # CUDA graphs around the attention op
