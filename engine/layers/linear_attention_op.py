@@ -118,11 +118,12 @@ def _run_chunk(current: LinearPass, layer: int, s: LinearSeq, x, g, beta, weight
     states = current.states
     conv_state, state = states.conv[layer, s.slot], states.recurrent[layer, s.slot]
     width = weight.shape[1] - 1
-    inputs = torch.cat([conv_state.to(weight.dtype), x.t().to(weight.dtype)], dim=1)     # [C, K-1+T]
+    wanted = dict(s.snapshots)                  # boundary -> snapshot
+    # the convolution's inputs at each saved boundary (only when one is saved: no copy otherwise)
+    inputs = torch.cat([conv_state.to(weight.dtype), x.t().to(weight.dtype)], dim=1) if wanted else None
     x, new_conv = gated_delta.causal_conv(x, conv_state, weight)
     q, k, v = gated_delta.prepare(*shape.split(x), shape.num_v_heads)                   # [Hv, T, D]
     g, beta = g.t().float(), beta.t().float()
-    wanted = dict(s.snapshots)                  # boundary -> snapshot
     out = []
     cuts = [b for b in wanted if b % gated_delta.CHUNK]      # the others are chunk ends of the form
     for begin, end in pieces(s.computed, s.computed + s.count, cuts):
