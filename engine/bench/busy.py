@@ -12,6 +12,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from engine.remote.server_process import dies_with_parent
+
 SPIN = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
 
 
@@ -24,7 +26,7 @@ class BusyCores:
 
     def __enter__(self) -> "BusyCores":
         code = SPIN.format(seconds=self.max_s)
-        self.processes = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(self.count)]
+        self.processes = [subprocess.Popen(dies_with_parent([sys.executable, "-c", code])) for _ in range(self.count)]
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 import torch
 
 from engine.bench.gpu import bench_gpu_check
-from engine.bench.peer import bench_peer
+from engine.bench.peer import BUSY_BUDGET_S, bench_peer
 from engine.bench.quality import bench_quality
 from engine.bench import quality, serve, serve_remote
 from engine.bench.scenarios import (BUILTIN_SHAPES, bench_decode, bench_kv, bench_memory, bench_parity, bench_prefix,
@@ -51,6 +52,16 @@ SCENARIOS = {"parity": bench_parity, "prefix": bench_prefix, "kv": bench_kv, "me
              "decode": bench_decode, "speculative": bench_speculative, "kernels": bench_kernels,
              "load": bench_load, "peer": bench_peer, "gpu-check": bench_gpu_check, "serve": bench_serve,
              "quality": bench_quality}
+
+
+def exit_on_signals() -> None:
+    """For the command line (engine.bench.__main__; tests call main() in their own process): SIGTERM (what `timeout` and `kill` send) and SIGINT end the bench as an exception would:
+    SystemExit(128 + signal) unwinds every `with` block, so each server and spinning process a
+    scenario started is stopped before the process exits (engine.remote.server_process)."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
 
 
 def main(argv=None) -> int:
@@ -84,6 +95,9 @@ def main(argv=None) -> int:
                     "float32 is vLLM's fastest on a CPU without native bf16); llama-server has none to choose")
     ap.add_argument("--busy-cores", type=int, default=0,
                     help="peer: also decode beside this many spinning processes, in every other of --repeats rounds")
+    ap.add_argument("--busy-budget-s", type=float, default=BUSY_BUDGET_S,
+                    help="peer --busy-cores: the seconds its rounds may take; a reply running at the end of its "
+                    "share is cut and counted for what it decoded (default %(default)s)")
     ap.add_argument("--system-tokens", type=int, default=1000, help="prefix: system prompt length")
     ap.add_argument("--eval-tokens", type=int, default=10240, help="kv: perplexity tokens")
     ap.add_argument("--window", type=int, default=1024, help="kv: perplexity window")

@@ -51,11 +51,15 @@ holds each arm's local figures under `arms` (with its ratio to the server).
 rounds, alternately quiet and with N spinning processes beside them (engine.bench.busy),
 medians of each: local_quiet_tok_s, local_busy_tok_s, server_quiet_tok_s, server_busy_tok_s,
 and each side's busy / quiet ratio. The thread policy in effect is named (`thread_policy`).
+The rounds run within --busy-budget-s (default 240 s, warm-up included): a reply still running at
+the end of its side's share is cancelled and counted for what it decoded, and `replies` says
+how many finished, were cut or never started; `rounds` how many of `rounds_planned` ran.
 """
 from __future__ import annotations
 
 import os
 import statistics
+import time
 
 from engine.bench.peer_servers import LLAMA, LlamaPeer, peer_for
 from engine.bench.serve import concurrency_levels, parse_compare
@@ -63,6 +67,7 @@ from engine.errors import ConfigError
 from engine.metrics import combined
 
 MODES = ("no_spec", "spec")
+BUSY_BUDGET_S = 240.0      # --busy-cores: the seconds its rounds may take, warm-up included
 
 
 PEER_PROMPTS = [
@@ -91,7 +96,8 @@ def bench_peer(args) -> dict:
                               getattr(args, "compare", None), dtype=dtype, peer_dtype=peer_dtype)
     prompts = [[{"role": "user", "content": text}] for text in PEER_PROMPTS[:count]]
     return run_peer_bench(args.model, prompts, args.tokens, args.k, args.compile, args.busy_cores, args.repeats,
-                          engine, dtype=dtype, peer_dtype=peer_dtype)
+                          engine, dtype=dtype, peer_dtype=peer_dtype,
+                          busy_budget_s=getattr(args, "busy_budget_s", BUSY_BUDGET_S))
 
 
 def peer_dtypes(args, engine_name: str) -> tuple[str, str | None]:
@@ -107,7 +113,7 @@ def peer_dtypes(args, engine_name: str) -> tuple[str, str | None]:
 
 def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k: int, compile_mode: str = "auto",
                    busy_cores: int = 0, repeats: int = 4, engine_name: str = LLAMA, *, dtype: str = "auto",
-                   peer_dtype: str | None = None) -> dict:
+                   peer_dtype: str | None = None, busy_budget_s: float = BUSY_BUDGET_S) -> dict:
     peer = peer_for(engine_name, model)
     load_start = os.getloadavg()[0]       # the machine may be shared: say how busy it was
     local, local_info, engine = _local(peer, prompts, tokens, k, compile_mode, dtype)
@@ -120,7 +126,8 @@ def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k:
             server[mode] = _through_server(process.url, prompts, tokens)
             server_info = peer.info(process, threads)
             server_side = peer.side(process, server_dtype, threads)
-    busy = _busy(engine, peer, prompts, tokens, busy_cores, repeats, threads) if busy_cores else None
+    busy = (_busy(engine, peer, prompts, tokens, busy_cores, repeats, threads, busy_budget_s)
+            if busy_cores else None)
     return {"model": os.path.basename(peer.local_model), "engine": peer.name,
             "load_avg_1min": {"start": load_start, "end": os.getloadavg()[0]}, "prompts": len(prompts),
             "tokens": tokens, "k": k, "threads": threads, "draft": peer.draft, "server": server_info, "busy": busy,
@@ -187,42 +194,90 @@ def _local(peer, prompts, tokens: int, k: int, compile_mode: str, dtype: str = "
     return results, info, engine
 
 
-def _busy(engine, peer: LlamaPeer, prompts, tokens: int, busy_cores: int, repeats: int, threads: int) -> dict:
+def _busy(engine, peer: LlamaPeer, prompts, tokens: int, busy_cores: int, repeats: int, threads: int,
+          budget_s: float = BUSY_BUDGET_S) -> dict:
     """Plain decode tok/s on both sides, quiet and beside `busy_cores` spinning processes,
-    rounds interleaved (quiet, busy, quiet, ...) so that drift hits both alike; medians."""
+    rounds interleaved (quiet, busy, quiet, ...) so that drift hits both alike; medians.
+
+    Bounded in time: a side that crawls beside the spinners (llama-server's threads wait for
+    each other a whole time slice at every barrier) would take many minutes. Each side of
+    each round gets an equal share of `budget_s`; a reply still running when its share ends is
+    cancelled and counted for what it decoded, the prompts after it are not started, and a
+    round that would start after the budget is left out. What finished is reported: rounds
+    run, and per side and state the replies finished, cut and never started."""
     from engine import SamplingParams
     from engine.bench.busy import BusyCores
     from engine.remote.backend import RemoteBackend
     params = SamplingParams(max_tokens=tokens)
     runs = {f"{side}_{state}_tok_s": [] for side in ("local", "server") for state in ("quiet", "busy")}
+    replies = {f"{side}_{state}": {"finished": 0, "cut": 0, "not_started": 0}
+               for side in ("local", "server") for state in ("quiet", "busy")}
     compile_steps = {"quiet": 0, "busy": 0}     # steps of our timed replies whose pass compiled: none, we check
+    deadline = time.monotonic() + budget_s
+    planned = max(2, repeats + repeats % 2)          # as many quiet rounds as busy ones
+    share_s = budget_s / (2 * planned + 2)           # a side's part of a round (and of the warm-up)
+    rounds = 0
     with peer.server(threads=threads, dtype="") as process:
         backend = RemoteBackend(process.url)
         try:
             backend.reconfigure(enable_prefix_caching=False)
-            state = "quiet"
-
-            def local(prompt):
-                stats = engine.generate_text(prompt, params)[2]
-                compile_steps[state] += stats.compile_steps
-                return stats
-            sides = {"local": local, "server": lambda prompt: _last_summary(backend, prompt, params)}
-            for run_one in sides.values():             # warm-up, unmeasured
-                run_one(prompts[0])
-            compile_steps["quiet"] = 0
-            rounds = max(2, repeats + repeats % 2)          # as many quiet rounds as busy ones
-            for round_ in range(rounds):
+            sides = {"local": engine, "server": backend}
+            for backend_ in sides.values():             # warm-up, unmeasured
+                _replies_until(backend_, prompts[:1], params, time.monotonic() + share_s)
+            for round_ in range(planned):
+                if time.monotonic() >= deadline:
+                    break
                 state = "busy" if round_ % 2 else "quiet"
                 with BusyCores(busy_cores if state == "busy" else 0):
-                    for side, run_one in sides.items():
-                        runs[f"{side}_{state}_tok_s"].append(_summaries([run_one(p) for p in prompts])["tok_s"])
+                    for side, backend_ in sides.items():
+                        until = min(deadline, time.monotonic() + share_s)
+                        stats, counts = _replies_until(backend_, prompts, params, until)
+                        _add_counts(replies[f"{side}_{state}"], counts)
+                        if side == "local":
+                            compile_steps[state] += sum(s.compile_steps for s in stats)
+                        if stats:
+                            runs[f"{side}_{state}_tok_s"].append(_summaries(stats)["tok_s"])
+                rounds += 1
         finally:
             backend.close()
-    out = {name: statistics.median(values) for name, values in runs.items()}
-    return {**out, "busy_cores": busy_cores, "rounds": rounds, "threads": threads,
-            "local_compile_steps": compile_steps,
-            "local_busy_over_quiet": out["local_busy_tok_s"] / out["local_quiet_tok_s"],
-            "server_busy_over_quiet": out["server_busy_tok_s"] / out["server_quiet_tok_s"], "runs": runs}
+    out = {name: statistics.median(values) if values else None for name, values in runs.items()}
+    return {**out, "busy_cores": busy_cores, "rounds": rounds, "rounds_planned": planned, "budget_s": budget_s,
+            "replies": replies, "threads": threads, "local_compile_steps": compile_steps,
+            "local_busy_over_quiet": _ratio(out["local_busy_tok_s"], out["local_quiet_tok_s"]),
+            "server_busy_over_quiet": _ratio(out["server_busy_tok_s"], out["server_quiet_tok_s"]), "runs": runs}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _add_counts(total: dict, counts: dict) -> None:
+    for key, value in counts.items():
+        total[key] += value
+
+
+def _replies_until(backend, prompts, params, until: float) -> tuple[list, dict]:
+    """Each prompt's reply in turn, until the monotonic time `until`: the one still running
+    then is cancelled (its summary counts what it decoded), the rest are not started.
+    Returns (the replies' summaries, {"finished", "cut", "not_started"})."""
+    stats, counts = [], {"finished": 0, "cut": 0, "not_started": 0}
+    for prompt in prompts:
+        if time.monotonic() >= until:
+            counts["not_started"] += 1
+            continue
+        request, summary, cut = backend.start(prompt, params), None, False
+        try:
+            while not request.finished:
+                if not cut and time.monotonic() >= until:
+                    request.cancel()             # the next step is its last
+                    cut = True
+                summary = request.step().summary or summary
+        finally:
+            request.close()
+        counts["cut" if cut else "finished"] += 1
+        if summary is not None and summary.decode_tokens:
+            stats.append(summary)
+    return stats, counts
 
 
 def _through_server(url: str, prompts, tokens: int) -> dict:

@@ -11,10 +11,23 @@ output goes to a log file, quoted when it fails to start. `progress`, when given
 the command, then every PROGRESS_EVERY_S while the server starts (vLLM takes minutes): the
 time so far and the log's last line. Stopping terminates the group (then kills it); `kill()` is SIGKILL,
 as a crash would be.
+
+A server never outlives the process that started it (issue 48: a `bench peer` stopped by
+`timeout` left its llama-server running, orphaned, at a whole core):
+  - the server is started under `setpriv --pdeathsig KILL` where util-linux has it (Linux), so
+    the kernel kills it when its parent dies, however the parent died (SIGKILL included);
+  - every running server is stopped at interpreter exit (`atexit`), which covers an exception
+    or a SystemExit that no `with` block caught;
+  - the bench's command line turns SIGTERM into SystemExit (engine.bench.cli), so `with` blocks
+    unwind and each server is stopped in order.
+The death signal follows the thread that started the server: start servers from a thread that
+lives as long as they do (the tests, the bench and the screenshots start them on the main thread).
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +43,24 @@ from engine.errors import WorkbenchError
 HOST = "127.0.0.1"
 PROGRESS_EVERY_S = 15.0
 STOP_WAIT_S = 20.0
+
+
+_RUNNING: set["ServerProcess"] = set()     # started and not yet stopped
+
+
+def dies_with_parent(args: list[str]) -> list[str]:
+    """`args` run so that the kernel kills the process when its parent dies (SIGKILL): util-linux's
+    `setpriv --pdeathsig KILL` execs the command in place, so the pid and the process group stay
+    the command's. Where setpriv is missing (not Linux), the command as it is: atexit and the
+    bench's signal handling still stop it."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *args] if setpriv else list(args)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_RUNNING):
+        server.stop()
 
 
 def free_port() -> int:
@@ -56,8 +87,9 @@ class ServerProcess:
         if progress is not None:
             progress(f"starting {self.name}: {' '.join(self.args)}")
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            self.process = subprocess.Popen(dies_with_parent(self.args), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             env=None if self.env is None else {**os.environ, **self.env})
+        _RUNNING.add(self)
         started = time.monotonic()
         told = started
         while time.monotonic() - started < timeout_s:
@@ -114,6 +146,7 @@ class ServerProcess:
     def _stop_group(self) -> None:
         """Whatever the server started and left behind goes too."""
         self._signal_group(signal.SIGKILL)
+        _RUNNING.discard(self)
 
     def _signal_group(self, sig: int) -> None:
         try:
