@@ -87,7 +87,7 @@ class TreeShape:
 
 
 # `auto`: the tree EAGLE-2 would grow on a small budget; the engine then verifies the best
-# nodes of it that the measured pass costs say pay (engine.spec.policy).
+# nodes of it that the measured pass costs say pay (engine.speculative.policy).
 AUTO_SHAPE = TreeShape(top_k=4, depth=6, nodes=24)
 MAX_TREE_NODES = 64
 
@@ -147,7 +147,7 @@ SETTINGS: tuple[Setting, ...] = (
             "states and KV, so it has no cache of its own); auto: each step drafts with the proposer whose "
             "measured tokens per second is highest (suffix, n-gram, the EAGLE head where one fits the model, the "
             "draft model or the assistant where one is loaded), or none; each is measured again every so often "
-            "(engine.spec.proposer_choice)",
+            "(engine.speculative.proposer_choice)",
             group=SPECULATION_GROUP),
     Setting("num_speculative_tokens", int, 4, ENGINE, LIVE, "k (draft tokens)", low=1, high=MAX_SPEC_TOKENS,
             help="draft tokens proposed per step, verified in one target pass", group=SPECULATION_GROUP),

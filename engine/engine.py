@@ -39,13 +39,13 @@ from engine.runtime import cpu_paths
 from engine.runtime.eagle_step import EagleStep
 from engine.runtime.model_runner import ModelRunner, PassItem, prepare_model
 from engine.scheduler import Scheduler
-from engine.spec.assistant_proposer import AssistantProposer
-from engine.spec.eagle_proposer import EagleProposer
-from engine.spec.policy import SpeculationPolicy
-from engine.spec.proposer_choice import OFF, ProposerChoice
-from engine.spec.spec_decode import DraftModelProposer, NgramProposer, Proposer, check_draft_compatible
-from engine.spec.suffix_proposer import SuffixCache, SuffixProposer
-from engine.spec.step_costs import PlainStepClock, weight_bytes_per_token
+from engine.speculative.assistant_proposer import AssistantProposer
+from engine.speculative.eagle_proposer import EagleProposer
+from engine.speculative.policy import SpeculationPolicy
+from engine.speculative.proposer_choice import OFF, ProposerChoice
+from engine.speculative.spec_decode import DraftModelProposer, NgramProposer, Proposer, check_draft_compatible
+from engine.speculative.suffix_proposer import SuffixCache, SuffixProposer
+from engine.speculative.step_costs import PlainStepClock, weight_bytes_per_token
 from engine.stream import RequestStream
 from engine.thread_policy import ThreadGovernor, starting_threads
 
@@ -431,7 +431,7 @@ class LLMEngine:
     def auto_candidates(self) -> list[str]:
         """What `proposer: auto` chooses among: suffix and n-gram, EAGLE where a head for this
         model is loaded, the draft model or the Gemma 4 assistant where one is, and "off"
-        (engine.spec.proposer_choice)."""
+        (engine.speculative.proposer_choice)."""
         return (["suffix", "ngram"] + ["eagle"] * (self.eagle is not None)
                 + ["draft"] * (self.draft_runner is not None) + ["assistant"] * (self.assistant is not None) + [OFF])
 
@@ -645,7 +645,7 @@ class LLMEngine:
     def _prepare(self, scheduled, other_rows: int = 0) -> "_Work":
         """A scheduled request's rows: a prompt chunk, or its last token (the root) and the
         drafts to verify. A chain's rows are causal; a branching tree's attend each its own
-        path (engine.spec.tree), the costlier attention. other_rows: the other requests' rows
+        path (engine.speculative.tree), the costlier attention. other_rows: the other requests' rows
         in the pass, before their drafts."""
         request, decode = scheduled.request, scheduled.request.decoding
         if self.config.proposer == "auto" and not request.proposers:
@@ -701,7 +701,7 @@ class LLMEngine:
         return self.policy.choose_k(proposer, decoding, c.num_speculative_tokens, draft_token_s=own_draft_s)
 
     def _choose_proposer(self, decoding: int) -> None:
-        """`auto`: the proposer of this step (engine.spec.proposer_choice). A new winner (not a
+        """`auto`: the proposer of this step (engine.speculative.proposer_choice). A new winner (not a
         measuring step) changes the settings the next event carries."""
         others = sum(r.num_uncomputed for r in self.scheduler.running if not r.decoding)
         before = self.proposer_choice.chosen, self.proposer_choice.is_measuring
@@ -764,7 +764,7 @@ class _Work:
     """One request's part of a step."""
     request: Request
     item: PassItem
-    proposal: object            # engine.spec.spec_decode.Proposal, or None
+    proposal: object            # engine.speculative.spec_decode.Proposal, or None
     decode: bool                # a decode (or verify) step, not a prompt chunk
     max_drafts: int = 0         # drafts it was allowed (0: a plain decode step)
 

@@ -26,9 +26,9 @@ from engine.layers.sampler import make_generator, probabilities, sample
 from engine.metrics import TARGET, RequestStats, StepEvent, speculation_report
 from engine.runtime.detokenizer import Detokenizer
 from engine.runtime.model_runner import ModelRunner, RunnerSeq
-from engine.spec.spec_decode import Proposal, Proposer, rejection_sample
-from engine.spec.tree import TreeShape, Verdict, greedy_verify, sample_verify
-from engine.spec.step_costs import PlainStepClock
+from engine.speculative.spec_decode import Proposal, Proposer, rejection_sample
+from engine.speculative.tree import TreeShape, Verdict, greedy_verify, sample_verify
+from engine.speculative.step_costs import PlainStepClock
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -172,7 +172,7 @@ class Request:
                     proposal: Proposal | None, pass_s: float, compile_s: float = 0.0) -> StepEvent | None:
         """Its rows of a pass that fed `fed` at positions start..: settle the tokens, commit
         the blocks, and return its event (None: a prefill chunk that does not end the prompt).
-        A verify pass's rows are the root at `start`, then every draft (engine.spec.tree):
+        A verify pass's rows are the root at `start`, then every draft (engine.speculative.tree):
         the root's and the accepted path's KV stay (compacted to start..), the rest is freed.
         compile_s: seconds of the step spent compiling (the event carries them; the step is
         then kept out of decode speed)."""

@@ -84,10 +84,10 @@ def test_engine_never_imports_qt():
 TOP_LEVEL = {"engine", "engine.engine", "engine.request", "engine.scheduler", "engine.stream", "engine.config", "engine.metrics", "engine.errors",
              "engine.profiles", "engine.backend", "engine.workload", "engine.cpu_features", "engine.thread_policy",
              "engine.user_cache"}
-SUBPACKAGES = {"cache", "kernels", "layers", "models", "loading", "runtime", "spec", "remote", "bench", "training"}
+SUBPACKAGES = {"cache", "kernels", "layers", "models", "loading", "runtime", "speculative", "remote", "bench", "training"}
 REQUEST_PATH = ("engine.engine", "engine.request", "engine.scheduler", "engine.stream")
 OFFLINE_TOOLS = ("engine.bench", "engine.training")
-RUNS_MODELS = ("engine.layers", "engine.models", "engine.runtime", "engine.spec", "engine.loading")
+RUNS_MODELS = ("engine.layers", "engine.models", "engine.runtime", "engine.speculative", "engine.loading")
 HTTP = ("httpx", "httpx_sse", "prometheus_client")
 
 # (importer, what it may not import, why). A prefix names a package and everything in it.
@@ -96,15 +96,15 @@ CONTRACTS = [
     ("engine.errors", ("engine.",), "plain data", ()),
     ("engine.metrics", ("engine.",), "plain data: every formula from counters alone", ("engine.errors",)),
     ("engine.cache", REQUEST_PATH + RUNS_MODELS, "the cache holds tensors and block ids; it runs no model", ()),
-    ("engine.kernels", REQUEST_PATH + ("engine.models", "engine.runtime", "engine.spec", "engine.loading"),
+    ("engine.kernels", REQUEST_PATH + ("engine.models", "engine.runtime", "engine.speculative", "engine.loading"),
      "kernels see tensors and attention metadata only", ("engine.layers.attention_metadata",)),
-    ("engine.layers", REQUEST_PATH + ("engine.models", "engine.runtime", "engine.spec", "engine.loading"),
+    ("engine.layers", REQUEST_PATH + ("engine.models", "engine.runtime", "engine.speculative", "engine.loading"),
      "building blocks know no model", ()),
-    ("engine.models", REQUEST_PATH + ("engine.runtime", "engine.spec", "engine.loading"),
+    ("engine.models", REQUEST_PATH + ("engine.runtime", "engine.speculative", "engine.loading"),
      "a model is its forward pass; running and loading it happen elsewhere", ()),
-    ("engine.loading", REQUEST_PATH + ("engine.runtime", "engine.spec"), "loading ends where running starts", ()),
-    ("engine.runtime", REQUEST_PATH + ("engine.spec",), "the runner knows no proposer", ()),
-    ("engine.spec", REQUEST_PATH, "proposers are driven by the request path, never the reverse", ()),
+    ("engine.loading", REQUEST_PATH + ("engine.runtime", "engine.speculative"), "loading ends where running starts", ()),
+    ("engine.runtime", REQUEST_PATH + ("engine.speculative",), "the runner knows no proposer", ()),
+    ("engine.speculative", REQUEST_PATH, "proposers are driven by the request path, never the reverse", ()),
     ("engine.remote", REQUEST_PATH + RUNS_MODELS + ("engine.cache", "engine.kernels"),
      "the remote backend runs nothing locally", ()),
 ]

@@ -324,7 +324,7 @@ def test_default_model_batched_replies_equal_solo_replies():
 
 # ---- the speculation policy ------------------------------------------------------------
 def test_the_policy_speculates_alone_and_stops_when_a_wide_pass_costs_more_than_it_gains():
-    from engine.spec.policy import SpeculationPolicy
+    from engine.speculative.policy import SpeculationPolicy
     policy = SpeculationPolicy()
     assert policy.choose_k("ngram", batch=1, k_max=4) == 4            # nothing measured yet: try k
     for _ in range(5):

@@ -67,9 +67,9 @@ def test_recall_grows_with_k_and_the_whole_head_recalls_every_token_inside_it(tr
 
 def test_depth1_recall_at_1_is_the_proposers_own_greedy_hit_rate(trained):
     """The recall's label pairing is the inference proposer's: from (f_j, x_{j+1}) it drafts
-    x_{j+2}. Counted here with engine.spec.eagle_proposer itself, position by position."""
+    x_{j+2}. Counted here with engine.speculative.eagle_proposer itself, position by position."""
     from engine.config import SamplingParams
-    from engine.spec.eagle_proposer import EagleProposer
+    from engine.speculative.eagle_proposer import EagleProposer
     from engine.training.diagnose import draft_ranks, proposer_agreement, recall
     *_, head, train, held = trained
     hits = total = 0

@@ -1,4 +1,4 @@
-"""Draft trees (engine.spec.tree): the tree mask against a brute-force reference, exact KV
+"""Draft trees (engine.speculative.tree): the tree mask against a brute-force reference, exact KV
 compaction, growth and selection, lossless verification (greedy and sampled), and the
 engine with trees on: token-identical greedy output alone and batched, no block leak."""
 import pytest
@@ -9,8 +9,8 @@ from engine.config import EngineConfig, parse_tree
 from engine.errors import ConfigError
 from engine.metrics import ACCEPTED, BONUS, RESAMPLED
 from engine.runtime.model_runner import ModelRunner, PassItem
-from engine.spec.policy import SpeculationPolicy
-from engine.spec.tree import (
+from engine.speculative.policy import SpeculationPolicy
+from engine.speculative.tree import (
     DraftTree,
     TreeShape,
     greedy_verify,
@@ -290,7 +290,7 @@ def test_a_draft_model_tree_left_unverified_is_rolled_back_before_the_next_one(t
     rows in the draft's cache. The next proposal rolls them back to the last token the draft
     agrees on and catches up from there: the tree a fresh draft grows. (It used to feed an empty
     catch-up pass: IndexError in attention.prepare, under pool pressure with 8 requests.)"""
-    from engine.spec.spec_decode import DraftModelProposer
+    from engine.speculative.spec_decode import DraftModelProposer
     model = tiny_by_dtype(torch.float32)
     prompt, shape = list(range(200, 230)), TreeShape(3, 4, 10)
     stale = DraftModelProposer(_runner(model))

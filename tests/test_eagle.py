@@ -54,7 +54,7 @@ def test_unrolled_training_forward_is_what_the_proposer_computes(tiny_head, tiny
     the draft distributions from `distill.unrolled` equal the proposer's, step by step."""
     from engine.layers.sampler import make_generator
     from engine.loading.loader import load_eagle_head
-    from engine.spec.eagle_proposer import EagleProposer
+    from engine.speculative.eagle_proposer import EagleProposer
     from engine.training.distill import _batch, unrolled
     from engine.training.distill_data import Sequence
     head, _ = load_eagle_head(str(tiny_head[0]), tiny_model)
@@ -92,7 +92,7 @@ def test_greedy_eagle_speculation_is_token_identical(tiny_head, make_tiny_engine
 def _eager_and_compiled_drafts(eng, head_folder) -> dict:
     """The chain and tree each way drafts on the same inputs: the engine's step and the eager one."""
     from engine.config import TreeShape
-    from engine.spec.eagle_proposer import EagleProposer
+    from engine.speculative.eagle_proposer import EagleProposer
     eng.reconfigure(proposer="eagle", eagle_head=str(head_folder))
     head = eng.eagle[1]
     torch.manual_seed(1)

@@ -123,8 +123,8 @@ def test_two_streams_share_the_engine_steps(make_engine):
 
 
 def test_an_empty_proposal_keeps_its_draft_time(make_engine, monkeypatch):
-    from engine.spec.spec_decode import NgramProposer, Proposal
-    from engine.spec.tree import DraftTree
+    from engine.speculative.spec_decode import NgramProposer, Proposal
+    from engine.speculative.tree import DraftTree
     monkeypatch.setattr(NgramProposer, "propose", lambda self, *a: Proposal(DraftTree.chain([]), None, time_s=0.25))
     eng = make_engine(proposer="ngram", speculation_policy="fixed")
     _, _, stats = eng.generate_text(chat("Hi"), SamplingParams(max_tokens=4, stop_on_eos=False))
@@ -165,6 +165,6 @@ def test_engine_imports_without_qt():
             "        if name.split('.')[0] in ('PySide6', 'pyqtgraph', 'PyQt5', 'PyQt6'):\n"
             "            raise ImportError('Qt is blocked in this test')\n"
             "sys.meta_path.insert(0, Block())\n"
-            "import engine, engine.engine, engine.bench.scenarios, engine.spec.spec_decode, engine.profiles\n"
+            "import engine, engine.engine, engine.bench.scenarios, engine.speculative.spec_decode, engine.profiles\n"
             "assert not any(m.startswith(('PySide6', 'pyqtgraph')) for m in sys.modules)\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,7 +14,7 @@ from engine.errors import ConfigError, UnsupportedModelError
 from engine.loading.loader import load_model
 from engine.models.gemma4_assistant import load_assistant
 from engine.runtime.model_runner import ModelRunner
-from engine.spec.assistant_proposer import AssistantProposer
+from engine.speculative.assistant_proposer import AssistantProposer
 from tests.test_gemma4 import ROPE, _gemma4, _save
 
 GREEDY = SamplingParams(max_tokens=12, stop_on_eos=False)

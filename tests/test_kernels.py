@@ -342,24 +342,24 @@ def test_the_rotated_fp8_cache_gives_the_same_through_the_kernels(cached, new):
 
 @pytest.mark.parametrize("kv,nodes", [("auto", 7), ("fp8_e4m3", 7), ("auto", 24)])
 def test_a_draft_tree_through_the_kernels_matches_the_torch_path(tmp_path, kv, nodes):
-    """A tree verify pass (engine.spec.tree) with the kernels' tree mask (interpreter) against
+    """A tree verify pass (engine.speculative.tree) with the kernels' tree mask (interpreter) against
     the torch path, which computes each row as its own chain: same logits to the kernels'
     tolerance. With block size 4 the tree's keys span several blocks and partitions."""
     from engine.config import EngineConfig
     from engine.loading.loader import load_model
     from engine.runtime.model_runner import ModelRunner, PassItem
-    from engine.spec.tree import DraftTree
+    from engine.speculative.tree import DraftTree
     from tests.test_models import ARCHS, _save_tiny
     _save_tiny(tmp_path, ARCHS["qwen3"])
     loaded = load_model(str(tmp_path))
     ids = torch.randint(0, 128, (21,), generator=torch.Generator().manual_seed(5)).tolist()
     tree = DraftTree([5, 6, 7, 8, 9, 10, 11], [-1, -1, 0, 0, 1, 2, 5], [0.0] * 7)
     if nodes > 7:          # more rows than the decode launch takes: the prefill launch, same mask
-        from engine.spec.tree import TreeShape, grow
+        from engine.speculative.tree import TreeShape, grow
         logp = torch.log_softmax(torch.randn(128, generator=torch.Generator().manual_seed(1)), -1)
         tree = grow(logp, lambda frontier, t: logp.roll(len(t)).repeat(len(frontier), 1), TreeShape(4, 6, nodes))
         assert len(tree) == 4 + 5 * 16 and max(tree.depths) == 6
-        from engine.spec.tree import select
+        from engine.speculative.tree import select
         tree = select(tree, nodes)
     outs = []
     for backend in ("torch", "triton"):

@@ -1,4 +1,4 @@
-"""`proposer: auto` (engine.spec.proposer_choice): the choice by measured payoff from the
+"""`proposer: auto` (engine.speculative.proposer_choice): the choice by measured payoff from the
 counters (pure, no timing), deterministic re-measurement, "off" when nothing pays; in the
 engine, greedy output token-identical to plain decoding whichever proposer drafts, sampled
 output with the target's distribution, and events and "In effect" saying who drafted and why."""
@@ -7,7 +7,7 @@ import torch
 
 from engine import SamplingParams
 from engine.metrics import ProposerCounts, decode_step_rate
-from engine.spec.proposer_choice import EXPLORE_EVERY, EXPLORE_STEPS, MIN_STEPS, OFF, ProposerChoice
+from engine.speculative.proposer_choice import EXPLORE_EVERY, EXPLORE_STEPS, MIN_STEPS, OFF, ProposerChoice
 from tests.conftest import assert_second_token_follows_the_target, chat, together
 
 GREEDY = SamplingParams(max_tokens=24, stop_on_eos=False)

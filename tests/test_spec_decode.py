@@ -13,8 +13,8 @@ from engine import EngineConfig, SamplingParams
 from engine.engine import LLMEngine
 from engine.errors import DraftIncompatibleError
 from engine.metrics import ACCEPTED, BONUS, RESAMPLED
-from engine.spec.spec_decode import check_draft_compatible, ngram_lookup, rejection_sample
-from engine.spec.tree import DraftTree, greedy_verify, sample_verify
+from engine.speculative.spec_decode import check_draft_compatible, ngram_lookup, rejection_sample
+from engine.speculative.tree import DraftTree, greedy_verify, sample_verify
 from tests.conftest import chat
 
 GREEDY = SamplingParams(max_tokens=20, stop_on_eos=False)

@@ -1,4 +1,4 @@
-"""The suffix proposer (engine.spec.suffix_proposer) and its index (engine.spec.suffix_index):
+"""The suffix proposer (engine.speculative.suffix_proposer) and its index (engine.speculative.suffix_index):
 exact matches and counts, the global index's bound and eviction, the probability floor and
 the length rule, no draft without a match; and in the engine: greedy output token-identical
 alone and batched, branching trees included, and sampled output with the target's
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.spec.suffix_index import SuffixIndex
-from engine.spec.suffix_proposer import GLOBAL, REQUEST, SuffixCache, SuffixProposer, best_draft, continuation_tree
+from engine.speculative.suffix_index import SuffixIndex
+from engine.speculative.suffix_proposer import GLOBAL, REQUEST, SuffixCache, SuffixProposer, best_draft, continuation_tree
 from tests.conftest import assert_second_token_follows_the_target, chat, together
 
 GREEDY = SamplingParams(max_tokens=24, stop_on_eos=False)
@@ -199,7 +199,7 @@ def test_sampled_suffix_trees_keep_the_target_distribution(make_engine, monkeypa
 
 
 def test_the_ceiling_counts_the_passes_an_oracle_drafting_from_earlier_text_needs():
-    from engine.spec.suffix_ceiling import ceiling, ceiling_passes
+    from engine.speculative.suffix_ceiling import ceiling, ceiling_passes
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
     # 11 never had a successor: one plain pass (token 1); then 2..5 follow an earlier 1 (4 drafts
     # + the pass's token 6); then 7, 8, 9 follow the earlier 6

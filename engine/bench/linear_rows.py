@@ -7,7 +7,7 @@ tensors as stored); every quantized linear called once per pass in model order o
 activations, timed over REPEATS passes (median). The head (the tied Q8_0 embedding) is
 timed apart: a decode step runs it on one row whatever the verify width.
 `linear_rows_gb_s` is the body's bytes over its one-row time, beside `read_bandwidth_gb_s`,
-what a large reduction reads per second in the same run (engine.spec.step_costs).
+what a large reduction reads per second in the same run (engine.speculative.step_costs).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def linear_rows_bench(reference: str = "default", repeats: int = REPEATS) -> dic
                     times[n].append(time.perf_counter() - start)
         return {str(n): round(statistics.median(t) * 1e3, 3) for n, t in times.items()}
 
-    from engine.spec.step_costs import read_bandwidth
+    from engine.speculative.step_costs import read_bandwidth
     bandwidth = read_bandwidth()
     rows_ms = timed(body)
     body_bytes = sum(qw.nbytes for qw in body)

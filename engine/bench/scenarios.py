@@ -295,7 +295,7 @@ def bench_decode(args) -> dict:
     fraction, the verify costs and the CPU dtype probe's timings."""
     from engine import SamplingParams
     from engine.runtime import cpu_dtype
-    from engine.spec.step_costs import read_bandwidth, tree_verify_costs, verify_costs, weight_bytes_per_token
+    from engine.speculative.step_costs import read_bandwidth, tree_verify_costs, verify_costs, weight_bytes_per_token
     eng = _engine(args, enable_prefix_caching=False, kv_cache_bytes=HF_BESIDE_POOL_BYTES, compile=args.compile)
     baseline = _hf_model(eng, torch.float32)
     same_dtype = _hf_model(eng) if eng.runner.model_dtype != torch.float32 else None
@@ -402,7 +402,7 @@ def bench_speculative(args) -> dict:
     elif args.proposer == "auto":
         if args.draft:
             eng.set_draft_model(args.draft, progress=_progress)
-        draft = "auto: each step the proposer with the best measured payoff (engine.spec.proposer_choice)"
+        draft = "auto: each step the proposer with the best measured payoff (engine.speculative.proposer_choice)"
     else:
         draft = "n-gram prompt lookup"
     encoded = [eng.encode(p) for p in prompts]
@@ -444,10 +444,10 @@ def bench_speculative(args) -> dict:
 
 def _ceiling_figures(prompts, replies, k: int, spec, plain_step_s: float, verify_cost) -> dict:
     """What any draft taken from earlier text (the request's own, or earlier replies) could
-    reach on these replies at most k tokens a pass (engine.spec.suffix_ceiling): tokens per
+    reach on these replies at most k tokens a pass (engine.speculative.suffix_ceiling): tokens per
     pass, and the speedup that bounds at this arm's measured cost of a drafting pass (a tree
     step's, else the chain's verify; never under a plain step)."""
-    from engine.spec.suffix_ceiling import ceiling
+    from engine.speculative.suffix_ceiling import ceiling
     c = ceiling(prompts, replies, k)
     pass_cost = spec.tree_time_s / spec.tree_steps / plain_step_s if spec.tree_steps else verify_cost or 1.0
     pass_cost = max(pass_cost, 1.0)

@@ -13,7 +13,7 @@ import torch
 
 @dataclass
 class TreeRows:
-    """Rows of a pass that attend as a draft tree (engine.spec.tree): row r is stored at cache
+    """Rows of a pass that attend as a draft tree (engine.speculative.tree): row r is stored at cache
     index indices[r] and sees the keys at indices 0..context-1, then those in paths[r] (its
     chain of ancestors, ending with itself), as if that chain had been fed alone. Its
     position (RoPE and mask) is context + len(paths[r]) - 1, and the key paths[r][d] sits at

@@ -13,7 +13,7 @@ handles exactly. The embedding and the head rows are the target's, attached at l
 the folder stores only fc, the layer, the norm and the token ids (a few MB).
 
 Made by `python -m engine.training.distill` (training is there, never imported by inference); the
-proposer that runs it is engine.spec.eagle_proposer.
+proposer that runs it is engine.speculative.eagle_proposer.
 
 The folder: config.json (the target's config with one layer, plus EAGLE_CONFIG_KEY),
 model.safetensors (fp16 fc, layer and norm weights under transformers' Llama names, and

@@ -17,7 +17,7 @@ once in bf16 and cached, a few minutes for N = 150):
      can never propose them);
   d. alignment: (i) the head's depth-1 best token scored against x_{j+1}, x_{j+2}, x_{j+3}
      (it is trained for x_{j+2}; a higher score at another offset would be an off-by-one);
-     (ii) the proposer's own greedy draft (engine.spec.eagle_proposer, the inference code) at
+     (ii) the proposer's own greedy draft (engine.speculative.eagle_proposer, the inference code) at
      every held-out position against the training forward's; (iii) with --engine, the real
      engine at a fixed k on the first held-out prompts against the replay on the same tokens.
 """
@@ -125,7 +125,7 @@ def proposer_agreement(head, seqs: list[Sequence]) -> dict:
     and the target's features, as after a verify) against the training forward's depth-1
     best token: they must be the same token, or training and inference disagree."""
     from engine.config import SamplingParams
-    from engine.spec.eagle_proposer import EagleProposer
+    from engine.speculative.eagle_proposer import EagleProposer
     greedy = SamplingParams(temperature=0.0)
     same = total = 0
     for s in seqs:

@@ -56,7 +56,7 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 
 def pass_seconds(runner, n: int, context: int = 64, repeats: int = 9, tree=None) -> float:
     """Median time of one n-token forward pass at `context` tokens, rolled back after each.
-    tree: an engine.spec.tree.DraftTree of n - 1 nodes, verified as a tree pass instead."""
+    tree: an engine.speculative.tree.DraftTree of n - 1 nodes, verified as a tree pass instead."""
     prompt = list(range(1000, 1000 + context))
     seq = runner.start(prompt, reserve_tokens=n)
     tokens = list(range(2000, 2000 + n))
@@ -93,7 +93,7 @@ def verify_costs(runner, ks=(1, 2, 4, 8)) -> dict[str, float]:
 def tree_verify_costs(runner, nodes=(8, 16, 24, 32), context: int = 256) -> dict[str, dict[str, float]]:
     """{nodes: {"tree": time of a tree pass of that many nodes (the root's row too), "chain":
     a chain pass as wide} / time of a 1-token pass}, eager, at `context` tokens."""
-    from engine.spec.tree import TreeShape, grow, select
+    from engine.speculative.tree import TreeShape, grow, select
     logp = torch.log_softmax(torch.arange(64, 0, -1, dtype=torch.float32), -1)
     full = grow(logp, lambda frontier, tree: logp.repeat(len(frontier), 1), TreeShape(4, 8, max(nodes)))
     one = pass_seconds(runner, 1, context=context)

@@ -2,7 +2,7 @@
 match, in the request's own text or in earlier requests' outputs (SuffixDecoding, arXiv
 2411.04975; vLLM's speculative method `suffix`). Model-free: a draft costs index lookups.
 
-Two indices (engine.spec.suffix_index): the request's own (its prompt and output so far,
+Two indices (engine.speculative.suffix_index): the request's own (its prompt and output so far,
 appended to each step) and the engine's global one over finished requests' outputs
 (`SuffixCache`, bounded by the suffix_cache_tokens setting, oldest requests evicted first).
 Each step, for each index:
@@ -17,7 +17,7 @@ Each step, for each index:
 The draft with the best score over every m and both indices is proposed; no match, no draft.
 The engine asks for it as a tree (LLMEngine.tree_in_effect: k nodes k deep, or draft_tree's
 shape); under speculation_policy auto the policy verifies the nodes that the measured pass
-costs say pay, by these probabilities (engine.spec.policy.choose_tree_nodes).
+costs say pay, by these probabilities (engine.speculative.policy.choose_tree_nodes).
 Drafts are point masses (tree.sample_verify keeps sampling lossless; greedy verification
 keeps the target's argmax), so what is drafted changes only the speed.
 """
@@ -27,9 +27,9 @@ import math
 import time
 from collections import deque
 
-from engine.spec.spec_decode import Proposal, Proposer
-from engine.spec.suffix_index import MAX_MATCH, Match, SuffixIndex
-from engine.spec.tree import DraftTree
+from engine.speculative.spec_decode import Proposal, Proposer
+from engine.speculative.suffix_index import MAX_MATCH, Match, SuffixIndex
+from engine.speculative.tree import DraftTree
 
 MAX_LENGTHS_TRIED = 4      # distinct match lengths tried per index, longest first
 KEEP_TIMES = 100_000       # drafting times kept for the median and p99

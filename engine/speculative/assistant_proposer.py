@@ -9,7 +9,7 @@ those n-1 keys: the first feeds (embed(x_{n-1}), the target's hidden), each next
 just drafted and the assistant's own projected hidden. Nothing is written to any cache, so
 there is nothing to roll back: a verify pass's rejected rows lie past the next context.
 Lossless as every proposer: greedy keeps a draft only where it equals the target's argmax, and
-sampled drafts carry their distribution q to the rejection sampler (engine.spec.spec_decode).
+sampled drafts carry their distribution q to the rejection sampler (engine.speculative.spec_decode).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from engine.config import SamplingParams
 from engine.layers import attention
 from engine.layers.attention import TORCH, SeqSlice
 from engine.layers.sampler import probabilities
-from engine.spec.spec_decode import Proposal, Proposer
-from engine.spec.tree import DraftTree
+from engine.speculative.spec_decode import Proposal, Proposer
+from engine.speculative.tree import DraftTree
 
 
 class AssistantProposer(Proposer):

@@ -112,7 +112,7 @@ def select(tree: DraftTree, nodes: int) -> DraftTree:
 
 @dataclass
 class Verdict:
-    """What a verify pass settled, for a chain or a tree (the token kinds: engine.spec.spec_decode)."""
+    """What a verify pass settled, for a chain or a tree (the token kinds: engine.speculative.spec_decode)."""
     path: list[int]              # accepted nodes, root's child first (a chain's: 0, 1, ...)
     tokens: list[int]            # emitted: the accepted nodes' tokens, then one resampled or bonus token
     kinds: list[str]

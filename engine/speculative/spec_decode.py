@@ -1,6 +1,6 @@
 """Speculative decoding: proposers and the rejection sampler.
 
-A proposal is a draft tree (engine.spec.tree); a chain of k drafts is the tree whose parents
+A proposal is a draft tree (engine.speculative.tree); a chain of k drafts is the tree whose parents
 are i - 1. Greedy verification (tree.greedy_verify) keeps drafts while they equal the target
 argmax, then emits the target argmax: identical to plain greedy, for chains and trees.
 
@@ -25,7 +25,7 @@ from engine.errors import DraftIncompatibleError
 from engine.layers.sampler import probabilities
 from engine.metrics import ACCEPTED, BONUS, RESAMPLED
 from engine.runtime.model_runner import PassItem
-from engine.spec.tree import DraftTree, TreeShape, Verdict, frontier_rows, grow, select
+from engine.speculative.tree import DraftTree, TreeShape, Verdict, frontier_rows, grow, select
 
 
 # ---- the rejection sampler (pure) ---------------------------------------------
@@ -62,7 +62,7 @@ class Proposal:
         return self.tree.tokens
 
     def trimmed(self, nodes: int) -> "Proposal":
-        """A grown tree cut to its `nodes` best nodes (engine.spec.tree.select)."""
+        """A grown tree cut to its `nodes` best nodes (engine.speculative.tree.select)."""
         return Proposal(select(self.tree, nodes), None, self.time_s, grown=True, source=self.source,
                         proposer=self.proposer)
 
@@ -77,7 +77,7 @@ class Proposer:
     supports_trees = False
 
     def propose_tree(self, token_ids: list[int], shape: TreeShape, params: SamplingParams, generator) -> Proposal:
-        """A draft tree of at most shape.nodes nodes (engine.spec.tree.grow), for proposers
+        """A draft tree of at most shape.nodes nodes (engine.speculative.tree.grow), for proposers
         with supports_trees."""
         raise NotImplementedError
 
@@ -154,7 +154,7 @@ class DraftModelProposer(Proposer):
 
     def propose_tree(self, token_ids, shape, params, generator) -> Proposal:
         """Each depth's frontier is one tree pass of the draft model over its own cache (rows
-        past the context, each attending its chain: engine.spec.tree); `accepted` (or, for a
+        past the context, each attending its chain: engine.speculative.tree); `accepted` (or, for a
         tree the target never verified, the next proposal) rolls the nodes back, and the next
         catch-up feeds the accepted tokens as a chain."""
         t0 = time.perf_counter()

@@ -27,8 +27,8 @@ from engine.layers.attention_metadata import AttentionMetadata, SeqSlice, TreeRo
 from engine.layers.sampler import probabilities
 from engine.models.eagle_head import EagleHead
 from engine.runtime.eagle_step import EagleStep
-from engine.spec.spec_decode import Proposal, Proposer
-from engine.spec.tree import DraftTree, TreeShape, frontier_rows, grow, select
+from engine.speculative.spec_decode import Proposal, Proposer
+from engine.speculative.tree import DraftTree, TreeShape, frontier_rows, grow, select
 
 GROW = 256          # feature and cache room is added in steps of this many positions
 

@@ -14,7 +14,7 @@ the proposer's measured per-token acceptance, pass_s the measured time of a pass
 measured so far, linearly) and draft_s the measured time to draft one token. A width past
 every measured one is tried once (k at its largest) before it is predicted.
 
-A draft tree (engine.spec.tree) is trimmed after it is grown: the n best nodes by the draft's
+A draft tree (engine.speculative.tree) is trimmed after it is grown: the n best nodes by the draft's
 cumulative confidence are expected to accept calibration * (sum of their confidences) tokens
 (EAGLE-2's observation that the confidence tracks acceptance; calibration is measured:
 accepted over predicted, over the recent trees), and the n that maximises
