@@ -4,7 +4,9 @@ prefix, kv, memory, decode, speculative; kernels.py, load.py, peer.py, gpu.py).
 
 Scenarios: parity, prefix, kv, memory, decode, speculative, kernels, load, peer, gpu-check, quality
 (engine.bench.quality: what --weight-dtype costs in perplexity and greedy agreement; with
---against llama.cpp, ours beside llama.cpp on the same GGUF),
+--against llama.cpp, ours beside llama.cpp on the same GGUF), agreement (engine.bench.kl_divergence:
+--against llama.cpp, the KL divergence of llama.cpp's token distributions against ours on the
+same file, as llama-perplexity measures it, beside the file's own against --reference),
 serve (many requests at once: engine.bench.serve; with --backend URL against a server:
 engine.bench.serve_remote), all. Each prints one JSON object with --json (field names are a
 contract: scripts read them) and exits 0 when it ran; an error it can name (an unreachable
@@ -24,7 +26,7 @@ import torch
 from engine.bench.gpu import bench_gpu_check
 from engine.bench.peer import BUSY_BUDGET_S, bench_peer
 from engine.bench.quality import bench_quality
-from engine.bench import quality, serve, serve_remote
+from engine.bench import kl_divergence, quality, serve, serve_remote
 from engine.bench.scenarios import (BUILTIN_SHAPES, bench_decode, bench_kv, bench_memory, bench_parity, bench_prefix,
                                     bench_speculative)
 from engine.config import BY_KEY
@@ -51,17 +53,20 @@ def bench_serve(args) -> dict:
 SCENARIOS = {"parity": bench_parity, "prefix": bench_prefix, "kv": bench_kv, "memory": bench_memory,
              "decode": bench_decode, "speculative": bench_speculative, "kernels": bench_kernels,
              "load": bench_load, "peer": bench_peer, "gpu-check": bench_gpu_check, "serve": bench_serve,
-             "quality": bench_quality}
+             "quality": bench_quality, "agreement": kl_divergence.bench_agreement}
 
 
 def exit_on_signals() -> None:
-    """For the command line (engine.bench.__main__; tests call main() in their own process): SIGTERM (what `timeout` and `kill` send) and SIGINT end the bench as an exception would:
+    """SIGTERM (what `timeout` and `kill` send) and SIGINT end the bench as an exception would:
     SystemExit(128 + signal) unwinds every `with` block, so each server and spinning process a
-    scenario started is stopped before the process exits (engine.remote.server_process)."""
+    scenario started is stopped before the process exits (engine.remote.server_process). For
+    the command line (engine.bench.__main__): tests call main() inside pytest's own process."""
     def stop(signum, frame):
         raise SystemExit(128 + signum)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
+
+NOT_IN_ALL = ("agreement",)          # needs --against and a real file
 
 
 def main(argv=None) -> int:
@@ -121,9 +126,10 @@ def main(argv=None) -> int:
     serve.add_arguments(ap)
     serve_remote.add_arguments(ap)
     quality.add_arguments(ap)
+    kl_divergence.add_arguments(ap)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    names = [n for n in SCENARIOS if n not in NOT_IN_ALL] if args.scenario == "all" else [args.scenario]
     try:
         results = {name: SCENARIOS[name](args) for name in names}
     except WorkbenchError as e:

@@ -157,30 +157,40 @@ def _served(eng) -> dict:
     return dict(weights.served) if weights is not None and getattr(weights, "served", None) else {}
 
 
-def _llama_cpp_protocol_perplexity(eng, ids: list[int], n_ctx: int, chunks: int) -> tuple[float, list[float]]:
-    """llama-perplexity's protocol on our runner: chunk i is ids[i n_ctx : (i+1) n_ctx] with its
-    first token made BOS (where the tokenizer adds one), fed whole in pieces of 256 through the
-    cache; positions n_ctx/2 .. n_ctx-2 are scored. Returns (ppl, the running estimate after
-    each chunk, as llama-perplexity prints it)."""
-    import math
+def protocol_logits(eng, ids: list[int], n_ctx: int, chunks: int):
+    """llama-perplexity's protocol on our runner, chunk by chunk: chunk i is ids[i n_ctx : (i+1)
+    n_ctx] with its first token made BOS (where the tokenizer adds one), fed whole in pieces of
+    256 through the cache. Yields (chunk, the fp32 logits of positions n_ctx/2 .. n_ctx-2
+    [n_ctx - 1 - n_ctx/2, V]): the rows llama.cpp scores, each predicting the token after it."""
     import torch
     runner, first = eng.runner, n_ctx // 2
     bos = ids[0] if eng.tokenizer.bos_token_id is not None and ids and ids[0] == eng.tokenizer.bos_token_id else None
-    nll, count, running = 0.0, 0, []
     for i in range(chunks):
         chunk = ids[i * n_ctx:(i + 1) * n_ctx]
         fed = ([bos] + chunk[1:]) if bos is not None else chunk
+        rows = []
         seq = runner.start(fed)
         try:
             for c in range(0, n_ctx, 256):
                 logits = runner.forward(seq, fed[c:c + 256], logits_for="all")      # [piece, V]
                 scored = range(max(c, first), min(c + 256, n_ctx - 1))            # positions scored here
                 if len(scored):
-                    targets = torch.tensor(chunk[scored.start + 1:scored.stop + 1], device=logits.device)
-                    rows = logits[scored.start - c:scored.stop - c].double()
-                    nll += float(torch.nn.functional.cross_entropy(rows, targets, reduction="sum"))
+                    rows.append(logits[scored.start - c:scored.stop - c].float())
         finally:
             runner.end(seq)
+        yield chunk, torch.cat(rows)
+
+
+def _llama_cpp_protocol_perplexity(eng, ids: list[int], n_ctx: int, chunks: int) -> tuple[float, list[float]]:
+    """Perplexity by llama-perplexity's protocol (protocol_logits): positions n_ctx/2 .. n_ctx-2
+    scored. Returns (ppl, the running estimate after each chunk, as llama-perplexity prints it)."""
+    import math
+    import torch
+    first = n_ctx // 2
+    nll, count, running = 0.0, 0, []
+    for chunk, rows in protocol_logits(eng, ids, n_ctx, chunks):
+        targets = torch.tensor(chunk[first + 1:n_ctx], device=rows.device)
+        nll += float(torch.nn.functional.cross_entropy(rows.double(), targets, reduction="sum"))
         count += n_ctx - first - 1
         running.append(math.exp(nll / count))
     return running[-1], running

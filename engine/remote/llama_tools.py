@@ -28,7 +28,7 @@ PPL_FINAL = re.compile(r"Final estimate: PPL = (\d+\.\d+) \+/- (\d+\.\d+)")
 PPL_CHUNKS = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
 
 
-def _run(args: list[str], what: str, timeout_s: float = TIMEOUT_S) -> str:
+def run(args: list[str], what: str, timeout_s: float = TIMEOUT_S) -> str:
     done = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
     said = done.stdout + done.stderr
     if done.returncode != 0:
@@ -42,7 +42,7 @@ def quantize(source: Path, dest: Path, kind: str, *, allow_requantize: bool = Fa
     F32, ...); llama.cpp's log."""
     args = [str(binary("llama-quantize")), *(["--allow-requantize"] if allow_requantize else []),
             str(source), str(dest), kind, str(threads)]
-    return _run(args, f"llama-quantize to {kind}")
+    return run(args, f"llama-quantize to {kind}")
 
 
 @dataclass
@@ -61,7 +61,7 @@ def perplexity(model: Path, text_file: Path, n_ctx: int, chunks: int, *, threads
     per chunk, llama.cpp's defaults otherwise: K/V in f16, flash attention auto)."""
     args = [str(binary("llama-perplexity")), "-m", str(model), "-f", str(text_file), "-c", str(n_ctx),
             "-b", str(n_ctx), "--chunks", str(chunks), "-t", str(threads), *extra]
-    said = _run(args, "llama-perplexity")
+    said = run(args, "llama-perplexity")
     final, counted = PPL_FINAL.search(said), PPL_CHUNKS.search(said)
     if final is None or counted is None:
         raise WorkbenchError(f"llama-perplexity printed no estimate: {' '.join(args)}\n{said[-2000:]}")
