@@ -26,6 +26,16 @@ widest this CPU runs); each runs in its own process, since the kernels pick thei
 of positions and mean KLD <= 0.25x the file's own (or <= 0.001 nats where that is larger); on
 the F32 file mean KLD <= 1e-4.
 
+Each figure's scale, beside it:
+  - `llama_cpp_own_noise`: llama.cpp against itself with only its attention's rounding changed
+    (K/V f32, flash attention off): what any change of rounding does to these figures on a file
+    whose linears round their inputs to 8 bits;
+  - `from_exact`: where the float path ran (the weights dequantized, no activation rounding: the
+    exact arithmetic up to fp32 sums), each side's distance from it: llama.cpp's, and each of
+    our paths' (kld_between, from the two base files);
+  - `ours_by_layer` (--by-layer): which of our linears makes our as-stored distance from the
+    exact one (by_layer: one group of linears at a time served as stored).
+
 llama.cpp runs as users run it (K/V in f16, flash attention auto), with the same threads as ours.
 """
 from __future__ import annotations
@@ -126,10 +136,11 @@ def kld_between(base: Path, test: Path) -> dict:
     formula (its log_softmax against a base): KLD = sum over tokens with log p_base > -16 of
     p_base (log p_base - log p_test), and whether the two put the same token on top. Both are
     read back from 16 bits a log-prob (a step of at most 16 / 65535 nats), which bounds what
-    can be told apart here at about 1e-4 nats of mean KLD."""
+    can be told apart here at about 1e-4 nats of mean KLD. The test side is not normalised
+    again: below its floor every entry reads as the floor, and over a 49k vocabulary those
+    would add up to a few thousandths of probability mass."""
     klds, same = [], []
     for p_log, q_log in zip(read_chunks(base), read_chunks(test)):
-        q_log = q_log - np.log(np.exp(q_log).sum(-1, keepdims=True))        # renormalised, as llama.cpp's test side
         kept = p_log > -LOG_PROB_FLOOR
         klds.extend((np.where(kept, np.exp(p_log) * (p_log - q_log), 0.0)).sum(-1).tolist())
         same.extend((p_log.argmax(-1) == q_log.argmax(-1)).tolist())
@@ -167,14 +178,18 @@ def parse_stats(said: str, args: list[str]) -> dict:
 
 
 # ---- ours, one path per process -------------------------------------------------------------
+def _ours(model: Path, weight_dtype: str, dtype: str):
+    from engine.bench.scenarios import _engine
+    return _engine(argparse.Namespace(model=str(model), dtype=dtype, device="cpu", weight_dtype=weight_dtype, draft=None),
+                   enable_prefix_caching=False, compile="off")
+
+
 def ours_base(model: Path, base: Path, out: Path, weight_dtype: str, dtype: str) -> dict:
     """Our engine on `model` over `base`'s tokens by llama-perplexity's protocol, written to
     `out` in llama.cpp's format. Returns what served (weights, ISA, dtype)."""
     from engine.bench.quality import _served, protocol_logits
-    from engine.bench.scenarios import _engine
     n_ctx, n_vocab, n_chunk, tokens = read_header(base)
-    eng = _engine(argparse.Namespace(model=str(model), dtype=dtype, device="cpu", weight_dtype=weight_dtype, draft=None),
-                  enable_prefix_caching=False, compile="off")
+    eng = _ours(model, weight_dtype, dtype)
     vocab = eng.target_model.model.config.vocab_size
     if vocab < n_vocab:
         raise WorkbenchError(f"our logits have {vocab} entries, llama.cpp's vocabulary {n_vocab}")
@@ -186,18 +201,68 @@ def ours_base(model: Path, base: Path, out: Path, weight_dtype: str, dtype: str)
             "threads": torch.get_num_threads()}
 
 
+# each group of our linears, by the name its modules end with
+LINEAR_GROUPS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "lm_head")
+
+
+def by_layer(model: Path, base: Path, dtype: str) -> dict:
+    """Which of our linears moves our as-stored distributions from the exact arithmetic (the
+    weights dequantized, no activation rounding), measured: the float engine with one group
+    of linears (LINEAR_GROUPS, in every layer) swapped for the as-stored engine's, KLD(exact ||
+    that) and same top on `base`'s tokens, in float64 from the fp32 logits; and all swapped at once."""
+    from engine.bench.quality import protocol_logits
+    n_ctx, n_vocab, n_chunk, tokens = read_header(base)
+    exact, stored = _ours(model, "float", dtype), _ours(model, "auto", dtype)
+    reference = [torch.log_softmax(rows[:, :n_vocab].double(), -1) for _, rows in
+                 protocol_logits(exact, tokens, n_ctx, n_chunk)]
+    out = {}
+    for group in (*LINEAR_GROUPS, "all"):
+        names = [n for n, _ in exact.target_model.model.named_modules()
+                 if group == "all" and n.endswith(LINEAR_GROUPS) or n.endswith(group)]
+        swapped = {n: _swap(exact.target_model.model, n, stored.target_model.model.get_submodule(n)) for n in names}
+        try:
+            test = [torch.log_softmax(rows[:, :n_vocab].double(), -1) for _, rows in
+                    protocol_logits(exact, tokens, n_ctx, n_chunk)]
+        finally:
+            for n, module in swapped.items():
+                _swap(exact.target_model.model, n, module)
+        out[group] = _kld_rows(reference, test)
+    return out
+
+
+def _swap(model, name: str, module):
+    parent, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    old = getattr(owner, leaf)
+    setattr(owner, leaf, module)
+    return old
+
+
+def _kld_rows(reference: list[torch.Tensor], test: list[torch.Tensor]) -> dict:
+    """llama.cpp's KLD and same top between log-prob rows (reference first)."""
+    p, q = torch.cat(reference), torch.cat(test)
+    kld = torch.where(p > -LOG_PROB_FLOOR, p.exp() * (p - q), torch.zeros_like(p)).sum(-1)
+    return {"mean_kld": float(kld.mean()), "kld_99": float(kld.quantile(0.99)),
+            "same_top": float((p.argmax(-1) == q.argmax(-1)).double().mean())}
+
+
 def run_ours(model: Path, base: Path, out: Path, weight_dtype: str, isa: str, dtype: str) -> dict:
     """ours_base in a child process with the instruction set forced (none for `native`)."""
+    return run_child(["--ours", str(model), str(base), str(out), weight_dtype, dtype], isa, f"{weight_dtype}, {isa}")
+
+
+def run_child(args: list[str], isa: str, what: str) -> dict:
+    """`python -m engine.bench.kl_divergence ARGS` with WORKBENCH_CPU_ISA forced (unless `native`):
+    the kernels pick their instruction set at load, so each path is its own process."""
     import json
     env = dict(os.environ)
     env.pop("WORKBENCH_CPU_ISA", None)
     if isa != "native":
         env["WORKBENCH_CPU_ISA"] = isa
-    args = [sys.executable, "-m", "engine.bench.kl_divergence", "--ours", str(model), str(base), str(out),
-            weight_dtype, dtype]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run([sys.executable, "-m", "engine.bench.kl_divergence", *args], env=env, capture_output=True,
+                          text=True, timeout=3600)
     if done.returncode != 0:
-        raise WorkbenchError(f"our side ({weight_dtype}, {isa}) failed: {done.stderr.strip()[-1500:]}")
+        raise WorkbenchError(f"our side ({what}) failed: {done.stderr.strip()[-1500:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -220,7 +285,7 @@ def eval_text(tokens: int) -> str:
 
 def against_llama_cpp(model: Path, reference: Path | None, *, n_ctx: int = 512, chunks: int = 4,
                       paths=PATHS, isas=ISAS, dtype: str = "float32", threads: int | None = None,
-                      noise: bool = True) -> dict:
+                      noise: bool = True, layers: bool = False) -> dict:
     threads = threads or torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="kld-") as tmp:
         tmp = Path(tmp)
@@ -238,12 +303,14 @@ def against_llama_cpp(model: Path, reference: Path | None, *, n_ctx: int = 512, 
                                      model, reference)})
         exact = _from_exact(rows, ours)
         own_noise = _llama_cpp_own_noise(model, text_file, tmp, n_ctx, chunks, threads) if noise else None
+        ours_by_layer = run_child(["--by-layer", str(model), str(base), dtype], "native", "by layer") if layers else None
         _, n_vocab, n_chunk, _ = read_header(base)
     return {"model": str(model), "reference": str(reference) if reference else None, "against": "llama.cpp",
             "measure": "llama-perplexity --kl-divergence: KLD(ours || llama.cpp) per scored position",
             "n_ctx": n_ctx, "chunks": n_chunk, "scored_tokens": n_chunk * (n_ctx - 1 - n_ctx // 2),
             "n_vocab": n_vocab, "threads": threads, "dtype": dtype, "eval_text": "pydoc_data.topics (ships with Python)",
             "file_vs_reference": file_error, "llama_cpp_own_noise": own_noise, "from_exact": exact,
+            "ours_by_layer": ours_by_layer,
             "paths": rows, "all_pass": all(r["pass"] for r in rows)}
 
 
@@ -297,7 +364,7 @@ def bench_agreement(args) -> dict:
     return against_llama_cpp(Path(args.model).expanduser(), reference, n_ctx=args.window,
                              chunks=max(1, args.eval_tokens // args.window),
                              paths=tuple(args.paths.split(",")), isas=tuple(args.isa.split(",")),
-                             dtype=args.dtype or "float32")
+                             dtype=args.dtype or "float32", layers=args.by_layer)
 
 
 def add_arguments(ap) -> None:
@@ -305,6 +372,9 @@ def add_arguments(ap) -> None:
                     help="agreement: the F32 GGUF of the same model, llama.cpp's reference for the file's own error")
     ap.add_argument("--paths", default=",".join(PATHS),
                     help="agreement: our weight_dtype paths, comma-separated (auto = as stored, float, int8, int4)")
+    ap.add_argument("--by-layer", action="store_true",
+                    help="agreement: also which of our linears moves our as-stored distributions from the exact "
+                    "arithmetic (by_layer)")
     ap.add_argument("--isa", default=",".join(ISAS),
                     help="agreement: instruction sets to force on our side (native, avx2, avx_vnni, scalar)")
 
@@ -313,3 +383,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--ours"]:
     import json
     model_, base_, out_, weight_dtype_, dtype_ = sys.argv[2:7]
     print(json.dumps(ours_base(Path(model_), Path(base_), Path(out_), weight_dtype_, dtype_)))
+elif __name__ == "__main__" and sys.argv[1:2] == ["--by-layer"]:
+    import json
+    model_, base_, dtype_ = sys.argv[2:5]
+    print(json.dumps(by_layer(Path(model_), Path(base_), dtype_)))
