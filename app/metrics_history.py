@@ -41,7 +41,7 @@ REQUEST_CAPACITY = 1024
 MARKED_SETTINGS = config.groups()[config.SPECULATION_GROUP] + config.groups()[config.CACHE_GROUP]
 SPECULATION_SETTINGS = config.groups()[config.SPECULATION_GROUP]
 # What the session's speedup figure depends on: speculation, and what times a plain step
-# (the cache settings, compilation, threads: engine.plain_step_key).
+# (the cache settings, compilation, threads: engine.speculative.speculator.Speculator.plain_step_key).
 SPEEDUP_SETTINGS = MARKED_SETTINGS + ("compile", "threads")
 STEPS, SERVER = "steps", "server"      # where per-position acceptance comes from
 # The proposers that draft (the setting's choices less "off" and "auto"): drafted_by_code's codes.

@@ -3,10 +3,10 @@ cancel, reconfigure.
 
 The request path reads top to bottom:
   submit (a Request, WAITING) -> step: Scheduler.schedule (decodes and drafts first, then
-  prefill chunks, under a token budget; preempt the newest when blocks run out) -> proposers
-  draft -> ModelRunner.forward_batch (ONE pass over every scheduled token) ->
+  prefill chunks, under a token budget; preempt the newest when blocks run out) -> the Speculator's
+  proposers draft -> ModelRunner.forward_batch (ONE pass over every scheduled token) ->
   Request.finish_pass (sample or verify, commit blocks) -> StepEvents (one per request that
-  advanced, each with its request_id).
+  advanced, each with its request_id) -> the Speculator records the verdicts.
 `start` / `generate` follow one request through those steps (engine.stream.RequestStream):
 the app's chat is one request among others. A request's tokens never depend on what else
 is running (tests/test_batching.py). Every setting can change without reloading the
@@ -27,25 +27,20 @@ import torch
 from engine.backend import ReconfigureResult, run_to_end
 from engine.cache.memory_plan import MemoryPlan, expert_bytes, moe_blocks, plan_memory
 from engine.config import (BY_KEY, ENGINE, LIVE, NEXT_REQUEST, SCHEDULER_DEFAULTS, SETTINGS, EngineConfig,
-                           SamplingParams, TreeShape, keys, parse_tree)
+                           SamplingParams, keys, parse_tree)
 from engine.errors import CacheTooSmallError, ConfigError, PromptTooLongError, WorkbenchError
 from engine.loading import loader
-from engine.metrics import EngineStep, ProposerCounts, RequestStats, StepEvent
-from engine.models.eagle_head import EagleHead
+from engine.metrics import EngineStep, RequestStats, StepEvent, pass_figures
 from engine.models.gemma4 import is_gemma4
 from engine.models.gemma4_assistant import Gemma4Assistant, is_assistant_folder, load_assistant
 from engine.request import Request
 from engine.runtime import cpu_paths
-from engine.runtime.eagle_step import EagleStep
+from engine.runtime.cpu_dtype import STEP_DTYPE_CACHE, DtypeTrial, fastest, fastest_step
 from engine.runtime.model_runner import ModelRunner, PassItem, prepare_model
-from engine.scheduler import Scheduler
-from engine.speculative.assistant_proposer import AssistantProposer
-from engine.speculative.eagle_proposer import EagleProposer
-from engine.speculative.policy import SpeculationPolicy
-from engine.speculative.proposer_choice import OFF, ProposerChoice
-from engine.speculative.spec_decode import DraftModelProposer, NgramProposer, Proposer, check_draft_compatible
-from engine.speculative.suffix_proposer import SuffixCache, SuffixProposer
-from engine.speculative.step_costs import PlainStepClock, weight_bytes_per_token
+from engine.scheduler import Scheduler, StepPlan
+from engine.speculative.spec_decode import Proposal, check_draft_compatible
+from engine.speculative.speculator import Speculator
+from engine.speculative.step_costs import weight_bytes_per_token
 from engine.stream import RequestStream
 from engine.thread_policy import ThreadGovernor, starting_threads
 
@@ -60,14 +55,13 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device, trial: "DtypeTrial | None" = None) -> tuple[torch.dtype, str]:
+def pick_dtype(name: str, device: torch.device, trial: DtypeTrial | None = None) -> tuple[torch.dtype, str]:
     """(the compute dtype for the `dtype` setting, why): the one place it is decided. On the
     CPU the float-linear probe picks each dtype's linear kernel (engine.runtime.cpu_dtype.fastest);
     `auto` is the dtype whose whole decode step runs the model faster, measured once per CPU
     and model format through `trial` (LLMEngine.load's), or without a model at hand (bench
     kernels) the dtype whose float linear reads faster."""
     if device.type == "cpu":
-        from engine.runtime.cpu_dtype import fastest, fastest_step
         choice = fastest(loader.cache_dir() / "cpu_dtype.json")
         if name == "auto":
             if trial is not None:
@@ -76,108 +70,6 @@ def pick_dtype(name: str, device: torch.device, trial: "DtypeTrial | None" = Non
     elif name == "auto":
         return torch.bfloat16, "auto: bf16 on CUDA"
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name], "asked for"
-
-
-STEP_DTYPE_CACHE = "cpu_dtype_step.json"
-TRIAL_TEXT = "The quick brown fox jumps over the lazy dog, and then"
-TRIAL_TOKENS, TRIAL_RUNS, TRIAL_BLOCKS = 16, 3, 32
-
-
-class DtypeTrial:
-    """`dtype auto` on the CPU, the first time this CPU meets a model format: the model
-    LLMEngine.load is about to load, loaded in a candidate dtype and run as the engine will
-    run it (weights as served, compiled as `config` says), timed over a few decode steps
-    after a warm-up. The faster load is kept for the engine, so the winner is not loaded
-    again; the slower one is freed before the next candidate loads, unless both fit with room."""
-
-    def __init__(self, reference, config: EngineConfig, progress: loader.Progress, **load_options):
-        self.model_format = model_format(reference, config, load_options.get("allow_hub", False))
-        self.reference, self.config, self.progress, self.load_options = reference, config, progress, load_options
-        self.kept: tuple[float, torch.dtype, loader.LoadedModel] | None = None
-        self.tried, self.shown = 0, 0.0          # candidates loaded so far; the progress bar's fraction
-
-    def step_seconds(self, dtype: torch.dtype) -> float:
-        """Seconds per decode step of the model in `dtype` (the median of TRIAL_RUNS replies)."""
-        from engine.runtime.cpu_dtype import CANDIDATES
-        name, index, share = str(dtype).removeprefix("torch."), self.tried, loader.WEIGHTS_START / len(CANDIDATES)
-        self.tried += 1
-
-        def said(message: str, fraction: float) -> None:
-            # each candidate's load and compile within its share of the bar before the weights', never going back
-            self.shown = max(self.shown, share * (index + min(fraction, 1.0)))
-            self.progress(f"dtype auto: timing {name} once on this CPU: {message}", self.shown)
-        if self.kept is not None and not _room_for_another(self.kept[2].model):
-            self.kept = None                 # the winner, if it was this one, is loaded again
-        loaded = loader.load_model(self.reference, device="cpu", dtype=dtype, progress=said,
-                                   max_positions=self.config.max_model_len, weight_dtype=self.config.weight_dtype,
-                                   **self.load_options)
-        trial = EngineConfig(device="cpu", dtype=name, weight_dtype=self.config.weight_dtype, compile=self.config.compile,
-                             max_model_len=self.config.max_model_len, enable_prefix_caching=False,
-                             num_blocks=TRIAL_BLOCKS)
-        threads = torch.get_num_threads()        # the engine's thread governor may lower it while it runs
-        try:
-            engine = LLMEngine(loaded, trial, torch.device("cpu"), said, dtype_why="dtype auto's trial")
-            engine.warm_compiled_step()
-            seconds = decode_step_seconds(engine)
-            del engine
-        finally:
-            torch.set_num_threads(threads)      # each candidate, and the engine after, start with as many
-        if self.kept is None or seconds < self.kept[0]:
-            self.kept = (seconds, dtype, loaded)
-        return seconds
-
-    def take(self, dtype: torch.dtype) -> loader.LoadedModel | None:
-        """The model already loaded in `dtype`, if the trial kept it."""
-        kept, self.kept = self.kept, None
-        return kept[2] if kept is not None and kept[1] == dtype else None
-
-
-def _serves_quantized(model) -> bool:
-    """Whether any of the model's linears is served quantized (weight_dtype, or as stored)."""
-    return any(getattr(m, "quant", None) is not None for m in model.modules())
-
-
-def model_format(reference, config: EngineConfig, allow_hub: bool = False) -> str:
-    """What `dtype auto`'s step measurement is kept under, beside the CPU: the model's
-    architecture and stored weights (engine.loading.loader.weights_format) and the settings
-    that change how they run."""
-    folder = loader.resolve(reference, allow_hub=allow_hub)
-    return f"{loader.weights_format(folder)} | weight_dtype {config.weight_dtype} | compile {config.compile}"
-
-
-def decode_step_seconds(engine: "LLMEngine") -> float:
-    """Median seconds per decode step over TRIAL_RUNS replies of TRIAL_TOKENS tokens (one
-    reply first, unmeasured: its compiled shapes, caches). Decode time excludes the prefill
-    and any compile (engine.metrics.RequestStats)."""
-    import statistics
-    ids = engine.tokenizer.encode(TRIAL_TEXT)
-    params = SamplingParams(max_tokens=TRIAL_TOKENS, stop_on_eos=False)
-    engine.generate_text(ids, params)
-    per_step = []
-    for _ in range(TRIAL_RUNS):
-        stats = engine.generate_text(ids, params)[2]
-        per_step.append(stats.decode_time_s / max(1, stats.decode_tokens))
-    return statistics.median(per_step)
-
-
-def _room_for_another(model) -> bool:
-    """Whether a second copy of `model`'s weights fits in the memory free now, with as much again to spare."""
-    from engine.cache.memory_plan import weights_bytes
-    return _available_ram() > 3 * weights_bytes(model)
-
-
-def _available_ram() -> int:
-    """Bytes of memory free for a new allocation now (0 when it cannot be read: nothing is kept)."""
-    try:
-        import psutil
-        return psutil.virtual_memory().available
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as meminfo:
-            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return 0
 
 
 class LLMEngine:
@@ -207,24 +99,19 @@ class LLMEngine:
         self._ids = itertools.count()
         self.step_count = 0
         self.last_step: EngineStep | None = None
-        self.policy = SpeculationPolicy()
-        self.suffix_cache = SuffixCache(config.suffix_cache_tokens)     # earlier replies, for proposer `suffix`
-        self.proposer_choice = ProposerChoice()                          # proposer `auto`'s counters and choice
-        self.eagle_refused: tuple[str | None, str] | None = None         # (head, why) auto could not load
         self.settings_version = 0      # bumped whenever settings() may answer differently
         self._pending: dict = {}
         self.eos_ids = _eos_ids(target)
-        self.eagle: tuple[str | None, EagleHead] | None = None     # (reference, head) once loaded
-        self.eagle_step: EagleStep | None = None      # the head's passes, compiled as the target's step is
-        self.plain_steps = PlainStepClock()
+        # the proposers, the policy, auto's choice, the suffix index, the EAGLE head: what each step asks
+        self.speculator = Speculator(self, on_settings_changed=self._settings_changed)
         self.thread_governor = ThreadGovernor(starting_threads())    # fewer threads while cores are busy
         self._refuse_assistant_without_one(config)
         if config.draft_model:
             self.set_draft_model(config.draft_model)
         if config.proposer == "eagle":
-            self.load_eagle_head(config.eagle_head)
+            self.speculator.load_eagle_head(config.eagle_head)
         elif config.proposer == "auto":
-            self.load_eagle_head_if_it_fits(config.eagle_head)
+            self.speculator.load_eagle_head_if_it_fits(config.eagle_head)
 
     # ---- construction ----------------------------------------------------------
     @classmethod
@@ -233,7 +120,7 @@ class LLMEngine:
         config = config or EngineConfig()
         progress = progress or loader.no_progress
         device = pick_device(config.device)
-        trial = (DtypeTrial(model, config, progress, allow_hub=allow_hub, allow_pickle=allow_pickle)
+        trial = (DtypeTrial(cls, model, config, progress, allow_hub=allow_hub, allow_pickle=allow_pickle)
                  if config.dtype == "auto" and device.type == "cpu" else None)
         dtype, dtype_why = pick_dtype(config.dtype, device, trial)
         target = trial and trial.take(dtype)
@@ -305,7 +192,7 @@ class LLMEngine:
         # served eagerly, unpacked: a few layers that read the ordered head's rows by index
         return load_assistant(Path(reference).expanduser(), self.target_model.model, dtype, self.device)
 
-    def _target_is_gemma4(self) -> bool:
+    def target_is_gemma4(self) -> bool:
         config = getattr(self.target_model.model, "config", None)
         return config is not None and is_gemma4(config)
 
@@ -313,7 +200,7 @@ class LLMEngine:
         """`proposer: assistant` needs a Gemma 4 target and its assistant in the draft model slot."""
         if config.proposer != "assistant":
             return
-        if not self._target_is_gemma4():
+        if not self.target_is_gemma4():
             kind = getattr(self.target_model.hf_config, "model_type", type(self.target_model.model).__name__)
             raise ConfigError(f"proposer 'assistant' drafts with a Gemma 4 assistant for a Gemma 4 target; this "
                               f"model is {kind!r}: choose another proposer (draft, eagle, ngram, suffix or auto)")
@@ -334,9 +221,9 @@ class LLMEngine:
         new = self.config.with_changes(**changes)       # validate before touching anything
         self._refuse_assistant_without_one(new)
         if new.proposer == "eagle":
-            self.load_eagle_head(new.eagle_head)           # a missing or foreign head fails here
+            self.speculator.load_eagle_head(new.eagle_head)           # a missing or foreign head fails here
         elif new.proposer == "auto":
-            self.load_eagle_head_if_it_fits(new.eagle_head)
+            self.speculator.load_eagle_head_if_it_fits(new.eagle_head)
         self._pending.update(changes)
         if not self.has_work:
             self.apply_pending(live_only=False)
@@ -377,14 +264,14 @@ class LLMEngine:
 
     def settings(self) -> dict:
         """The settings in effect (what the UI shows)."""
-        c, auto = self.config, self.config.proposer == "auto"
+        c, auto, spec = self.config, self.config.proposer == "auto", self.speculator
         return {"kv_cache_dtype": self.runner.kv_dtype_name, "block_size": c.block_size,
                 "enable_prefix_caching": c.enable_prefix_caching, "prefix_caching": self.runner.prefix_state,
-                "proposer": "auto" if auto else self.proposer_in_effect(),
-                "proposer_choice": self.describe_proposer_choice() if auto else None,
+                "proposer": "auto" if auto else spec.proposer_in_effect(),
+                "proposer_choice": spec.describe_choice() if auto else None,
                 "num_speculative_tokens": c.num_speculative_tokens, "draft_model": self.draft_name,
-                "draft_tree": str(parse_tree(c.draft_tree) or "off") if auto else str(self.tree_in_effect() or "off"),
-                "eagle_head": None if self.eagle is None else (self.eagle[0] or "shipped"),
+                "draft_tree": str(parse_tree(c.draft_tree) or "off") if auto else str(spec.tree_in_effect() or "off"),
+                "eagle_head": None if spec.eagle is None else (spec.eagle[0] or "shipped"),
                 "kv_pool_blocks": self.runner.kv.num_blocks, "kernels": self.runner.use_kernels,
                 "threads": torch.get_num_threads(), "thread_policy": self.thread_governor.describe(),
                 "device": str(self.device),
@@ -399,99 +286,12 @@ class LLMEngine:
         return cpu_paths.describe(self.device, self.runner.model_dtype, self.dtype_why, self.runner.compile_state,
                                   self.runner.attention_state)
 
-    def plain_step_key(self) -> tuple:
-        """What changes a plain decode step's time (the proposer does not)."""
-        return (self.runner.kv_dtype_name, self.runner.compile_state, torch.get_num_threads())
-
-    def tree_in_effect(self) -> TreeShape | None:
-        """The draft tree each decode step grows, or None: a chain (the n-gram proposer has
-        no tree). The suffix proposer always drafts a tree, shaped by its counts: at most
-        draft_tree's nodes, or k nodes k deep when draft_tree is off."""
-        proposer = self.proposer_in_effect()
-        if proposer == "suffix":
-            k = self.config.num_speculative_tokens
-            return parse_tree(self.config.draft_tree) or TreeShape(k, k, k)
-        if proposer not in ("eagle", "draft"):           # the assistant drafts a chain
-            return None
-        return parse_tree(self.config.draft_tree)
-
-    def proposer_in_effect(self) -> str:
-        """The proposer that drafts this step: the setting's, "off" when it has nothing to draft
-        with, and under `auto` the one ProposerChoice picked for the step."""
-        p = self.config.proposer
-        if p == "auto":
-            return self.proposer_choice.chosen
-        if p == "draft" and self.assistant is not None:      # the draft model slot holds the assistant
-            return "assistant"
-        if ((p == "draft" and self.draft_runner is None) or (p == "eagle" and self.eagle is None)
-                or (p == "assistant" and self.assistant is None)):
-            return "off"
-        return p
-
-    def auto_candidates(self) -> list[str]:
-        """What `proposer: auto` chooses among: suffix and n-gram, EAGLE where a head for this
-        model is loaded, the draft model or the Gemma 4 assistant where one is, and "off"
-        (engine.speculative.proposer_choice)."""
-        return (["suffix", "ngram"] + ["eagle"] * (self.eagle is not None)
-                + ["draft"] * (self.draft_runner is not None) + ["assistant"] * (self.assistant is not None) + [OFF])
-
-    def describe_proposer_choice(self) -> dict:
-        """`auto`'s choice, why, and each candidate's measured figures; what it left out, and why."""
-        left_out = {} if self.draft_runner is not None else {"draft": "no draft model loaded"}
-        if self.assistant is None and self._target_is_gemma4():
-            left_out["assistant"] = "no Gemma 4 assistant loaded (draft_model: its folder)"
-        if self.eagle is None:
-            left_out["eagle"] = self.eagle_refused[1] if self.eagle_refused else "no EAGLE head loaded"
-        return self.proposer_choice.describe() | {"left_out": left_out}
-
-    def load_eagle_head_if_it_fits(self, reference: str | None) -> None:
-        """`auto`: the EAGLE head joins the candidates where one fits this model; a missing or
-        foreign head leaves it out (describe_proposer_choice says why), once per reference."""
-        if self.eagle_refused is not None and self.eagle_refused[0] == reference:
-            return
-        try:
-            self.load_eagle_head(reference)
-        except WorkbenchError as e:
-            self.eagle_refused = (reference, str(e))
-
-    def load_eagle_head(self, reference: str | None) -> None:
-        """Load the EAGLE head (a few MB) unless this one is loaded; raises a clear error."""
-        if self.eagle is not None and self.eagle[0] == reference:
-            return
-        head, _ = loader.load_eagle_head(reference, self.target_model, self.device, self.runner.model_dtype)
-        if self.device.type == "cpu" and _serves_quantized(self.target_model.model):
-            head.serve_int8()                   # a draft step's cost is its weights' bytes: see there
-        prepare_model(head, self.device)
-        self.eagle = (reference, head)
-        self.eagle_step = EagleStep(head, self.device, self.progress)
-        self.eagle_step.follow(self.runner)
-        if self.runner.compiled is not None and self.runner.compiled.is_built:
-            self.eagle_step.warm(self.config.block_size)     # loaded after the target's step was warmed
-
-    def make_proposer(self, name: str, seq=None) -> Proposer:
-        """A new proposer for one request; seq: its target sequence (engine.runtime.model_runner.RunnerSeq)."""
-        if name == "ngram":
-            return NgramProposer(self.config.ngram_min, self.config.ngram_max)
-        if name == "suffix":
-            c = self.config
-            return SuffixProposer(self.suffix_cache, c.suffix_spec_factor, c.suffix_min_prob, c.suffix_cache_tokens)
-        if name == "draft":
-            return DraftModelProposer(self.draft_runner)
-        if name == "eagle":
-            self.eagle_step.follow(self.runner)      # each request drafts one way from its start
-            return EagleProposer(self.eagle[1], self.config.block_size, self.device, self.eagle_step)
-        if name == "assistant":
-            proposer = AssistantProposer(self.assistant, self.runner)
-            proposer.follow(seq)
-            return proposer
-        raise ConfigError(f"no proposer named {name!r}")
-
     def runners(self) -> list[ModelRunner]:
         return [r for r in (self.runner, self.draft_runner) if r is not None]
 
     def compiled_steps(self) -> list:
         """What runs a compiled step: the runners and the EAGLE head's step (each counts its compiles)."""
-        return self.runners() + ([self.eagle_step] if self.eagle_step is not None else [])
+        return self.runners() + self.speculator.compiled_steps()
 
     def kv_bytes(self) -> tuple[int, int]:
         """(bytes held by live sequences, bytes allocated) over the target's and draft's pools."""
@@ -511,10 +311,6 @@ class LLMEngine:
         """(max_num_seqs, max_num_batched_tokens) in effect: the settings, or the device's defaults."""
         seqs, tokens = SCHEDULER_DEFAULTS.get(self.device.type, SCHEDULER_DEFAULTS["cpu"])
         return self.config.max_num_seqs or seqs, self.config.max_num_batched_tokens or tokens
-
-    def reset_suffix_cache(self) -> None:
-        """Forget earlier replies (the suffix proposer's global index) and its counters."""
-        self.suffix_cache.clear()
 
     def reset_prefix_cache(self) -> None:
         for runner in self.runners():
@@ -552,9 +348,8 @@ class LLMEngine:
                 "shorten it or start a new chat")
         max_new = min(params.max_tokens, self.max_model_len - len(token_ids))
         self._check_fits(len(token_ids), max_new)
-        speculates = self.proposer_in_effect() != "off" or self.config.proposer == "auto"
-        if speculates and not self.has_work:            # the baseline of "does speculation pay"
-            self.plain_steps.calibrate(self.plain_step_key(), self.runner)
+        if not self.has_work:
+            self.speculator.calibrate_plain_step()
         request = Request(self, next(self._ids), token_ids, max_new, params)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
@@ -577,53 +372,6 @@ class LLMEngine:
         if not self.has_work:
             self.apply_pending(live_only=False)
 
-    def step(self) -> list[StepEvent]:
-        """One engine step: schedule, draft, one forward pass over every scheduled token,
-        settle each request's tokens. One event per request that advanced (or was cancelled)."""
-        t0 = time.perf_counter()
-        self.apply_pending(live_only=self.has_work)
-        events = self._drop_cancelled()
-        if not self.scheduler.has_work:
-            return events
-        if self.device.type == "cpu" and self.thread_governor.tick():
-            self.settings_version += 1          # "In effect" shows the new thread count
-        max_seqs, budget = self.scheduler_limits()
-        plan = self.scheduler.schedule(self.runner, max_seqs, budget, self._k_for_step())
-        rows = sum(s.num_tokens for s in plan.scheduled)           # before drafts
-        work = [self._prepare(s, rows - s.num_tokens) for s in plan.scheduled]
-        t_pass = time.perf_counter()
-        results = self._forward(work)
-        pass_s = time.perf_counter() - t_pass
-        compile_s = sum(r.take_compile_s() for r in self.compiled_steps())     # drafting's compile included
-        compiles = sum(r.take_compiles() for r in self.compiled_steps())
-        stepped, drafted = [], ProposerCounts()
-        for w, (logits, hidden) in zip(work, results):
-            start = w.item.seq.num_computed - len(w.item.tokens)
-            event = w.request.finish_pass(start, w.item.tokens, logits, hidden, w.proposal, pass_s, compile_s)
-            if event is not None:
-                stepped.append(event)
-                if w.proposal is not None and w.proposal.grown:              # a tree trimmed to 0 nodes too:
-                    self.policy.record_tree(event.tree_predicted_accepted or 0.0, event.accepted,   # its drafting
-                                            len(event.token_ids), pass_s + w.proposal.time_s,     # was spent
-                                            max(w.proposal.tree.depths, default=0))
-                elif w.drafts:
-                    self.policy.record_verdict(self.proposer_in_effect(), event.accepted_per_position)
-                if w.proposal is not None and w.proposal.source:    # the suffix proposer's, by source
-                    self.suffix_cache.record(w.proposal.source, len(w.proposal.tree), event.accepted)
-                if w.proposal is not None or (w.decode and self.proposer_in_effect() == OFF):
-                    drafted.add(_drafted(w, event))
-            if w.request.finished:
-                self._forget(w.request)
-        if self.config.proposer == "auto":
-            self.proposer_choice.record(self.proposer_in_effect(), self.step_count, drafted)
-        step = self._step_stats(plan, work, stepped, pass_s, time.perf_counter() - t0, compiles)
-        figures = step.as_dict()                  # one plain-data copy for every event of the step
-        for event in stepped:
-            event.engine_step = figures
-        if len(work) == 1 and work[0].decode and work[0].max_drafts == 0:
-            self.plain_steps.record(self.plain_step_key(), step.step_s)
-        return events + stepped
-
     def warm_compiled_step(self) -> float:
         """Compile the model's step now (the target's, the draft's, and the EAGLE head's) instead
         of at the first reply that needs it, reporting through the engine's progress; from
@@ -631,16 +379,42 @@ class LLMEngine:
         seconds spent compiling (0.0: the step is eager, or compiled already). Call it when idle."""
         if self.has_work:
             raise ConfigError("the compiled step can be warmed only between requests")
-        seconds = sum(runner.warm_compiled() for runner in self.runners())
-        if self.eagle_step is not None:
-            self.eagle_step.follow(self.runner)
-            seconds += self.eagle_step.warm(self.config.block_size)
-        return seconds
+        return sum(runner.warm_compiled() for runner in self.runners()) + self.speculator.warm()
 
-    def _forward(self, work: list["_Work"]) -> list[tuple]:
-        """One pass over every scheduled token (compiled where `compile` is on, else eager; a
-        reply never mixes the two), batch-invariant either way."""
-        return self.runner.forward_batch([w.item for w in work]) if work else []
+    def step(self) -> list[StepEvent]:
+        """One engine step: settings -> schedule -> prepare (each decode's drafts) -> one forward
+        pass over every scheduled token -> settle each request's tokens -> record what the
+        verdicts teach speculation -> the step's stats. One event per request that advanced
+        (or was cancelled)."""
+        t0 = time.perf_counter()
+        events = self._apply_settings()
+        if not self.scheduler.has_work:
+            return events
+        plan = self._schedule()
+        work = self._prepare_pass(plan)
+        done = self._forward(work)
+        settled = self._settle(work, done)
+        self.speculator.record(settled, done.rows, done.seconds, self.step_count)
+        return events + self._step_stats(plan, work, settled, done, t0)
+
+    def _apply_settings(self) -> list[StepEvent]:
+        """Before the step: waiting settings apply (the live ones while requests run), cancelled
+        requests leave (their events), the thread governor sets the threads."""
+        self.apply_pending(live_only=self.has_work)
+        events = self._drop_cancelled()
+        if self.scheduler.has_work and self.device.type == "cpu" and self.thread_governor.tick():
+            self.settings_version += 1          # "In effect" shows the new thread count
+        return events
+
+    def _schedule(self) -> StepPlan:
+        """The step's work under the scheduler's limits, each decode allowed the speculator's k."""
+        max_seqs, budget = self.scheduler_limits()
+        return self.scheduler.schedule(self.runner, max_seqs, budget,
+                                       self.speculator.k_for_step(self.scheduler.running, self.step_count))
+
+    def _prepare_pass(self, plan: StepPlan) -> list["_Work"]:
+        rows = sum(s.num_tokens for s in plan.scheduled)           # before drafts
+        return [self._prepare(s, rows - s.num_tokens) for s in plan.scheduled]
 
     def _prepare(self, scheduled, other_rows: int = 0) -> "_Work":
         """A scheduled request's rows: a prompt chunk, or its last token (the root) and the
@@ -648,11 +422,7 @@ class LLMEngine:
         path (engine.speculative.tree), the costlier attention. other_rows: the other requests' rows
         in the pass, before their drafts."""
         request, decode = scheduled.request, scheduled.request.decoding
-        if self.config.proposer == "auto" and not request.proposers:
-            # every candidate follows the request from its first pass: the EAGLE head sees the prompt's
-            # features, and a reply joins the suffix index whichever proposer drafted it
-            request.start_proposers([name for name in self.auto_candidates() if name != OFF])
-        proposal = self._propose(request, scheduled.max_drafts, other_rows) if decode and scheduled.max_drafts else None
+        proposal = self.speculator.propose(request, scheduled.max_drafts if decode else 0, other_rows)
         start = request.num_computed
         if proposal is not None and proposal.tokens:
             tree = proposal.tree
@@ -663,68 +433,51 @@ class LLMEngine:
             item = PassItem(request.seq, request.token_ids[start:start + n], 1 if start + n == len(request.token_ids) else 0)
         return _Work(request, item, proposal, decode, scheduled.max_drafts)
 
-    def _propose(self, request: Request, max_drafts: int, other_rows: int):
-        """Its drafts: a chain of up to max_drafts, or, while a tree is in effect, a tree
-        (under `auto`: grown as deep as the policy says and trimmed to the nodes that pay)."""
-        tree, auto = self.tree_in_effect(), self.config.speculation_policy == "auto"
-        if tree is not None and auto and self.proposer_in_effect() != "suffix":    # a suffix tree's depth is free
-            tree = TreeShape(tree.top_k, self.policy.tree_depth(tree.depth), tree.nodes)
-        proposal = request.propose(max_drafts, tree)
-        if proposal is None:
-            return None
-        if not proposal.grown:
-            self.policy.record_draft(len(proposal.tokens), proposal.time_s)
-        elif auto:
-            proposal = proposal.trimmed(self.policy.choose_tree_nodes(proposal.tree.scores, max_drafts, other_rows))
-        return proposal
+    def _forward(self, work: list["_Work"]) -> "_Pass":
+        """One pass over every scheduled token (compiled where `compile` is on, else eager; a
+        reply never mixes the two), batch-invariant either way."""
+        t_pass = time.perf_counter()
+        outputs = self.runner.forward_batch([w.item for w in work]) if work else []
+        seconds = time.perf_counter() - t_pass
+        compile_s = sum(r.take_compile_s() for r in self.compiled_steps())     # drafting's compile included
+        compiles = sum(r.take_compiles() for r in self.compiled_steps())
+        return _Pass(outputs, sum(w.rows for w in work), seconds, compile_s, compiles)
 
-    def _k_for_step(self) -> int:
-        """Draft tokens per decoding sequence this step: k, or the policy's choice by batch size.
-        Under `proposer: auto` the step's proposer is chosen first (its payoff already weighs
-        whether drafting pays, so its trees are grown and trimmed, and a measuring step drafts k)."""
-        c, auto = self.config, self.config.proposer == "auto"
-        decoding = max(sum(1 for r in self.scheduler.running if r.decoding), 1)
-        if auto:
-            self._choose_proposer(decoding)
-        proposer = self.proposer_in_effect()
-        if proposer == "off":
-            return 0
-        tree = self.tree_in_effect()
-        if tree is not None:
-            others = sum(r.num_uncomputed for r in self.scheduler.running) - 1
-            if c.speculation_policy == "fixed" or auto or self.policy.grow_tree(1 + max(others, 0)):
-                return tree.nodes
-            return 0
-        if c.speculation_policy == "fixed" or (auto and self.proposer_choice.is_measuring):
-            return c.num_speculative_tokens
-        own_draft_s = self.proposer_choice.counts(proposer).draft_s_per_token if auto else None
-        return self.policy.choose_k(proposer, decoding, c.num_speculative_tokens, draft_token_s=own_draft_s)
+    def _settle(self, work: list["_Work"], done: "_Pass") -> list[tuple["_Work", StepEvent]]:
+        """Each request's rows of the pass: its tokens settled (sampled, or drafts verified) and
+        its blocks committed; (its part, its event) for each that advanced. A finished one leaves."""
+        settled = []
+        for w, (logits, hidden) in zip(work, done.outputs):
+            start = w.item.seq.num_computed - len(w.item.tokens)
+            event = w.request.finish_pass(start, w.item.tokens, logits, hidden, w.proposal, done.seconds,
+                                          done.compile_s)
+            if event is not None:
+                settled.append((w, event))
+            if w.request.finished:
+                self._forget(w.request)
+        return settled
 
-    def _choose_proposer(self, decoding: int) -> None:
-        """`auto`: the proposer of this step (engine.speculative.proposer_choice). A new winner (not a
-        measuring step) changes the settings the next event carries."""
-        others = sum(r.num_uncomputed for r in self.scheduler.running if not r.decoding)
-        before = self.proposer_choice.chosen, self.proposer_choice.is_measuring
-        chosen = self.proposer_choice.choose(self.auto_candidates(), self.step_count, self.policy.predicted_pass_s,
-                                             decoding, others)
-        if not self.proposer_choice.is_measuring and (chosen, False) != before:
-            self.settings_version += 1
+    def _step_stats(self, plan: StepPlan, work: list["_Work"], settled: list[tuple["_Work", StepEvent]],
+                    done: "_Pass", t0: float) -> list[StepEvent]:
+        """The step's figures (EngineStep), on each event it emitted; a step that was one plain
+        decode alone gives the speculator its baseline."""
+        events = [event for _, event in settled]
+        step = self._engine_step(plan, work, events, done, time.perf_counter() - t0)
+        figures = step.as_dict()                  # one plain-data copy for every event of the step
+        for event in events:
+            event.engine_step = figures
+        if len(work) == 1 and work[0].decode and work[0].max_drafts == 0:
+            self.speculator.record_plain_step(step.step_s)
+        return events
 
-    def _step_stats(self, plan, work: list["_Work"], events: list[StepEvent], pass_s: float, step_s: float,
-                    compiles: int = 0) -> EngineStep:
-        rows = sum(len(w.item.tokens) for w in work)
-        decode_rows = sum(len(w.item.tokens) for w in work if w.decode)
-        if work:
-            self.policy.record_pass(rows, pass_s)
+    def _engine_step(self, plan: StepPlan, work: list["_Work"], events: list[StepEvent], done: "_Pass",
+                     step_s: float) -> EngineStep:
         blocks = self.runner.blocks
         step = EngineStep(step=self.step_count, running=len(self.scheduler.running),
-                          waiting=len(self.scheduler.waiting), batch_size=len(work),
-                          prefill_tokens=rows - decode_rows, decode_tokens=decode_rows,
+                          waiting=len(self.scheduler.waiting), **pass_figures(work, events),
                           kv_blocks_used=blocks.num_used_blocks, kv_blocks_free=blocks.num_free_blocks,
-                          preemptions=len(plan.preempted), drafted=sum(len(w.drafts) for w in work),
-                          accepted=sum(e.accepted for e in events),
-                          k=max((s.max_drafts for s in plan.scheduled), default=0), pass_s=pass_s, step_s=step_s,
-                          experts_active=self._experts_active() if work else None, compiles=compiles,
+                          preemptions=len(plan.preempted), pass_s=done.seconds, step_s=step_s,
+                          experts_active=self._experts_active() if work else None, compiles=done.compiles,
                           threads=torch.get_num_threads())
         self.step_count += 1
         self.last_step = step
@@ -764,7 +517,7 @@ class _Work:
     """One request's part of a step."""
     request: Request
     item: PassItem
-    proposal: object            # engine.speculative.spec_decode.Proposal, or None
+    proposal: Proposal | None
     decode: bool                # a decode (or verify) step, not a prompt chunk
     max_drafts: int = 0         # drafts it was allowed (0: a plain decode step)
 
@@ -772,12 +525,20 @@ class _Work:
     def drafts(self) -> list[int]:
         return self.proposal.tokens if self.proposal is not None else []
 
+    @property
+    def rows(self) -> int:
+        """Its rows in the pass: a prompt chunk, or the root and the drafts to verify."""
+        return len(self.item.tokens)
 
-def _drafted(work: _Work, event: StepEvent) -> ProposerCounts:
-    """One sequence's part of a step, as proposer `auto` counts it."""
-    proposal = work.proposal
-    return ProposerCounts(asked=1, drafted=int(event.proposed > 0), proposed=event.proposed, accepted=event.accepted,
-                          draft_s=proposal.time_s if proposal is not None else 0.0)
+
+@dataclass
+class _Pass:
+    """A step's forward pass."""
+    outputs: list[tuple]        # each request's (logits, hidden), in the work's order
+    rows: int                   # every scheduled token, drafts included
+    seconds: float
+    compile_s: float            # of the step's seconds, spent compiling (drafting's included)
+    compiles: int               # calls of a compiled step that compiled
 
 
 def reconfigurable() -> tuple[str, ...]:

@@ -441,6 +441,20 @@ class EngineStep:
         return asdict(self) | {"kv_usage": self.kv_usage}
 
 
+def pass_figures(shares: list, events: list[StepEvent]) -> dict:
+    """An engine step's figures of its pass (EngineStep's fields), from each request's share
+    of it (its `rows`: a prompt chunk, or the root and its `drafts`; whether it was a `decode`;
+    the `max_drafts` it was allowed) and the events the step emitted:
+      prefill_tokens = rows of prompt chunks         decode_tokens = rows of decodes and verifies
+      drafted = draft tokens verified                accepted = of those, accepted
+      k = the most drafts a sequence was allowed"""
+    return {"batch_size": len(shares),
+            "prefill_tokens": sum(s.rows for s in shares if not s.decode),
+            "decode_tokens": sum(s.rows for s in shares if s.decode),
+            "drafted": sum(len(s.drafts) for s in shares), "accepted": sum(e.accepted for e in events),
+            "k": max((s.max_drafts for s in shares), default=0)}
+
+
 def speculation_speedup_by_batch(steps: list[dict]) -> dict[int, dict]:
     """Speculation's measured speedup per batch size, from engine steps (EngineStep.as_dict):
     over the decode-only steps (no prefill rows in the pass) of each batch size, the median

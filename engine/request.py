@@ -27,8 +27,8 @@ from engine.metrics import TARGET, RequestStats, StepEvent, speculation_report
 from engine.runtime.detokenizer import Detokenizer
 from engine.runtime.model_runner import ModelRunner, RunnerSeq
 from engine.speculative.spec_decode import Proposal, Proposer, rejection_sample
+from engine.speculative.speculator import Speculator
 from engine.speculative.tree import TreeShape, Verdict, greedy_verify, sample_verify
-from engine.speculative.step_costs import PlainStepClock
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -40,11 +40,8 @@ class RequestHost(Protocol):
     tokenizer: object
     eos_ids: set[int]
     settings_version: int          # changes whenever settings() may answer differently
-    plain_steps: PlainStepClock    # plain decode step times: the baseline of "does speculation pay"
+    speculator: Speculator         # the proposer in effect, new proposers, the plain step's time
 
-    def plain_step_key(self) -> tuple: ...
-    def proposer_in_effect(self) -> str: ...
-    def make_proposer(self, name: str, seq: RunnerSeq | None = None) -> Proposer: ...
     def kv_bytes(self) -> tuple[int, int]: ...
     def settings(self) -> dict: ...
 
@@ -144,7 +141,7 @@ class Request:
                 proposal = proposer.propose(self.token_ids, min(k, self.room - 1), self.params, self.generator)
         except CacheTooSmallError:              # the draft model's own pool is full: draft later
             return None
-        proposal.proposer = self.engine.proposer_in_effect()
+        proposal.proposer = self.engine.speculator.proposer_in_effect()
         return proposal
 
     def start_proposers(self, names: list[str]) -> None:
@@ -153,11 +150,11 @@ class Request:
             self._proposer(name)
 
     def _proposer(self, name: str | None = None) -> Proposer | None:
-        name = name or self.engine.proposer_in_effect()
+        name = name or self.engine.speculator.proposer_in_effect()
         if name == "off":
             return None
         if name not in self.proposers:
-            p = self.engine.make_proposer(name, self.seq)
+            p = self.engine.speculator.make_proposer(name, self.seq)
             try:
                 p.begin(self.token_ids)
             except CacheTooSmallError:
@@ -245,7 +242,7 @@ class Request:
         stats.record_step(event)
         event.running = stats.as_dict()
         if stats.proposed:
-            plain_s, source = eng.plain_steps.estimate(eng.plain_step_key())
+            plain_s, source = eng.speculator.plain_step_s()
             event.speculation = speculation_report(event.running, eng.config.num_speculative_tokens, plain_s, source)
         if event.finished:
             stats.e2e_s = event.time_s

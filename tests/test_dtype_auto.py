@@ -1,5 +1,5 @@
 """`dtype auto` on the CPU weighs the whole decode step of the model being loaded
-(engine.runtime.cpu_dtype.fastest_step, engine.engine.pick_dtype and DtypeTrial): the choice
+(engine.runtime.cpu_dtype.fastest_step and DtypeTrial, engine.engine.pick_dtype): the choice
 given measured timings, refusals, the cache's key, and that a trial's winner is the model the
 engine keeps. No timing is asserted: which dtype wins is this machine's business
 (`python -m engine.bench decode` reports both arms)."""

@@ -94,12 +94,12 @@ def _eager_and_compiled_drafts(eng, head_folder) -> dict:
     from engine.config import TreeShape
     from engine.speculative.eagle_proposer import EagleProposer
     eng.reconfigure(proposer="eagle", eagle_head=str(head_folder))
-    head = eng.eagle[1]
+    head = eng.speculator.eagle[1]
     torch.manual_seed(1)
     prefix = torch.randint(100, 2000, (40,)).tolist()
     feats = torch.randn(39, head.config.hidden_size)          # the target's features for positions 0..38
     drafted = {}
-    for name, how in (("eager", None), ("compiled", eng.eagle_step)):
+    for name, how in (("eager", None), ("compiled", eng.speculator.eagle_step)):
         proposer = EagleProposer(head, 16, torch.device("cpu"), how)
         proposer.target_pass(0, feats[:30])                    # a prompt's pass
         chain = proposer.propose(prefix[:31], 4, GREEDY, None).tokens
@@ -126,12 +126,12 @@ def test_the_compiled_draft_step_drafts_what_the_eager_one_does(make_tiny_engine
     eng = make_tiny_engine()
     drafted = _eager_and_compiled_drafts(eng, built_head)
     assert eng.settings()["compile"].startswith("on") and drafted["compiled"] == drafted["eager"]
-    assert eng.eagle[1].head_quant is None                        # a float target's head stays float
-    step = eng.eagle_step.compiled
+    assert eng.speculator.eagle[1].head_quant is None                        # a float target's head stays float
+    step = eng.speculator.eagle_step.compiled
     assert {30, 9, 1} <= step.row_counts and step.compiles == 1     # one graph for every pass
     off = make_tiny_engine(compile="off")
     off.reconfigure(proposer="eagle", eagle_head=str(built_head))
-    assert off.eagle_step.compiled is None
+    assert off.speculator.eagle_step.compiled is None
 
 
 def test_a_quantized_target_drafts_with_an_int8_head_compiled_as_eager(tiny_model, built_head):
@@ -142,9 +142,9 @@ def test_a_quantized_target_drafts_with_an_int8_head_compiled_as_eager(tiny_mode
     quantized = load_model(str(tiny_model.folder), weight_dtype="int8")
     eng = engine_factory(quantized, 8 * 2**20)()
     drafted = _eager_and_compiled_drafts(eng, built_head)
-    head = eng.eagle[1]
+    head = eng.speculator.eagle[1]
     assert head.head_quant is not None and head.fc.quant is not None and head.layers[0].mlp.down_proj.quant is not None
-    assert drafted["compiled"] == drafted["eager"] and eng.eagle_step.compiled.compiles == 1
+    assert drafted["compiled"] == drafted["eager"] and eng.speculator.eagle_step.compiled.compiles == 1
 
 
 def test_eagle_switched_on_mid_reply_keeps_greedy_output(tiny_head, make_tiny_engine):

@@ -169,12 +169,12 @@ def test_the_engine_drafts_with_the_assistant_and_gives_the_same_tokens(pair, ec
     assert [ids for _, ids, _ in drafted] == plain
     assert sum(stats.accepted for _, _, stats in drafted) >= 3
     eng.reconfigure(proposer="draft")
-    assert eng.proposer_in_effect() == "assistant"
+    assert eng.speculator.proposer_in_effect() == "assistant"
     assert eng.generate_text(prompts[0], GREEDY)[1] == plain[0]
     eng.reconfigure(proposer="auto")                 # a candidate of auto's, measured first in its turn
-    assert "assistant" in eng.auto_candidates()
+    assert "assistant" in eng.speculator.auto_candidates()
     assert [eng.generate_text(p, GREEDY)[1] for p in prompts] == plain
-    assert eng.proposer_choice.total["assistant"].proposed > 0
+    assert eng.speculator.proposer_choice.total["assistant"].proposed > 0
 
 
 def test_the_assistant_proposer_is_refused_without_an_assistant_or_a_gemma4_target(pair, echo_folder, tiny_model):

@@ -151,7 +151,7 @@ def test_greedy_with_auto_is_token_identical_alone_and_batched(make_tiny_engine)
         outs.append([t for e in events for t in e.token_ids])
     assert outs == expected + expected
     assert together(eng, prompts, GREEDY) == expected                        # all four in the same steps
-    totals = eng.proposer_choice.total
+    totals = eng.speculator.proposer_choice.total
     assert {"suffix", "ngram", "off"} <= set(totals) and totals["suffix"].accepted > 0
     assert {"suffix", "ngram"} <= set(drafted_by)                     # each event says who drafted it
     settings = eng.settings()
@@ -166,11 +166,11 @@ def test_greedy_with_auto_is_token_identical_alone_and_batched(make_tiny_engine)
 def test_auto_replies_join_the_suffix_index_even_when_it_did_not_draft(make_tiny_engine):
     eng = make_tiny_engine()
     eng.reconfigure(proposer="auto")
-    eng.proposer_choice.chosen = OFF
-    eng.proposer_choice.recent = {name: [step()] * MIN_STEPS for name in CANDIDATES}   # measured: nothing pays
-    eng.proposer_choice.last_step = {name: 10**9 for name in CANDIDATES}
+    eng.speculator.proposer_choice.chosen = OFF
+    eng.speculator.proposer_choice.recent = {name: [step()] * MIN_STEPS for name in CANDIDATES}   # measured: nothing pays
+    eng.speculator.proposer_choice.last_step = {name: 10**9 for name in CANDIDATES}
     eng.generate_text(eng.encode(chat("Name three colours.")), SamplingParams(max_tokens=6, stop_on_eos=False))
-    assert eng.suffix_cache.index.num_tokens == 6
+    assert eng.speculator.suffix_cache.index.num_tokens == 6
 
 
 def test_sampled_output_with_auto_keeps_the_target_distribution(make_tiny_engine):
@@ -190,4 +190,4 @@ def test_sampled_output_with_auto_keeps_the_target_distribution(make_tiny_engine
     assert_second_token_follows_the_target(eng, eng.encode(chat("Name a colour.")), max_tokens=4)
     second = [proposer for index, proposer, proposed in seen if index == 1 and proposed]
     assert second.count("suffix") >= 50                              # earlier replies' second tokens, as trees
-    assert {"suffix", "ngram", "off"} <= set(eng.proposer_choice.total)   # the choice moved among them
+    assert {"suffix", "ngram", "off"} <= set(eng.speculator.proposer_choice.total)   # the choice moved among them

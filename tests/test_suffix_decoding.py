@@ -181,7 +181,7 @@ def test_greedy_with_suffix_drafts_is_token_identical_alone_and_batched(make_tin
     assert 0 < sum(o[2].accepted for o in outs) < sum(o[2].proposed for o in outs)
     assert together(eng, prompts, GREEDY) == expected                      # all four in the same steps, global index full
     assert any(not t.is_chain() for t in trees)   # branching trees were verified
-    counters = eng.suffix_cache.counters()
+    counters = eng.speculator.suffix_cache.counters()
     assert counters["draft_tokens_from_request"] > 0 and counters["draft_tokens_from_global"] > 0
     assert all(r.blocks.num_used_blocks == 0 for r in eng.runners())
 
@@ -195,7 +195,7 @@ def test_sampled_suffix_trees_keep_the_target_distribution(make_engine, monkeypa
     trees = _record_trees(monkeypatch)
     assert_second_token_follows_the_target(eng, eng.encode(chat("Name a colour.")), max_tokens=4)
     assert sum(len(t.children()[0]) > 1 for t in trees) >= 50      # siblings at the second token
-    assert eng.suffix_cache.counters()["draft_tokens_from_global"] > 0
+    assert eng.speculator.suffix_cache.counters()["draft_tokens_from_global"] > 0
 
 
 def test_the_ceiling_counts_the_passes_an_oracle_drafting_from_earlier_text_needs():

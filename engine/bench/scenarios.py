@@ -368,9 +368,8 @@ def _dtype_auto(args, eng) -> dict | None:
     float linear's figures are `dtype_probe_s`."""
     if eng.device.type != "cpu":
         return None
-    from engine.engine import STEP_DTYPE_CACHE, model_format
     from engine.loading.loader import cache_dir
-    from engine.runtime.cpu_dtype import dtype_name, known_steps, step_choice
+    from engine.runtime.cpu_dtype import STEP_DTYPE_CACHE, dtype_name, known_steps, model_format, step_choice
     fmt = model_format(args.model, eng.config)
     steps = known_steps(cache_dir() / STEP_DTYPE_CACHE, fmt, eng.thread_governor.most)
     return {"picks": dtype_name(step_choice(steps).dtype) if steps else None, "step_s": steps, "model_format": fmt}
@@ -409,8 +408,8 @@ def bench_speculative(args) -> dict:
 
     def run(proposer):
         eng.reconfigure(proposer=proposer, num_speculative_tokens=args.k, draft_tree=args.tree)
-        eng.reset_suffix_cache()
-        eng.proposer_choice.clear()                  # auto measures its candidates again in each arm
+        eng.speculator.suffix_cache.clear()
+        eng.speculator.proposer_choice.clear()                  # auto measures its candidates again in each arm
         outs, stats = [], []
         for ids in encoded:
             _, out, s = eng.generate_text(ids, params)
@@ -460,7 +459,7 @@ def _auto_figures(eng, proposer: str) -> dict:
     it left out."""
     if proposer != "auto":
         return {}
-    return {"auto": eng.describe_proposer_choice()}
+    return {"auto": eng.speculator.describe_choice()}
 
 
 def _suffix_figures(eng, proposer: str) -> dict:
@@ -469,7 +468,7 @@ def _suffix_figures(eng, proposer: str) -> dict:
     if proposer not in ("suffix", "auto"):
         return {}
     c = eng.config
-    return {"suffix": eng.suffix_cache.counters() | {
+    return {"suffix": eng.speculator.suffix_cache.counters() | {
         "spec_factor": c.suffix_spec_factor, "min_prob": c.suffix_min_prob, "cache_tokens": c.suffix_cache_tokens}}
 
 

@@ -233,7 +233,7 @@ def not_applied(eng, profile: SessionProfile, held: dict, args) -> dict[str, str
     for key in settings_table.keys(settings_table.SAMPLING):
         if key not in WORKLOAD_SAMPLING and getattr(wanted, key) != getattr(workload, key):
             out[key] = f"{getattr(wanted, key)!r}: the workload's requests have {getattr(workload, key)!r} (both arms)"
-    in_effect = "auto" if eng.config.proposer == "auto" else eng.proposer_in_effect()   # auto picks per step
+    in_effect = "auto" if eng.config.proposer == "auto" else eng.speculator.proposer_in_effect()   # auto picks per step
     if profile.proposer != in_effect:
         missing = "no draft model (draft_model)" if profile.proposer == "draft" else "no EAGLE head"
         out["proposer"] = f"{profile.proposer!r}: {missing} to propose with, so {in_effect!r} ran"

@@ -37,8 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_features
+from engine.config import EngineConfig, SamplingParams
 from engine.errors import first_line
 from engine.layers import packed_linear
+from engine.loading import loader
 
 PROBE_SHAPE = (8192, 2048)          # [out, in]
 CANDIDATES = (torch.float32, torch.bfloat16)
@@ -214,3 +216,102 @@ def _choice(measured: dict) -> DtypeChoice:
     timed = ", ".join(f"{name} on {b} {t * 1e3:.2f} ms" for name, (t, b) in sorted(best.items(), key=lambda kv: kv[1]))
     return DtypeChoice(getattr(torch, chosen), f"auto: the faster here (probe linear {timed})"
                        + (f"; {skipped}" if skipped else ""))
+
+
+# ---- the whole step's trial (LLMEngine.load's, through fastest_step) ----------------------
+STEP_DTYPE_CACHE = "cpu_dtype_step.json"
+TRIAL_TEXT = "The quick brown fox jumps over the lazy dog, and then"
+TRIAL_TOKENS, TRIAL_RUNS, TRIAL_BLOCKS = 16, 3, 32
+
+
+class DtypeTrial:
+    """`dtype auto` on the CPU, the first time this CPU meets a model format: the model
+    LLMEngine.load is about to load, loaded in a candidate dtype and run as the engine will
+    run it (weights as served, compiled as `config` says), timed over a few decode steps
+    after a warm-up. The faster load is kept for the engine, so the winner is not loaded
+    again; the slower one is freed before the next candidate loads, unless both fit with room.
+    engine_class: the engine that runs each candidate (engine.engine.LLMEngine; the runtime
+    does not import the request path)."""
+
+    def __init__(self, engine_class, reference, config: EngineConfig, progress: loader.Progress, **load_options):
+        self.model_format = model_format(reference, config, load_options.get("allow_hub", False))
+        self.engine_class = engine_class
+        self.reference, self.config, self.progress, self.load_options = reference, config, progress, load_options
+        self.kept: tuple[float, torch.dtype, loader.LoadedModel] | None = None
+        self.tried, self.shown = 0, 0.0          # candidates loaded so far; the progress bar's fraction
+
+    def step_seconds(self, dtype: torch.dtype) -> float:
+        """Seconds per decode step of the model in `dtype` (the median of TRIAL_RUNS replies)."""
+        name, index, share = dtype_name(dtype), self.tried, loader.WEIGHTS_START / len(CANDIDATES)
+        self.tried += 1
+
+        def said(message: str, fraction: float) -> None:
+            # each candidate's load and compile within its share of the bar before the weights', never going back
+            self.shown = max(self.shown, share * (index + min(fraction, 1.0)))
+            self.progress(f"dtype auto: timing {name} once on this CPU: {message}", self.shown)
+        if self.kept is not None and not _room_for_another(self.kept[2].model):
+            self.kept = None                 # the winner, if it was this one, is loaded again
+        loaded = loader.load_model(self.reference, device="cpu", dtype=dtype, progress=said,
+                                   max_positions=self.config.max_model_len, weight_dtype=self.config.weight_dtype,
+                                   **self.load_options)
+        trial = EngineConfig(device="cpu", dtype=name, weight_dtype=self.config.weight_dtype, compile=self.config.compile,
+                             max_model_len=self.config.max_model_len, enable_prefix_caching=False,
+                             num_blocks=TRIAL_BLOCKS)
+        threads = torch.get_num_threads()        # the engine's thread governor may lower it while it runs
+        try:
+            engine = self.engine_class(loaded, trial, torch.device("cpu"), said, dtype_why="dtype auto's trial")
+            engine.warm_compiled_step()
+            seconds = decode_step_seconds(engine)
+            del engine
+        finally:
+            torch.set_num_threads(threads)      # each candidate, and the engine after, start with as many
+        if self.kept is None or seconds < self.kept[0]:
+            self.kept = (seconds, dtype, loaded)
+        return seconds
+
+    def take(self, dtype: torch.dtype) -> loader.LoadedModel | None:
+        """The model already loaded in `dtype`, if the trial kept it."""
+        kept, self.kept = self.kept, None
+        return kept[2] if kept is not None and kept[1] == dtype else None
+
+
+def model_format(reference, config: EngineConfig, allow_hub: bool = False) -> str:
+    """What `dtype auto`'s step measurement is kept under, beside the CPU: the model's
+    architecture and stored weights (engine.loading.loader.weights_format) and the settings
+    that change how they run."""
+    folder = loader.resolve(reference, allow_hub=allow_hub)
+    return f"{loader.weights_format(folder)} | weight_dtype {config.weight_dtype} | compile {config.compile}"
+
+
+def decode_step_seconds(engine) -> float:
+    """Median seconds per decode step of `engine` (an LLMEngine) over TRIAL_RUNS replies of
+    TRIAL_TOKENS tokens (one reply first, unmeasured: its compiled shapes, caches). Decode time
+    excludes the prefill and any compile (engine.metrics.RequestStats)."""
+    ids = engine.tokenizer.encode(TRIAL_TEXT)
+    params = SamplingParams(max_tokens=TRIAL_TOKENS, stop_on_eos=False)
+    engine.generate_text(ids, params)
+    per_step = []
+    for _ in range(TRIAL_RUNS):
+        stats = engine.generate_text(ids, params)[2]
+        per_step.append(stats.decode_time_s / max(1, stats.decode_tokens))
+    return statistics.median(per_step)
+
+
+def _room_for_another(model) -> bool:
+    """Whether a second copy of `model`'s weights fits in the memory free now, with as much again to spare."""
+    from engine.cache.memory_plan import weights_bytes
+    return _available_ram() > 3 * weights_bytes(model)
+
+
+def _available_ram() -> int:
+    """Bytes of memory free for a new allocation now (0 when it cannot be read: nothing is kept)."""
+    try:
+        import psutil
+        return psutil.virtual_memory().available
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as meminfo:
+            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0

@@ -11,4 +11,5 @@ tree.py            draft trees (a chain is one): EAGLE-2 growth, selection, the 
 policy.py          how many drafts (or tree nodes) a step verifies, from measured costs
 proposer_choice.py proposer `auto`: which proposer (or none) drafts each step, by measured payoff
 step_costs.py      measured step costs: the baseline of "does speculation pay here?"
+speculator.py      what the engine's step asks of all the above, as one object: k, a proposal, a verdict
 """

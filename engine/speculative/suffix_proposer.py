@@ -15,7 +15,7 @@ Each step, for each index:
     than its parent, so the best n nodes always hold their ancestors);
   - its score is the sum of its nodes' probabilities: the tokens it is expected to accept.
 The draft with the best score over every m and both indices is proposed; no match, no draft.
-The engine asks for it as a tree (LLMEngine.tree_in_effect: k nodes k deep, or draft_tree's
+The engine asks for it as a tree (Speculator.tree_in_effect: k nodes k deep, or draft_tree's
 shape); under speculation_policy auto the policy verifies the nodes that the measured pass
 costs say pay, by these probabilities (engine.speculative.policy.choose_tree_nodes).
 Drafts are point masses (tree.sample_verify keeps sampling lossless; greedy verification

@@ -163,7 +163,7 @@ def engine_check(head_folder: Path | None, held: list[Sequence], k: int, prompts
             "prompt_ids_identical": same_prompt, "answers_identical_to_training_data": same_answer,
             "engine": {"per_position": spec.per_position, "alpha": spec.positions.alpha(),
                        "mean_accepted_len": spec.mean_accepted_len},
-            "replay": evaluate(eng.eagle[1], truncated, k)}
+            "replay": evaluate(eng.speculator.eagle[1], truncated, k)}
 
 
 # ---- the report -------------------------------------------------------------------------------------
