@@ -43,3 +43,44 @@ def test_a_file_that_is_not_a_base_is_refused(tmp_path):
     path.write_bytes(b"GGUF" + bytes(40))
     with pytest.raises(WorkbenchError, match="not a llama-perplexity --kl-divergence-base file"):
         kld.read_header(path)
+
+
+# ---- on real files, against llama.cpp --------------------------------------------------------
+N_CTX, CHUNKS = 256, 2          # 254 scored positions: llama-perplexity reports from 100
+
+
+def real_file(kind: str):
+    from engine.bench import real_files
+    from engine.errors import WorkbenchError
+    try:
+        return real_files.smollm2(kind)
+    except WorkbenchError as e:
+        pytest.fail(str(e))            # scripts/test.sh builds llama.cpp's tools and makes the files
+
+
+def test_on_the_f32_file_llama_cpp_and_ours_give_one_distribution():
+    f32 = real_file("F32")
+    out = kld.against_llama_cpp(f32, None, n_ctx=N_CTX, chunks=CHUNKS, paths=("auto",), noise=False)
+    assert out["scored_tokens"] == 254
+    row = out["paths"][0]["llama_cpp_vs_ours"]
+    assert row["mean_kld"] <= kld.F32_TARGET and row["kld_99"] <= 1e-3
+    assert row["same_top"] >= kld.SAME_TOP_TARGET
+
+
+def test_on_a_k_quant_file_ours_is_closer_to_llama_cpp_than_the_file_is_to_f32():
+    """Q4_K_M: llama.cpp's KLD against ours is at most a quarter of the file's own against F32
+    (measured 0.0062 against 0.046 at these 254 positions), and our weights as stored are no
+    further from the exact arithmetic (the same weights dequantized, no activation rounding)
+    than llama.cpp's are (measured 0.0049 and 0.0045). Same top token: both engines round each
+    linear's input to 8 bits, so a near tie can go either way; llama.cpp beside itself with only
+    its attention's rounding changed keeps the same top token at 96.9% of these positions, ours
+    beside it at 96.1%: the bound is set under both, not at the issue's 98% (README)."""
+    out = kld.against_llama_cpp(real_file("Q4_K_M"), real_file("F32"), n_ctx=N_CTX, chunks=CHUNKS,
+                                paths=("auto", "float"), noise=False)
+    stored = out["paths"][0]
+    assert stored["path"] == "auto" and "int4 as stored" in stored["weight_dtype"]
+    assert out["file_vs_reference"]["mean_kld"] > 0.01                 # a real quantization error: the scale
+    assert stored["ratio_to_file_error"] <= kld.KLD_SHARE_TARGET
+    assert stored["llama_cpp_vs_ours"]["same_top"] >= 0.94
+    exact = out["from_exact"]
+    assert exact["ours_auto_native"]["mean_kld"] <= 1.5 * exact["llama_cpp"]["native"]["mean_kld"]
