@@ -439,8 +439,9 @@ class LLMEngine:
         t_pass = time.perf_counter()
         outputs = self.runner.forward_batch([w.item for w in work]) if work else []
         seconds = time.perf_counter() - t_pass
-        compile_s = sum(r.take_compile_s() for r in self.compiled_steps())     # drafting's compile included
-        compiles = sum(r.take_compiles() for r in self.compiled_steps())
+        steps = self.compiled_steps()
+        compile_s = sum(r.take_compile_s() for r in steps)     # drafting's compile included
+        compiles = sum(r.take_compiles() for r in steps)
         return _Pass(outputs, sum(w.rows for w in work), seconds, compile_s, compiles)
 
     def _settle(self, work: list["_Work"], done: "_Pass") -> list[tuple["_Work", StepEvent]]:

@@ -151,20 +151,40 @@ class SlowBackend:
         return self.requests[-1]
 
 
-def test_replies_past_their_share_are_cut_and_the_rest_not_started(monkeypatch):
+@pytest.mark.parametrize("tokens, until, counts, decoded", [
+    # the first reply overruns: cancelled at 30 s (its last step counted), the others never start
+    (100, 30.0, {"finished": 0, "cut": 1, "not_started": 2}, [31]),
+    (10, 100.0, {"finished": 3, "cut": 0, "not_started": 0}, [10, 10, 10]),
+], ids=["past-its-share", "within-its-share"])
+def test_replies_run_until_their_share_ends(monkeypatch, tokens, until, counts, decoded):
     clock = Clock()
     monkeypatch.setattr(peer_bench, "time", clock)
-    backend = SlowBackend(clock, tokens=100, step_s=1.0)
-    stats, counts = peer_bench._replies_until(backend, ["a", "b", "c"], None, until=30.0)
-    assert counts == {"finished": 0, "cut": 1, "not_started": 2}
-    assert len(backend.requests) == 1 and backend.requests[0].closed
-    assert stats[0].cancelled and stats[0].decode_tokens == 31     # cancelled at 30 s, its last step counted
+    backend = SlowBackend(clock, tokens=tokens, step_s=1.0)
+    stats, said = peer_bench._replies_until(backend, ["a", "b", "c"], None, until=until)
+    assert said == counts
+    assert [s.decode_tokens for s in stats] == decoded
+    assert [s.cancelled for s in stats] == [counts["cut"] > 0] * len(stats)
+    assert len(backend.requests) == 3 - counts["not_started"] and all(r.closed for r in backend.requests)
 
 
-def test_replies_within_their_share_all_finish(monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(peer_bench, "time", clock)
-    backend = SlowBackend(clock, tokens=10, step_s=1.0)
-    stats, counts = peer_bench._replies_until(backend, ["a", "b", "c"], None, until=100.0)
-    assert counts == {"finished": 3, "cut": 0, "not_started": 0}
-    assert [s.decode_tokens for s in stats] == [10, 10, 10]
+def test_without_a_working_setpriv_a_server_runs_as_it_is(monkeypatch):
+    """The parent-death signal is tried before it is relied on: where setpriv is missing or
+    refuses, the command is started unchanged (atexit and the bench's signals still stop it)."""
+    from engine.remote import server_process
+    server_process._setpriv.cache_clear()
+    monkeypatch.setattr(server_process.shutil, "which", lambda name: None)
+    try:
+        assert server_process.dies_with_parent(["llama-server", "-m", "x"]) == ["llama-server", "-m", "x"]
+        server_process._setpriv.cache_clear()
+        monkeypatch.setattr(server_process.shutil, "which", lambda name: "/bin/false")      # refuses
+        assert server_process.dies_with_parent(["llama-server"]) == ["llama-server"]
+    finally:
+        server_process._setpriv.cache_clear()
+
+
+def test_where_setpriv_runs_the_server_is_wrapped_in_it():
+    from engine.remote import server_process
+    setpriv = server_process._setpriv()
+    if setpriv is None:
+        pytest.skip("setpriv --pdeathsig does not run here")
+    assert server_process.dies_with_parent(["llama-server"]) == [setpriv, "--pdeathsig", "KILL", "--", "llama-server"]

@@ -60,11 +60,12 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections import Counter
 
 from engine.bench.peer_servers import LLAMA, LlamaPeer, peer_for
 from engine.bench.serve import concurrency_levels, parse_compare
 from engine.errors import ConfigError
-from engine.metrics import combined
+from engine.metrics import combined, ratio
 
 MODES = ("no_spec", "spec")
 BUSY_BUDGET_S = 240.0      # --busy-cores: the seconds its rounds may take, warm-up included
@@ -210,7 +211,7 @@ def _busy(engine, peer: LlamaPeer, prompts, tokens: int, busy_cores: int, repeat
     from engine.remote.backend import RemoteBackend
     params = SamplingParams(max_tokens=tokens)
     runs = {f"{side}_{state}_tok_s": [] for side in ("local", "server") for state in ("quiet", "busy")}
-    replies = {f"{side}_{state}": {"finished": 0, "cut": 0, "not_started": 0}
+    replies = {f"{side}_{state}": Counter(finished=0, cut=0, not_started=0)
                for side in ("local", "server") for state in ("quiet", "busy")}
     compile_steps = {"quiet": 0, "busy": 0}     # steps of our timed replies whose pass compiled: none, we check
     deadline = time.monotonic() + budget_s
@@ -232,7 +233,7 @@ def _busy(engine, peer: LlamaPeer, prompts, tokens: int, busy_cores: int, repeat
                     for side, backend_ in sides.items():
                         until = min(deadline, time.monotonic() + share_s)
                         stats, counts = _replies_until(backend_, prompts, params, until)
-                        _add_counts(replies[f"{side}_{state}"], counts)
+                        replies[f"{side}_{state}"].update(counts)
                         if side == "local":
                             compile_steps[state] += sum(s.compile_steps for s in stats)
                         if stats:
@@ -242,18 +243,15 @@ def _busy(engine, peer: LlamaPeer, prompts, tokens: int, busy_cores: int, repeat
             backend.close()
     out = {name: statistics.median(values) if values else None for name, values in runs.items()}
     return {**out, "busy_cores": busy_cores, "rounds": rounds, "rounds_planned": planned, "budget_s": budget_s,
-            "replies": replies, "threads": threads, "local_compile_steps": compile_steps,
-            "local_busy_over_quiet": _ratio(out["local_busy_tok_s"], out["local_quiet_tok_s"]),
-            "server_busy_over_quiet": _ratio(out["server_busy_tok_s"], out["server_quiet_tok_s"]), "runs": runs}
+            "replies": {name: dict(counts) for name, counts in replies.items()}, "threads": threads,
+            "local_compile_steps": compile_steps,
+            **{f"{side}_busy_over_quiet": _busy_over_quiet(out, side) for side in ("local", "server")}, "runs": runs}
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _add_counts(total: dict, counts: dict) -> None:
-    for key, value in counts.items():
-        total[key] += value
+def _busy_over_quiet(medians: dict, side: str) -> float | None:
+    """busy / quiet tok/s; None where either state has no reply that decoded."""
+    busy = medians[f"{side}_busy_tok_s"]
+    return None if busy is None else ratio(busy, medians[f"{side}_quiet_tok_s"])
 
 
 def _replies_until(backend, prompts, params, until: float) -> tuple[list, dict]:

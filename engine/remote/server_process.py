@@ -26,6 +26,7 @@ lives as long as they do (the tests, the bench and the screenshots start them on
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import signal
@@ -51,10 +52,23 @@ _RUNNING: set["ServerProcess"] = set()     # started and not yet stopped
 def dies_with_parent(args: list[str]) -> list[str]:
     """`args` run so that the kernel kills the process when its parent dies (SIGKILL): util-linux's
     `setpriv --pdeathsig KILL` execs the command in place, so the pid and the process group stay
-    the command's. Where setpriv is missing (not Linux), the command as it is: atexit and the
-    bench's signal handling still stop it."""
-    setpriv = shutil.which("setpriv")
+    the command's. Where it is missing or refuses (not Linux, a util-linux older than 2.33), the
+    command as it is: atexit and the bench's signal handling still stop it."""
+    setpriv = _setpriv()
     return [setpriv, "--pdeathsig", "KILL", "--", *args] if setpriv else list(args)
+
+
+@functools.cache
+def _setpriv() -> str | None:
+    """setpriv's path where `setpriv --pdeathsig KILL -- true` runs here (tried once per process)."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    try:
+        tried = subprocess.run([setpriv, "--pdeathsig", "KILL", "--", "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return setpriv if tried.returncode == 0 else None
 
 
 @atexit.register
@@ -87,7 +101,8 @@ class ServerProcess:
         if progress is not None:
             progress(f"starting {self.name}: {' '.join(self.args)}")
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(dies_with_parent(self.args), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            self.process = subprocess.Popen(dies_with_parent(self.args), stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True,
                                             env=None if self.env is None else {**os.environ, **self.env})
         _RUNNING.add(self)
         started = time.monotonic()
