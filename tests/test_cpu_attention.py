@@ -157,3 +157,46 @@ def test_the_engine_says_which_path_attends(make_tiny_engine):
         refused = make_tiny_engine(compile="on")
         assert refused.settings()["paths"]["attention"] == "torch (our CPU attention refused (forced by a test))"
         assert refused.runner.attention_mode == "torch" and refused.runner.compiled is not None
+
+
+@pytest.mark.parametrize("kv_dtype,q_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.float32, torch.bfloat16), (FP8_DTYPE, torch.bfloat16),
+                                              (FP8_DTYPE, torch.float32)],
+                         ids=["fp32", "bf16", "bf16-into-fp32", "fp8-from-bf16", "fp8-from-fp32"])
+@pytest.mark.parametrize("window,with_sinks", [(0, False), (5, True)])
+def test_the_compiled_steps_layer_op_stores_and_attends_as_the_python_op(kv_dtype, q_dtype, window, with_sinks):
+    """workbench_cpu::attend_layer (the graph's call, the pass begun once by attention_op.serving)
+    against the Python op it stands in for: the same output bits, padding rows repeating the
+    last, and the same pool bytes and FP8 scales, in every pool dtype, a later layer of a
+    two-layer pool, causal and tree rows, under a window with sinks."""
+    from engine.layers import attention_op
+    from engine.layers.attention import CPU, SeqSlice, TreeRows, prepare
+    gen = torch.Generator().manual_seed(3)
+    shape, block_size = CacheShape(2, 3, 64), 4
+    pools = [KVCache(shape, 10, block_size, kv_dtype, torch.device("cpu")) for _ in range(2)]
+    history = torch.randn(2, 2, 40, 3, 64, generator=gen)         # [k/v, layer, slots, H_kv, D]
+    for pool in pools:
+        for layer in range(2):
+            store_kv(pool.layer(layer), history[0, layer].to(q_dtype), history[1, layer].to(q_dtype), torch.arange(40))
+    table_a, table_b = torch.tensor([3, 7, 1, 0]), torch.tensor([2, 5, 9, 8, 6])
+    # sequence a: 2 new rows at 9, 10; sequence b: a tree of two paths over a context of 14
+    seqs = [SeqSlice(start=0, count=2, context_len=11, block_table=table_a),
+            SeqSlice(start=2, count=2, context_len=16, block_table=table_b,
+                     tree=TreeRows(context=14, paths=[[14], [15]], indices=[14, 15]))]
+    positions = torch.tensor([9, 10, 14, 14])
+    slots = torch.tensor([int(table_a[p // block_size]) * block_size + p % block_size for p in (9, 10)] +
+                         [int(table_b[i // block_size]) * block_size + i % block_size for i in (14, 15)])
+    q = torch.randn(5, 9, 64, generator=gen).to(q_dtype)          # 4 rows and one padding row
+    k, v = (torch.randn(5, 3, 64, generator=gen).to(q_dtype) for _ in range(2))
+    sinks = torch.randn(9, generator=gen) if with_sinks else None
+    outs = []
+    for pool, op in zip(pools, (attention_op.python_op, torch.ops.workbench_cpu.attend_layer.default)):
+        meta = prepare(CPU, positions, slots, seqs, block_size, 3)
+        with attention_op.serving(pool, meta):
+            outs.append(op(q, k, v, 1, 0.125, window, sinks))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[1][4], outs[1][3])
+    for got, want in ((pools[1].k, pools[0].k), (pools[1].v, pools[0].v), (pools[1].k_scale, pools[0].k_scale),
+                      (pools[1].v_scale, pools[0].v_scale)):
+        if want is not None:
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -22,6 +22,7 @@
 // 256-entry table times the per-(token, head) fp32 scale, the cache's own dequantization.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include "cpu_bf16.h"
 #include <cmath>
@@ -266,33 +267,54 @@ __attribute__((target("avx2,fma"))) static void run_range_avx2(const Pass& p, in
   run_tasks(p, begin, end);
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
-                           const at::Tensor& tables, const at::Tensor& row_seq, const at::Tensor& prefix,
-                           const at::Tensor& extra_start, const at::Tensor& extra_keys, double scale,
-                           int64_t window, const c10::optional<at::Tensor>& sinks, int64_t kind, int64_t isa) {
+// The pass's rows as the kernel reads them (cpu_attention.PassRows), and n, the rows attended
+struct RowsIn {
+  const at::Tensor &tables, &row_seq, &prefix, &extra_start, &extra_keys;
+};
+
+void check_rows(const RowsIn& rows) {
+  for (const at::Tensor* t : {&rows.tables, &rows.row_seq, &rows.prefix, &rows.extra_start, &rows.extra_keys})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "the pass's rows must be contiguous int64");
+}
+
+// out[:n] = each of q's first n rows over its keys; pools k, v of one layer ([blocks, BS, H_kv,
+// D] at k_data / v_data, FP8 scales [blocks, BS, H_kv] at ks / vs)
+void attend(const at::Tensor& q, int64_t n, const void* k_data, const void* v_data, const float* ks, const float* vs,
+            int64_t hkv, int64_t bs, const RowsIn& rows, double scale, int64_t window,
+            const c10::optional<at::Tensor>& sinks, int64_t kind, int64_t isa, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [N, H_q, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be fp32 or bf16");
-  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous(), "pools must be contiguous [blocks, BS, H_kv, D]");
-  const int64_t n = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(2);
+  const int64_t hq = q.size(1), d = q.size(2);
   TORCH_CHECK(d % 8 == 0 && hq % hkv == 0 && hq / hkv <= 64, "head_dim must be a multiple of 8, G <= 64");
-  TORCH_CHECK(kind != KIND_FP8 || (k_scale.has_value() && v_scale.has_value()), "an FP8 pool needs its scales");
+  TORCH_CHECK(kind != KIND_FP8 || (ks != nullptr && vs != nullptr), "an FP8 pool needs its scales");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
   TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
                                      sinks->numel() == hq), "sinks must be contiguous fp32 [H_q]");
-  auto out = at::empty_like(q);
-  Pass p{q.data_ptr(), k.data_ptr(), v.data_ptr(),
-         kind == KIND_FP8 ? k_scale->data_ptr<float>() : nullptr,
-         kind == KIND_FP8 ? v_scale->data_ptr<float>() : nullptr,
-         out.data_ptr(), tables.data_ptr<int64_t>(), tables.size(1),
-         row_seq.data_ptr<int64_t>(), prefix.data_ptr<int64_t>(), extra_start.data_ptr<int64_t>(),
-         extra_keys.data_ptr<int64_t>(), hq, hkv, d, k.size(1), static_cast<float>(scale),
+  check_rows(rows);
+  TORCH_CHECK(rows.row_seq.numel() >= n && rows.prefix.numel() >= n && rows.extra_start.numel() > n,
+              "the pass's rows describe fewer rows than are attended");
+  Pass p{q.data_ptr(), k_data, v_data, ks, vs, out.data_ptr(), rows.tables.data_ptr<int64_t>(), rows.tables.size(1),
+         rows.row_seq.data_ptr<int64_t>(), rows.prefix.data_ptr<int64_t>(), rows.extra_start.data_ptr<int64_t>(),
+         rows.extra_keys.data_ptr<int64_t>(), hq, hkv, d, bs, static_cast<float>(scale),
          window, sinks.has_value() ? sinks->data_ptr<float>() : nullptr,
          q.scalar_type() == at::kBFloat16, kind};
   at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
     if (isa >= 1) run_range_avx2(p, begin, end);
     else run_range(p, begin, end);
   });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                           const at::Tensor& tables, const at::Tensor& row_seq, const at::Tensor& prefix,
+                           const at::Tensor& extra_start, const at::Tensor& extra_keys, double scale,
+                           int64_t window, const c10::optional<at::Tensor>& sinks, int64_t kind, int64_t isa) {
+  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous(), "pools must be contiguous [blocks, BS, H_kv, D]");
+  TORCH_CHECK(kind != KIND_FP8 || (k_scale.has_value() && v_scale.has_value()), "an FP8 pool needs its scales");
+  auto out = at::empty_like(q);
+  attend(q, q.size(0), k.data_ptr(), v.data_ptr(), kind == KIND_FP8 ? k_scale->data_ptr<float>() : nullptr,
+         kind == KIND_FP8 ? v_scale->data_ptr<float>() : nullptr, k.size(2), k.size(1),
+         RowsIn{tables, row_seq, prefix, extra_start, extra_keys}, scale, window, sinks, kind, isa, out);
   return out;
 }
 
@@ -307,6 +329,125 @@ void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& k, const
   v_pool.flatten(0, 1).index_copy_(0, slots, v.to(v_pool.scalar_type()));
 }
 
+// ---- the compiled step's attention op: one call a layer, the pass set once ------------------
+// begin_pass names the whole pool (every layer: [L, blocks, BS, H_kv, D], FP8 scales [L, blocks,
+// BS, H_kv]), the pass's rows and their slots, once per pass on the thread that runs the step;
+// attend_layer then stores a layer's new K/V and attends in one C++ call (the Python op it
+// replaces took about 60 us a layer before the kernel ran). With no pass begun it hands the call
+// to the Python op, workbench::paged_attention (the torch path, a rotated cache, other pools).
+struct StepPass {
+  at::Tensor k, v, ks, vs, slots, tables, row_seq, prefix, extra_start, extra_keys;
+  int64_t kind = 0, isa = 0;
+  bool begun = false;
+};
+thread_local StepPass step_pass;
+
+void begin_pass(const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& k_scale,
+                const c10::optional<at::Tensor>& v_scale, const at::Tensor& slots, const at::Tensor& tables,
+                const at::Tensor& row_seq, const at::Tensor& prefix, const at::Tensor& extra_start,
+                const at::Tensor& extra_keys, int64_t isa) {
+  TORCH_CHECK(k.dim() == 5 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
+              k.scalar_type() == v.scalar_type(), "begin_pass: the pool's k and v, contiguous [L, blocks, BS, H_kv, D]");
+  const bool fp8 = k.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16,
+              "begin_pass: an fp32, bf16 or FP8 pool");
+  TORCH_CHECK(!fp8 || (k_scale.has_value() && v_scale.has_value() && k_scale->is_contiguous() &&
+                       v_scale->is_contiguous() && k_scale->scalar_type() == at::kFloat),
+              "begin_pass: an FP8 pool needs its fp32 scales");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "begin_pass: int64 slots");
+  check_rows(RowsIn{tables, row_seq, prefix, extra_start, extra_keys});
+  TORCH_CHECK(row_seq.numel() == slots.numel(), "begin_pass: one slot per row");
+  step_pass = StepPass{k, v, fp8 ? *k_scale : at::Tensor(), fp8 ? *v_scale : at::Tensor(), slots, tables, row_seq,
+                       prefix, extra_start, extra_keys, fp8 ? KIND_FP8 : k.scalar_type() == at::kBFloat16 ? KIND_BF16 : KIND_F32,
+                       isa, true};
+}
+
+void end_pass() { step_pass = StepPass{}; }
+
+// One row's H_kv x D values (x, in fp32 or bf16, its last two dims contiguous) into the pool
+// slot's: rounded to the pool's dtype as torch's .to() rounds (bf16: to nearest even); FP8 as
+// engine.cache.kv_cache.quantize_fp8: scale = max(amax / 448, 1e-12) per head, then
+// clamp(x / scale, -448, 448) to e4m3 (c10's conversion, which torch's copy uses).
+template <typename In>
+void store_row(const In* x, int64_t hkv, int64_t d, int64_t kind, void* pool, float* scales, int64_t slot) {
+  const int64_t at = slot * hkv * d;
+  for (int64_t h = 0; h < hkv; ++h) {
+    const In* xh = x + h * d;
+    if (kind == KIND_F32) {
+      float* dst = static_cast<float*>(pool) + at + h * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(xh[i]);
+    } else if (kind == KIND_BF16) {
+      at::BFloat16* dst = static_cast<at::BFloat16*>(pool) + at + h * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<at::BFloat16>(static_cast<float>(xh[i]));
+    } else {
+      float amax = 0.0f;
+      for (int64_t i = 0; i < d; ++i) amax = std::fmax(amax, std::fabs(static_cast<float>(xh[i])));
+      float s = amax / 448.0f;
+      s = s < 1e-12f ? 1e-12f : s;
+      scales[slot * hkv + h] = s;
+      at::Float8_e4m3fn* dst = static_cast<at::Float8_e4m3fn*>(pool) + at + h * d;
+      for (int64_t i = 0; i < d; ++i) {
+        float y = static_cast<float>(xh[i]) / s;
+        y = y < -448.0f ? -448.0f : (y > 448.0f ? 448.0f : y);
+        dst[i] = static_cast<at::Float8_e4m3fn>(y);
+      }
+    }
+  }
+}
+
+// The first n rows of x [N, H_kv, D] into their slots of layer `layer`'s pool
+void store_rows(const at::Tensor& given, int64_t n, const at::Tensor& pool, const at::Tensor& scales, int64_t layer,
+                const int64_t* slots, int64_t kind) {
+  const int64_t hkv = pool.size(3), d = pool.size(4), per_layer = pool[0].numel();
+  TORCH_CHECK(given.dim() == 3 && given.size(1) == hkv && given.size(2) == d, "attend_layer: k and v [N, H_kv, D]");
+  const at::Tensor x = given.stride(2) == 1 && given.stride(1) == d ? given : given.contiguous();   // rows may be apart
+  char* base = static_cast<char*>(pool.data_ptr()) + layer * per_layer * pool.element_size();
+  float* sc = scales.defined() ? scales.data_ptr<float>() + layer * (per_layer / d) : nullptr;
+  for (int64_t i = 0; i < n; ++i) {
+    if (x.scalar_type() == at::kBFloat16)
+      store_row(x.data_ptr<at::BFloat16>() + i * x.stride(0), hkv, d, kind, base, sc, slots[i]);
+    else
+      store_row(x.data_ptr<float>() + i * x.stride(0), hkv, d, kind, base, sc, slots[i]);
+  }
+}
+
+at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer, double scale,
+                        int64_t window, const c10::optional<at::Tensor>& sinks) {
+  if (!step_pass.begun) {
+    static auto python_op = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("workbench::paged_attention", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, int64_t,
+                          const c10::optional<at::Tensor>&)>();
+    return python_op.call(q, k, v, layer, scale, window, sinks);
+  }
+  const StepPass& p = step_pass;
+  TORCH_CHECK(layer >= 0 && layer < p.k.size(0), "attend_layer: no layer ", layer, " in the pool");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+              (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), "attend_layer: fp32 or bf16 q, k, v");
+  const int64_t n = p.slots.numel(), total = q.size(0);
+  TORCH_CHECK(n >= 1 && total >= n && k.size(0) == total && v.size(0) == total,
+              "attend_layer: the pass has ", n, " rows, the graph gave ", total);
+  const int64_t* slots = p.slots.data_ptr<int64_t>();
+  store_rows(k, n, p.k, p.ks, layer, slots, p.kind);
+  store_rows(v, n, p.v, p.vs, layer, slots, p.kind);
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  const int64_t per_layer = p.k[0].numel(), elem = p.k.element_size(), per_scale = per_layer / p.k.size(4);
+  const c10::optional<at::Tensor> sinks32 =
+      sinks.has_value() ? c10::optional<at::Tensor>(sinks->detach().to(at::kFloat).contiguous()) : c10::nullopt;
+  attend(qc, n, static_cast<const char*>(p.k.data_ptr()) + layer * per_layer * elem,
+         static_cast<const char*>(p.v.data_ptr()) + layer * per_layer * elem,
+         p.ks.defined() ? p.ks.data_ptr<float>() + layer * per_scale : nullptr,
+         p.vs.defined() ? p.vs.data_ptr<float>() + layer * per_scale : nullptr, p.k.size(3), p.k.size(2),
+         RowsIn{p.tables, p.row_seq, p.prefix, p.extra_start, p.extra_keys}, scale, window, sinks32, p.kind, p.isa, out);
+  if (total > n) {      // the graph's padding rows repeat the last (attention_op's contract)
+    const int64_t row = out[0].numel() * out.element_size();
+    char* o = static_cast<char*>(out.data_ptr());
+    for (int64_t i = n; i < total; ++i) std::memcpy(o + i * row, o + (n - 1) * row, row);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
@@ -314,9 +455,19 @@ TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, Tensor tables, "
         "Tensor row_seq, Tensor prefix, Tensor extra_start, Tensor extra_keys, float scale, int window, Tensor? sinks, "
         "int kind, int isa) -> Tensor");
+  m.def("begin_pass(Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, Tensor slots, Tensor tables, Tensor row_seq, "
+        "Tensor prefix, Tensor extra_start, Tensor extra_keys, int isa) -> ()");
+  m.def("end_pass() -> ()");
+  m.def("attend_layer(Tensor q, Tensor k, Tensor v, int layer, float scale, int window, Tensor? sinks) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("store_kv", &store_kv);
+  m.impl("attend_layer", &attend_layer);
+}
+
+TORCH_LIBRARY_IMPL(workbench_cpu, CatchAll, m) {     // no tensor to dispatch on
+  m.impl("begin_pass", &begin_pass);
+  m.impl("end_pass", &end_pass);
 }

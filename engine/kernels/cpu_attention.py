@@ -71,6 +71,12 @@ def refusal() -> str | None:
     return cpu_linear.tried("our CPU attention", _chosen, NEEDS, _trial, _register_fake)
 
 
+def serving() -> bool:
+    """Whether the kernel passed its trials in this process (read where a graph is traced:
+    refusal() has run by then wherever the CPU attention mode was chosen)."""
+    return "isa" in _chosen
+
+
 def isa() -> str:
     """The build the kernel runs ('avx2' or 'scalar')."""
     if refusal() is not None:
@@ -181,3 +187,7 @@ def _register_fake() -> None:
              kind, isa):
         return torch.empty_like(q)
     torch.library.register_fake("workbench_cpu::paged_attention", fake)
+
+    def fake_layer(q, k, v, layer, scale, window, sinks):
+        return torch.empty_like(q)
+    torch.library.register_fake("workbench_cpu::attend_layer", fake_layer)

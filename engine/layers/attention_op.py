@@ -13,6 +13,12 @@ inductor records CUDA graphs of the pieces between attention calls (graph partit
 
 The graph may be given more rows than the pass has (a 1-row pass runs as 2: Dynamo
 specialises sizes 0 and 1); the op attends the pass's rows and repeats the last for the rest.
+
+On the CPU, where our attention kernel serves, the graph calls its C++ twin instead,
+`workbench_cpu::attend_layer` (engine/kernels/cpu_attention.cpp): `serving` hands it the whole
+pool and the pass's rows once per pass, and each layer's call stores and attends without
+entering Python (the Python op cost about 60 us a layer before the kernel ran, 30 layers a
+step). Where no such pass was begun (the torch path, a rotated cache) it calls the Python op.
 """
 from __future__ import annotations
 
@@ -21,10 +27,13 @@ import threading
 
 import torch
 
+from engine.cache.kv_cache import FP8_DTYPE, KVCache
+from engine.kernels import cpu_attention
 from engine.layers.attention import attention
-from engine.layers.attention_metadata import AttentionMetadata
+from engine.layers.attention_metadata import CPU, AttentionMetadata
 
 _pass = threading.local()
+NATIVE_POOLS = (torch.float32, torch.bfloat16, FP8_DTYPE)
 
 
 @contextlib.contextmanager
@@ -32,10 +41,26 @@ def serving(kv, meta: AttentionMetadata):
     """The pool and metadata the op's calls inside the block read (one pass)."""
     before = getattr(_pass, "current", None)
     _pass.current = (kv, meta)
+    native = _begin_native(kv, meta)
     try:
         yield
     finally:
+        if native:
+            torch.ops.workbench_cpu.end_pass()
         _pass.current = before
+
+
+def _begin_native(kv, meta: AttentionMetadata) -> bool:
+    """Hand the pass to workbench_cpu::attend_layer where our CPU kernel attends it (an unrotated
+    paged pool of a float or FP8 dtype); False: its calls go to the Python op."""
+    if not (meta.mode == CPU and type(kv) is KVCache and not kv.rotated and kv.dtype in NATIVE_POOLS
+            and kv.k.device.type == "cpu"):
+        return False
+    rows = meta.layout
+    torch.ops.workbench_cpu.begin_pass(kv.k, kv.v, kv.k_scale, kv.v_scale, meta.slot_mapping, rows.tables,
+                                       rows.row_seq, rows.prefix, rows.extra_start, rows.extra_keys,
+                                       cpu_attention.ISAS[cpu_attention.isa()])
+    return True
 
 
 def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int,
@@ -62,4 +87,13 @@ _LIBRARY.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float 
 for _key in ("CPU", "CUDA"):
     _LIBRARY.impl("paged_attention", _paged_attention, _key)
 torch.library.register_fake("workbench::paged_attention", _paged_attention_shape, lib=_LIBRARY)
-paged_attention = torch.ops.workbench.paged_attention.default
+python_op = torch.ops.workbench.paged_attention.default
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
+    """The graph's attention call for `layer` (read when the graph is traced): our C++ op on the
+    CPU where our kernel serves, else the Python op."""
+    if q.device.type == "cpu" and cpu_attention.serving():
+        return torch.ops.workbench_cpu.attend_layer.default(q, k, v, layer, scale, window, sinks)
+    return python_op(q, k, v, layer, scale, window, sinks)
