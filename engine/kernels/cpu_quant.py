@@ -47,6 +47,8 @@ def _register_fake() -> None:
     """The op's output shape for the compiler (torch.compile traces with fake tensors)."""
     torch.library.register_fake("workbench_cpu::linear_q")(
         lambda x, w, scales, bias, bits, group, isa: x.new_empty(x.shape[0], w.shape[0] * COLS))
+    torch.library.register_fake("workbench_cpu::linear_at")(
+        lambda x, index, out_features, bias: x.new_empty(x.shape[0], out_features))
 
 
 def _trial(isa: str) -> str | None:
@@ -155,3 +157,26 @@ def linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: torch.T
     """x [M, K] -> [M, N] in x's dtype."""
     group = 32 if bits == 4 else w.shape[2] // COLS
     return torch.ops.workbench_cpu.linear_q(x, w, scales, bias, bits, group, ISAS[isa()])
+
+
+# ---- weights named by index (a compiled graph's calls; see register_weights in the source) --
+def register(weights: list[tuple[torch.Tensor, torch.Tensor, int]]) -> int:
+    """Keep (packed bytes, scales, bits) of a model's weights for linear_at, in this order: their
+    indices. Returns the key `use` takes; `forget` drops them."""
+    return torch.ops.workbench_cpu.register_weights([w for w, _, _ in weights], [s for _, s, _ in weights],
+                                                    [bits for _, _, bits in weights])
+
+
+def forget(key: int) -> None:
+    torch.ops.workbench_cpu.forget_weights(key)
+
+
+def use(key: int) -> None:
+    """The weights linear_at reads on this thread (a step, before its graph runs), on the
+    instruction set chosen now."""
+    torch.ops.workbench_cpu.use_weights(key, ISAS[isa()])
+
+
+def linear_at(x: torch.Tensor, index: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] -> [M, out_features] through weight `index` of those in use."""
+    return torch.ops.workbench_cpu.linear_at(x, index, out_features, bias)

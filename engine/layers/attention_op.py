@@ -11,8 +11,8 @@ Triton kernels on CUDA), reading the pass's pool and metadata from `serving` (pe
 process runs the engine on a worker thread). On CUDA the op is tagged cudagraph-unsafe, so
 inductor records CUDA graphs of the pieces between attention calls (graph partitioning).
 
-The graph may be given more rows than the pass has (a 1-row pass runs as 2: Dynamo
-specialises sizes 0 and 1); the op attends the pass's rows and repeats the last for the rest.
+The graph may be given more rows than the pass has (on CUDA a pass is padded to a token-count
+bucket); the op attends the pass's rows and repeats the last for the rest.
 
 On the CPU, where our attention kernel serves, the graph calls its C++ twin instead,
 `workbench_cpu::attend_layer` (engine/kernels/cpu_attention.cpp): `serving` hands it the whole

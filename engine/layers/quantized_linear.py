@@ -287,6 +287,41 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> t
     return y if bias is None else y + bias
 
 
+def graph_linear(x: torch.Tensor, qw, indices: tuple[int, ...], bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear` inside a compiled graph, for a weight registered by register_graph_weights (its
+    parts' `indices`): the graph names each part by index, never reads its tensors."""
+    parts = getattr(qw, "parts", [qw])
+    ys = [cpu_quant.linear_at(x, index, part.shape[0], None if len(parts) > 1 else bias)
+          for part, index in zip(parts, indices)]
+    if len(ys) == 1:
+        return ys[0]
+    y = torch.cat(ys, dim=-1)
+    return y if bias is None else y + bias
+
+
+def register_graph_weights(linears: list) -> int | None:
+    """Give each of a model's quantized linears (modules with `quant`, in module order) that our
+    kernel serves whole the indices of its parts (`quant_indices`, model-local: the same model
+    gives the same graph in every process), register their tensors with the kernel library, and
+    return the key a step passes to `use` (None: no such weight). The tensors are dropped with
+    the model (a finalizer on the first linear's module list owner is the caller's)."""
+    weights, next_index = [], 0
+    for module in linears:
+        parts = getattr(module.quant, "parts", [module.quant])
+        if not all(part.kernel == OURS for part in parts):
+            continue
+        module.quant_indices = tuple(range(next_index, next_index + len(parts)))
+        next_index += len(parts)
+        weights += [(part.data, part.scales, BITS[part.kind]) for part in parts]
+    return cpu_quant.register(weights) if weights else None
+
+
+def use(key: int | None) -> None:
+    """The registered weights a step's graph reads (register_graph_weights' key)."""
+    if key is not None:
+        cpu_quant.use(key)
+
+
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """The float weight [out, in] the kernel computes with, in the activations' dtype. Ours:
     d * u + m from its packed bytes; torch's: the identity matrix through the kernel, so it is

@@ -47,12 +47,15 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.pack_index = -1                    # its place in the model's packed weights
         self.quant: quantized_linear.QuantizedWeight | None = None
+        self.quant_indices: tuple[int, ...] = ()   # its parts' indices for compiled graphs (register_graph_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None and self.packed is None and not self._cpu_inference(x):
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, x.shape[-1])
-        if self.quant is not None:
+        if self.quant is not None and self.quant_indices and torch.compiler.is_compiling():
+            y = quantized_linear.graph_linear(x2, self.quant, self.quant_indices, self.bias)
+        elif self.quant is not None:
             y = quantized_linear.linear(x2, self.quant, self.bias)
         elif self.packed is None:       # oneDNN re-lays the weight out (or torch's matmul, see there)
             y = packed_linear.linear(x2, self.weight, self.bias)

@@ -11,8 +11,8 @@ row count, takes this one graph: batch invariance holds compiled against compile
 pass stays the reference (tests compare within a tolerance) and is never mixed into a reply.
 
 Whatever the compiler needs is arranged outside the compiled function: the token embedding
-is looked up eagerly (a quantized table is read on the host), rows are padded to at least 2
-(Dynamo specialises sizes 0 and 1; the padding repeats the last row and is dropped), the
+is looked up eagerly (a quantized table is read on the host), on CUDA rows are padded to a
+token-count bucket (the padding repeats the last row and is dropped), the
 attention metadata (masks, tiles, tables) is built on the host once per pass, and the K/V
 dtype, the pool and the block tables never enter the graph: one graph per model serves every
 KV dtype, context and batch.
@@ -50,12 +50,14 @@ import os
 import shutil
 import time
 import types
+import weakref
 from pathlib import Path
 
 import torch
 
 from engine.errors import first_line
-from engine.layers import attention_op, packed_linear
+from engine.kernels import cpu_quant
+from engine.layers import attention_op, packed_linear, quantized_linear
 from engine.models.llama import logits_rows
 
 MIN_ROWS = 2
@@ -193,6 +195,12 @@ class _ModelGraph:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, run):
         self.model, self.on_cpu = model, device.type == "cpu"
+        # the quantized weights our kernel serves, named by index in the graph (their tensors
+        # would each cost a guard at every call), dropped with the model
+        self.weights_key = quantized_linear.register_graph_weights(
+            [m for m in model.modules() if getattr(m, "quant", None) is not None and hasattr(m, "quant_indices")]) if self.on_cpu else None
+        if self.weights_key is not None:
+            weakref.finalize(model, cpu_quant.forget, self.weights_key)
         forward = _forward_of(run)
         if not self.on_cpu:
             self.compiled = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
@@ -293,20 +301,27 @@ class CompiledStep:
         """The graph's outputs (logits of `rows` [R, ...], hidden states [N, ...]) for its row-wise
         inputs ([N, ...] each: the embedded tokens first); the new K/V are stored by the pass."""
         n, r = inputs[0].shape[0], rows.shape[0]
-        padded = padded_rows(n, self.device)
+        first = self.graph.compile_s is None
+        # On the CPU the row dimension is unbacked: the graph assumes nothing of its size, so a
+        # 1-row decode runs as one row (padded to 2 before, it paid a second row in every linear:
+        # 0.34 ms of the default model's 7 ms step; a backed size-oblivious trace still guarded
+        # on 1 in view strides). The build itself still sees at least MIN_ROWS.
+        least = MIN_ROWS if first else 1
+        padded = max(padded_rows(n, self.device), least)
         if padded > n:
             inputs = tuple(torch.cat([t, t[-1:].expand(padded - n, *t.shape[1:])]) for t in inputs)
-        if r < MIN_ROWS:
-            rows = torch.cat([rows, rows.new_zeros(MIN_ROWS - r)])
+        if r < max(padded_rows(r, self.device), least):
+            rows = torch.cat([rows, rows.new_zeros(max(padded_rows(r, self.device), least) - r)])
+        inputs, rows = tuple(map(_as_built, inputs)), _as_built(rows)
         for t in (*inputs, rows):
-            torch._dynamo.mark_dynamic(t, 0)
-        first = self.graph.compile_s is None
+            (torch._dynamo.decorators.mark_unbacked if self.device.type == "cpu" else torch._dynamo.mark_dynamic)(t, 0)
         if first:
             self.progress(f"compiling {self.what} (about a minute the first time on a small CPU; "
                           "seconds from the disk cache)…", 0.0)
         graphs_before = compiled_graphs()
         t0 = time.perf_counter()
         packed_linear.use(self.model.packed_weights)
+        quantized_linear.use(self.graph.weights_key)
         with attention_op.serving(kv, meta):
             logits, hidden = self._compiled(*inputs, rows)
         self.row_counts.add(n)
@@ -335,11 +350,22 @@ class CompiledStep:
         return count
 
 
+def _as_built(t: torch.Tensor) -> torch.Tensor:
+    """A graph input as every call gives it: dynamo guards a tensor input's storage offset (a
+    view's, such as one row of a table, specialised at 0 or 1) and its dispatch keys (an
+    inference tensor has no ADInplaceOrView), so a view, or a tensor of the other mode, is
+    copied into a fresh one of the mode running now."""
+    if t.storage_offset() == 0 and t.is_contiguous() and t.is_inference() == torch.is_inference_mode_enabled():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def padded_rows(n: int, device: torch.device) -> int:
-    """Rows the graph runs for an n-token pass: at least MIN_ROWS; on CUDA the next bucket."""
+    """Rows the graph runs for an n-token pass: on CUDA the next bucket (at least MIN_ROWS); on
+    the CPU n itself (its row dimension is unbacked: one graph serves a single row too)."""
     if device.type == "cuda":
         return next((b for b in CUDA_TOKEN_BUCKETS if b >= max(n, MIN_ROWS)), n)
-    return max(n, MIN_ROWS)
+    return n
 
 
 def compiled_graphs() -> int:
