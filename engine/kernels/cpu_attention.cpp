@@ -398,7 +398,7 @@ void store_row(const In* x, int64_t hkv, int64_t d, int64_t kind, void* pool, fl
 // The first n rows of x [N, H_kv, D] into their slots of layer `layer`'s pool
 void store_rows(const at::Tensor& given, int64_t n, const at::Tensor& pool, const at::Tensor& scales, int64_t layer,
                 const int64_t* slots, int64_t kind) {
-  const int64_t hkv = pool.size(3), d = pool.size(4), per_layer = pool[0].numel();
+  const int64_t hkv = pool.size(3), d = pool.size(4), per_layer = pool.numel() / pool.size(0);
   TORCH_CHECK(given.dim() == 3 && given.size(1) == hkv && given.size(2) == d, "attend_layer: k and v [N, H_kv, D]");
   const at::Tensor x = given.stride(2) == 1 && given.stride(1) == d ? given : given.contiguous();   // rows may be apart
   char* base = static_cast<char*>(pool.data_ptr()) + layer * per_layer * pool.element_size();
@@ -432,7 +432,7 @@ at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tens
   store_rows(v, n, p.v, p.vs, layer, slots, p.kind);
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
-  const int64_t per_layer = p.k[0].numel(), elem = p.k.element_size(), per_scale = per_layer / p.k.size(4);
+  const int64_t per_layer = p.k.numel() / p.k.size(0), elem = p.k.element_size(), per_scale = per_layer / p.k.size(4);
   const c10::optional<at::Tensor> sinks32 =
       sinks.has_value() ? c10::optional<at::Tensor>(sinks->detach().to(at::kFloat).contiguous()) : c10::nullopt;
   attend(qc, n, static_cast<const char*>(p.k.data_ptr()) + layer * per_layer * elem,
@@ -441,7 +441,7 @@ at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tens
          p.vs.defined() ? p.vs.data_ptr<float>() + layer * per_scale : nullptr, p.k.size(3), p.k.size(2),
          RowsIn{p.tables, p.row_seq, p.prefix, p.extra_start, p.extra_keys}, scale, window, sinks32, p.kind, p.isa, out);
   if (total > n) {      // the graph's padding rows repeat the last (attention_op's contract)
-    const int64_t row = out[0].numel() * out.element_size();
+    const int64_t row = out.numel() / total * out.element_size();
     char* o = static_cast<char*>(out.data_ptr());
     for (int64_t i = n; i < total; ++i) std::memcpy(o + i * row, o + (n - 1) * row, row);
   }

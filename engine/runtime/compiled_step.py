@@ -154,6 +154,9 @@ def configure_compiler(cache_dir: Path) -> None:
     inductor.fx_graph_cache = True
     inductor.cpp.dynamic_threads = True
     inductor.graph_partition = True             # CUDA graphs around the attention op
+    # no size, stride and alignment checks of each custom op's output in the graph's wrapper
+    # (two calls into torch per op, ~150 ops a step; the ops' fakes give their shapes)
+    inductor.size_asserts = inductor.alignment_asserts = False
     fx_config.use_duck_shape = False
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
