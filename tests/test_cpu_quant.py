@@ -113,3 +113,38 @@ def test_the_avx_vnni_code_is_tried_only_where_the_cpu_has_it():
     assert ("avx_vnni" in RUNNABLE) == ("avx_vnni" in cpu_features.flags())
     if "avx512_vnni" in cpu_features.flags() and "avx512vl" in cpu_features.flags():
         assert cpu_quant._trial("avx512vl_vnni") is None
+
+
+def test_a_graph_names_registered_weights_by_index_and_gets_their_bits():
+    """The compiled step's call (linear_at: a model's weights registered once, the step's in use
+    per thread) gives what linear_q gives on the same tensors, for every format, 1 and 5 rows,
+    with a bias; a call with nothing in use, a wrong index or width, or forgotten weights is
+    refused with a message."""
+    weights = [cpu_quant.pack(*_weight(bits, group, seed=i), bits) + (bits,) for i, (bits, group) in enumerate(FORMATS)]
+    key = cpu_quant.register(weights)
+    other = cpu_quant.register(weights[:1])
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(96, generator=gen)
+    try:
+        cpu_quant.use(key)
+        isa = cpu_quant.ISAS[cpu_quant.isa()]
+        for index, ((w, scales, bits), (_, group)) in enumerate(zip(weights, FORMATS)):
+            for rows, dtype in ((1, torch.float32), (5, torch.bfloat16)):
+                x = torch.randn(rows, 320, generator=gen).to(dtype)
+                for b in (None, bias):
+                    want = torch.ops.workbench_cpu.linear_q(x, w, scales, b, bits, group, isa)
+                    assert torch.equal(cpu_quant.linear_at(x, index, 96, b), want)
+        with pytest.raises(RuntimeError, match="no weight 3"):
+            cpu_quant.linear_at(x, 3, 96, None)
+        with pytest.raises(RuntimeError, match="another width"):
+            cpu_quant.linear_at(x, 0, 64, None)
+        cpu_quant.use(other)
+        assert torch.equal(cpu_quant.linear_at(x, 0, 96, None), torch.ops.workbench_cpu.linear_q(
+            x, weights[0][0], weights[0][1], None, 4, 32, isa))
+    finally:
+        cpu_quant.forget(key)
+        cpu_quant.forget(other)
+    with pytest.raises(RuntimeError, match="no model's weights in use"):
+        cpu_quant.linear_at(x, 0, 96, None)
+    with pytest.raises(RuntimeError, match="no weights registered"):
+        cpu_quant.use(key)
