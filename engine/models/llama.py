@@ -50,6 +50,12 @@ class Linear(nn.Module):
         self.quant_indices: tuple[int, ...] = ()   # its parts' indices for compiled graphs (register_graph_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and self.quant is None and self.pack_index >= 0:
+            # tested first, by its index: a graph that looked at the packed tensor itself would
+            # guard it at every call (121 tensor guards, 0.5 ms a step of the float model)
+            x2 = x.reshape(-1, x.shape[-1])
+            y = packed_linear.packed_linear(x2, self.pack_index, self.weight.shape[0], self.bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
         if self.quant is None and self.packed is None and not self._cpu_inference(x):
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, x.shape[-1])
@@ -59,8 +65,6 @@ class Linear(nn.Module):
             y = quantized_linear.linear(x2, self.quant, self.bias)
         elif self.packed is None:       # oneDNN re-lays the weight out (or torch's matmul, see there)
             y = packed_linear.linear(x2, self.weight, self.bias)
-        elif torch.compiler.is_compiling():
-            y = packed_linear.packed_linear(x2, self.pack_index, self.weight.shape[0], self.bias)
         else:
             y = packed_linear.linear(x2, self.packed, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])
