@@ -101,7 +101,16 @@ def test_compiled_graphs_are_cached_in_the_user_cache_folder(make_tiny_engine, t
     platform = compiled_step.platform_tag()
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert compiled_step.platform_tag() != platform
+    # a process started by this one inherits the folder: configured there, it chooses its own
+    compiled_step.configure_compiler(cache_dir())
+    assert Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) == cache_dir() / "inductor" / f"{tag}-{compiled_step.platform_tag()}"
+    assert Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) != folder
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    compiled_step.configure_compiler(cache_dir())
+    assert Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) == folder
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))      # the user's own choice stays
+    compiled_step.configure_compiler(cache_dir())
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "chosen")
     monkeypatch.setenv("WORKBENCH_CPU_ISA", "scalar")
     assert compiled_step.platform_tag() != platform
 

@@ -403,7 +403,10 @@ void store_rows(const at::Tensor& given, int64_t n, const at::Tensor& pool, cons
   const at::Tensor x = given.stride(2) == 1 && given.stride(1) == d ? given : given.contiguous();   // rows may be apart
   char* base = static_cast<char*>(pool.data_ptr()) + layer * per_layer * pool.element_size();
   float* sc = scales.defined() ? scales.data_ptr<float>() + layer * (per_layer / d) : nullptr;
+  const int64_t capacity = pool.size(1) * pool.size(2);
   for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < capacity, "attend_layer: slot ", slots[i], " is outside the pool (",
+                capacity, " slots)");
     if (x.scalar_type() == at::kBFloat16)
       store_row(x.data_ptr<at::BFloat16>() + i * x.stride(0), hkv, d, kind, base, sc, slots[i]);
     else

@@ -114,7 +114,12 @@ def engine_source_tag() -> str:
 # ATen's and inductor's vector ISA (ATEN_CPU_CAPABILITY), oneDNN's and MKL's caps, and our
 # kernels' forced instruction set.
 PLATFORM_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "WORKBENCH_CPU_ISA")
-_our_cache_dir: str | None = None       # the inductor folder configure_compiler last chose
+# The inductor folder configure_compiler chose, set beside TORCHINDUCTOR_CACHE_DIR: a child process
+# inherits both, and must choose again for its own platform. Without the mark a child run under
+# ATEN_CPU_CAPABILITY=avx2 (a test imitating an AVX2-only CPU) took its parent's folder as the
+# user's choice and cached 8-lane kernels under the AVX-512 platform's keys; the parent's next
+# process read them as its own and overran its buffers (heap corruption at load).
+OUR_FOLDER_VARIABLE = "WORKBENCH_INDUCTOR_FOLDER"
 
 
 def platform_tag() -> str:
@@ -146,11 +151,12 @@ def configure_compiler(cache_dir: Path) -> None:
     import torch._inductor.config as inductor
     import torch.fx.experimental._config as fx_config
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    global _our_cache_dir
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if current is None or os.path.abspath(current) in (os.path.abspath(default_cache_dir()), _our_cache_dir):
-        _our_cache_dir = str(cache_dir / "inductor" / f"{engine_source_tag()}-{platform_tag()}")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = _our_cache_dir
+    ours = os.environ.get(OUR_FOLDER_VARIABLE)
+    if current is None or os.path.abspath(current) in (os.path.abspath(default_cache_dir()),
+                                                       ours and os.path.abspath(ours)):
+        folder = str(cache_dir / "inductor" / f"{engine_source_tag()}-{platform_tag()}")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ[OUR_FOLDER_VARIABLE] = folder
     inductor.fx_graph_cache = True
     inductor.cpp.dynamic_threads = True
     inductor.graph_partition = True             # CUDA graphs around the attention op
