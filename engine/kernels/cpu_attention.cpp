@@ -318,17 +318,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
-// A pass's new keys and values into their slots of a float pool ([blocks, BS, H_kv, D], fp32 or
-// bf16), rounded to the pool's dtype: one call a layer where the torch path took six ops.
-void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
-  TORCH_CHECK(k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16,
-              "store_kv writes fp32 or bf16 pools (an FP8 pool is quantized in torch)");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && slots.scalar_type() == at::kLong,
-              "store_kv: contiguous pools and int64 slots expected");
-  k_pool.flatten(0, 1).index_copy_(0, slots, k.to(k_pool.scalar_type()));
-  v_pool.flatten(0, 1).index_copy_(0, slots, v.to(v_pool.scalar_type()));
-}
-
 // ---- the compiled step's attention op: one call a layer, the pass set once ------------------
 // begin_pass names the whole pool (every layer: [L, blocks, BS, H_kv, D], FP8 scales [L, blocks,
 // BS, H_kv]), the pass's rows and their slots, once per pass on the thread that runs the step;
@@ -399,19 +388,35 @@ void store_row(const In* x, int64_t hkv, int64_t d, int64_t kind, void* pool, fl
 void store_rows(const at::Tensor& given, int64_t n, const at::Tensor& pool, const at::Tensor& scales, int64_t layer,
                 const int64_t* slots, int64_t kind) {
   const int64_t hkv = pool.size(3), d = pool.size(4), per_layer = pool.numel() / pool.size(0);
-  TORCH_CHECK(given.dim() == 3 && given.size(1) == hkv && given.size(2) == d, "attend_layer: k and v [N, H_kv, D]");
+  TORCH_CHECK(given.dim() == 3 && given.size(1) == hkv && given.size(2) == d, "storing K/V: k and v [N, H_kv, D]");
   const at::Tensor x = given.stride(2) == 1 && given.stride(1) == d ? given : given.contiguous();   // rows may be apart
   char* base = static_cast<char*>(pool.data_ptr()) + layer * per_layer * pool.element_size();
   float* sc = scales.defined() ? scales.data_ptr<float>() + layer * (per_layer / d) : nullptr;
   const int64_t capacity = pool.size(1) * pool.size(2);
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(slots[i] >= 0 && slots[i] < capacity, "attend_layer: slot ", slots[i], " is outside the pool (",
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < capacity, "storing K/V: slot ", slots[i], " is outside the pool (",
                 capacity, " slots)");
     if (x.scalar_type() == at::kBFloat16)
       store_row(x.data_ptr<at::BFloat16>() + i * x.stride(0), hkv, d, kind, base, sc, slots[i]);
     else
       store_row(x.data_ptr<float>() + i * x.stride(0), hkv, d, kind, base, sc, slots[i]);
   }
+}
+
+// A pass's new keys and values into their slots of a float pool ([blocks, BS, H_kv, D], fp32 or
+// bf16), rounded to the pool's dtype (store_rows): one call a layer where the torch path took six ops.
+void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+  TORCH_CHECK(k_pool.scalar_type() == at::kFloat || k_pool.scalar_type() == at::kBFloat16,
+              "store_kv writes fp32 or bf16 pools (an FP8 pool is quantized in torch)");
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() && slots.scalar_type() == at::kLong,
+              "store_kv: contiguous pools [blocks, BS, H_kv, D] and int64 slots expected");
+  const at::Tensor s = slots.contiguous();
+  const int64_t kind = k_pool.scalar_type() == at::kBFloat16 ? KIND_BF16 : KIND_F32;
+  auto widened = [](const at::Tensor& x) {      // store_rows reads fp32 or bf16
+    return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat);
+  };
+  store_rows(widened(k), s.numel(), k_pool.unsqueeze(0), at::Tensor(), 0, s.data_ptr<int64_t>(), kind);
+  store_rows(widened(v), s.numel(), v_pool.unsqueeze(0), at::Tensor(), 0, s.data_ptr<int64_t>(), kind);
 }
 
 at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer, double scale,

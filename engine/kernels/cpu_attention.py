@@ -71,7 +71,7 @@ def refusal() -> str | None:
     return cpu_linear.tried("our CPU attention", _chosen, NEEDS, _trial, _register_fake)
 
 
-def serving() -> bool:
+def ready() -> bool:
     """Whether the kernel passed its trials in this process (read where a graph is traced:
     refusal() has run by then wherever the CPU attention mode was chosen)."""
     return "isa" in _chosen

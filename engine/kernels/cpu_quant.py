@@ -155,8 +155,12 @@ def rows(w: torch.Tensor, scales: torch.Tensor, bits: int, ids: torch.Tensor) ->
 
 def linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, bits: int) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype."""
-    group = 32 if bits == 4 else w.shape[2] // COLS
-    return torch.ops.workbench_cpu.linear_q(x, w, scales, bias, bits, group, ISAS[isa()])
+    return torch.ops.workbench_cpu.linear_q(x, w, scales, bias, bits, group_of(w, bits), ISAS[isa()])
+
+
+def group_of(w: torch.Tensor, bits: int) -> int:
+    """The k per scale of packed bytes `w` (4-bit: 32; 8-bit: a group's bytes over its columns)."""
+    return 32 if bits == 4 else w.shape[2] // COLS
 
 
 # ---- weights named by index (a compiled graph's calls; see register_weights in the source) --
@@ -164,7 +168,8 @@ def register(weights: list[tuple[torch.Tensor, torch.Tensor, int]]) -> int:
     """Keep (packed bytes, scales, bits) of a model's weights for linear_at, in this order: their
     indices. Returns the key `use` takes; `forget` drops them."""
     return torch.ops.workbench_cpu.register_weights([w for w, _, _ in weights], [s for _, s, _ in weights],
-                                                    [bits for _, _, bits in weights])
+                                                    [bits for _, _, bits in weights],
+                                                    [group_of(w, bits) for w, _, bits in weights])
 
 
 def forget(key: int) -> None:

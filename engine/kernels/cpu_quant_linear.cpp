@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <type_traits>
 #include <unordered_map>
@@ -515,22 +516,24 @@ struct Registered {
   at::Tensor w, scales;
   int64_t bits, group;
 };
+using Weights = std::shared_ptr<const std::vector<Registered>>;
 std::mutex registry_lock;
-std::unordered_map<int64_t, std::vector<Registered>> registry;
+std::unordered_map<int64_t, Weights> registry;
 int64_t next_key = 0;
 struct InUse {
-  const std::vector<Registered>* weights = nullptr;
+  Weights weights;          // shared: another thread's forget leaves them valid until this one's next use
   int64_t key = -1, isa = 0;
 };
 thread_local InUse in_use;
 
-int64_t register_weights(at::TensorList w, at::TensorList scales, at::IntArrayRef bits) {
-  TORCH_CHECK(w.size() == scales.size() && w.size() == bits.size(), "register_weights: one scale tensor and width per weight");
-  std::vector<Registered> entries;
+int64_t register_weights(at::TensorList w, at::TensorList scales, at::IntArrayRef bits, at::IntArrayRef groups) {
+  TORCH_CHECK(w.size() == scales.size() && w.size() == bits.size() && w.size() == groups.size(),
+              "register_weights: one scale tensor, width and group per weight");
+  auto entries = std::make_shared<std::vector<Registered>>();
   for (size_t i = 0; i < w.size(); ++i) {
     TORCH_CHECK(w[i].dim() == 3 && w[i].scalar_type() == at::kByte && w[i].is_contiguous() && scales[i].is_contiguous(),
                 "register_weights: packed weights expected (cpu_quant.pack)");
-    entries.push_back({w[i], scales[i], bits[i], bits[i] == 4 ? 32 : w[i].size(2) / COLS});
+    entries->push_back({w[i], scales[i], bits[i], groups[i]});
   }
   std::lock_guard<std::mutex> guard(registry_lock);
   registry[next_key] = std::move(entries);
@@ -546,8 +549,9 @@ void forget_weights(int64_t key) {
 void use_weights(int64_t key, int64_t isa) {
   std::lock_guard<std::mutex> guard(registry_lock);
   auto found = registry.find(key);
+  if (found == registry.end()) in_use = InUse{};
   TORCH_CHECK(found != registry.end(), "use_weights: no weights registered under ", key);
-  in_use = InUse{&found->second, key, isa};
+  in_use = InUse{found->second, key, isa};
 }
 
 at::Tensor linear_at(const at::Tensor& x, int64_t index, int64_t out_features, const c10::optional<at::Tensor>& bias) {
@@ -562,7 +566,7 @@ at::Tensor linear_at(const at::Tensor& x, int64_t index, int64_t out_features, c
 
 TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
   m.def("linear_q(Tensor x, Tensor w, Tensor scales, Tensor? bias, int bits, int group, int isa) -> Tensor");
-  m.def("register_weights(Tensor[] w, Tensor[] scales, int[] bits) -> int");
+  m.def("register_weights(Tensor[] w, Tensor[] scales, int[] bits, int[] groups) -> int");
   m.def("forget_weights(int key) -> ()");
   m.def("use_weights(int key, int isa) -> ()");
   m.def("linear_at(Tensor x, int index, int out_features, Tensor? bias) -> Tensor");

@@ -94,6 +94,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
                     sinks: torch.Tensor | None) -> torch.Tensor:
     """The graph's attention call for `layer` (read when the graph is traced): our C++ op on the
     CPU where our kernel serves, else the Python op."""
-    if q.device.type == "cpu" and cpu_attention.serving():
+    if q.device.type == "cpu" and cpu_attention.ready():
         return torch.ops.workbench_cpu.attend_layer.default(q, k, v, layer, scale, window, sinks)
     return python_op(q, k, v, layer, scale, window, sinks)

@@ -303,8 +303,8 @@ def register_graph_weights(linears: list) -> int | None:
     """Give each of a model's quantized linears (modules with `quant`, in module order) that our
     kernel serves whole the indices of its parts (`quant_indices`, model-local: the same model
     gives the same graph in every process), register their tensors with the kernel library, and
-    return the key a step passes to `use` (None: no such weight). The tensors are dropped with
-    the model (a finalizer on the first linear's module list owner is the caller's)."""
+    return the key a step passes to `use` (None: no such weight). The caller forgets the key
+    when the model goes (cpu_quant.forget)."""
     weights, next_index = [], 0
     for module in linears:
         parts = getattr(module.quant, "parts", [module.quant])

@@ -50,18 +50,17 @@ class Linear(nn.Module):
         self.quant_indices: tuple[int, ...] = ()   # its parts' indices for compiled graphs (register_graph_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and self.quant is None and self.pack_index >= 0:
-            # tested first, by its index: a graph that looked at the packed tensor itself would
-            # guard it at every call (121 tensor guards, 0.5 ms a step of the float model)
+        if torch.compiler.is_compiling() and (self.quant_indices or (self.quant is None and self.pack_index >= 0)):
+            # a graph names its weight by index, tested first: a graph that looked at the weight's
+            # tensors would guard each at every call (121 tensor guards, 0.5-0.7 ms a step)
             x2 = x.reshape(-1, x.shape[-1])
-            y = packed_linear.packed_linear(x2, self.pack_index, self.weight.shape[0], self.bias)
+            y = (quantized_linear.graph_linear(x2, self.quant, self.quant_indices, self.bias) if self.quant_indices
+                 else packed_linear.packed_linear(x2, self.pack_index, self.weight.shape[0], self.bias))
             return y.view(*x.shape[:-1], y.shape[-1])
         if self.quant is None and self.packed is None and not self._cpu_inference(x):
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, x.shape[-1])
-        if self.quant is not None and self.quant_indices and torch.compiler.is_compiling():
-            y = quantized_linear.graph_linear(x2, self.quant, self.quant_indices, self.bias)
-        elif self.quant is not None:
+        if self.quant is not None:
             y = quantized_linear.linear(x2, self.quant, self.bias)
         elif self.packed is None:       # oneDNN re-lays the weight out (or torch's matmul, see there)
             y = packed_linear.linear(x2, self.weight, self.bias)

@@ -316,11 +316,11 @@ class CompiledStep:
         # 0.34 ms of the default model's 7 ms step; a backed size-oblivious trace still guarded
         # on 1 in view strides). The build itself still sees at least MIN_ROWS.
         least = MIN_ROWS if first else 1
-        padded = max(padded_rows(n, self.device), least)
+        padded, padded_r = (max(padded_rows(count, self.device), least) for count in (n, r))
         if padded > n:
             inputs = tuple(torch.cat([t, t[-1:].expand(padded - n, *t.shape[1:])]) for t in inputs)
-        if r < max(padded_rows(r, self.device), least):
-            rows = torch.cat([rows, rows.new_zeros(max(padded_rows(r, self.device), least) - r)])
+        if padded_r > r:
+            rows = torch.cat([rows, rows.new_zeros(padded_r - r)])
         inputs, rows = tuple(map(_as_built, inputs)), _as_built(rows)
         for t in (*inputs, rows):
             (torch._dynamo.decorators.mark_unbacked if self.device.type == "cpu" else torch._dynamo.mark_dynamic)(t, 0)
