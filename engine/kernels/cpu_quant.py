@@ -159,7 +159,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: torch.T
 
 
 def group_of(w: torch.Tensor, bits: int) -> int:
-    """The k per scale of packed bytes `w` (4-bit: 32; 8-bit: a group's bytes over its columns)."""
+    """The op's group of packed bytes `w`: 4-bit 32; 8-bit a group's bytes over its columns;
+    a K-quant's super-block, 256 (engine.kernels.cpu_kquant: its tiles hold more than 512 bytes,
+    an 8-bit group of 32 exactly 512)."""
+    if w.shape[2] > 32 * COLS:
+        return 256
     return 32 if bits == 4 else w.shape[2] // COLS
 
 

@@ -25,6 +25,24 @@
 //                   u[c][32g + 4j + i] in its low nibble and u[c][32g + 16 + 4j + i] in its high;
 //   8-bit:          w[t, g, G*16] uint8, byte j*64 + c*4 + i holds u[c][Gg + 4j + i];
 //   scales[t, g, 2, 16] (fp16 or fp32): d of the 16 columns, then m.
+//
+// llama.cpp's K-quants, read as stored (group 256 names them; bits 4, 5, 6 = Q4_K, Q5_K, Q6_K):
+// the file's bits a weight, repacked at load into tiles of 16 columns, never widened. Per tile
+// and super-block of 256 k, w[t, sb, bytes] (bytes: 2304, 2816, 3360 = 16 x the file's 144,
+// 176, 210), no scales tensor:
+//   8 groups of 32 k, each: 256 bytes of nibbles (the 4-bit layout above), then the high bits
+//     as bit planes (Q5_K: bit 4; Q6_K: bits 4 and 5): per j < 4 a 64-bit mask per plane over
+//     the 64 bytes of j (bit c*4 + i), low nibbles' planes first, then the high nibbles';
+//   the scales as the file stores them, regrouped by column:
+//     Q4_K, Q5_K: per group 16 bytes (column c: 6-bit sc's and m's low 4 bits, sc | m << 4) and
+//       8 bytes (byte c < 8: column c's top 2 bits of sc | m << 2 in its low nibble, column
+//       c + 8's in its high one); then d [16] and dmin [16] in fp16;
+//     Q6_K: int8 sc [16 sub-blocks of 16][16 columns], then d [16] in fp16.
+// Decoded in registers once a super-block: Q4_K / Q5_K w = d*sc * u - dmin*m per group of 32
+// (u = q, 0..15 / 0..31); Q6_K w = d*sc * u - 32 d*sc per sub-block of 16 (u = q, 0..63), the
+// two sub-blocks of a group of 32 being its low and its high nibbles. Each product is exact in
+// fp32, so the arithmetic above with G = 32 (Q6_K: 16) and these d, m gives the bits of the
+// widened weight with fp32 scales.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -214,45 +232,147 @@ struct Weight {
 
 constexpr int64_t group_bytes(int BITS, int64_t G) { return BITS == 4 ? 256 : G * 16; }
 
+// Formats (the kernels' template argument F): 4 and 8 as above, and the K-quants.
+constexpr int KQ4 = 14, KQ5 = 15, KQ6 = 16;
+constexpr bool kfmt(int F) { return F >= KQ4; }
+constexpr int planes(int F) { return F == KQ5 ? 1 : F == KQ6 ? 2 : 0; }
+constexpr int64_t kgroup_bytes(int F) { return 256 + 64 * planes(F); }         // a group of 32 k
+constexpr int64_t kscale_bytes(int F) { return F == KQ6 ? 16 * COLS + 2 * COLS : 8 * 24 + 4 * COLS; }
+constexpr int64_t ksb_bytes(int F) { return 8 * kgroup_bytes(F) + kscale_bytes(F); }
+constexpr int ksubs(int F) { return F == KQ6 ? 2 : 1; }                       // scales per group of 32
+constexpr int kformat(int64_t bits) { return bits == 4 ? KQ4 : bits == 5 ? KQ5 : KQ6; }
+
+// A super-block's scales of one tile -> dm[group of 32][sub-block][d, m][16 columns] in fp32
+// (exact products). The scalar definition and its 8-lane form (every SIMD path has AVX2).
+template <int F>
+inline void kscale_scalar(const uint8_t* s, int sub, int c, float* d_out, float* m_out) {
+  auto half_at = [&](int64_t at) { at::Half h; std::memcpy(&h, s + at, 2); return static_cast<float>(h); };
+  if constexpr (F == KQ6) {
+    const float dsc = static_cast<float>(static_cast<int8_t>(s[sub * COLS + c])) * half_at(16 * COLS + 2 * c);
+    *d_out = dsc;
+    *m_out = dsc * -32.0f;
+  } else {
+    const uint8_t lo = s[sub * 24 + c], hb = s[sub * 24 + 16 + (c & 7)];
+    const int hn = c < 8 ? hb & 15 : hb >> 4;
+    const int sc = (lo & 15) | ((hn & 3) << 4), mn = (lo >> 4) | ((hn >> 2) << 4);
+    *d_out = static_cast<float>(sc) * half_at(8 * 24 + 2 * c);
+    *m_out = static_cast<float>(mn) * -half_at(8 * 24 + 2 * COLS + 2 * c);
+  }
+}
+
+template <int F>
+__attribute__((target("avx2,fma,f16c")))
+void kscales_avx2(const uint8_t* s, float* dm) {
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (F == KQ6) {
+      const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16 * COLS + h * 16)));
+      for (int sub = 0; sub < 16; ++sub) {
+        const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + sub * COLS + h * 8)));
+        const __m256 dsc = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), d8);
+        _mm256_storeu_ps(dm + sub * 2 * COLS + h * 8, dsc);
+        _mm256_storeu_ps(dm + sub * 2 * COLS + COLS + h * 8, _mm256_mul_ps(dsc, _mm256_set1_ps(-32.0f)));
+      }
+    } else {
+      const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 8 * 24 + h * 16)));
+      const __m256 nmin8 = _mm256_xor_ps(_mm256_set1_ps(-0.0f),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 8 * 24 + 2 * COLS + h * 16))));
+      const __m256i f4 = _mm256_set1_epi32(15), f2 = _mm256_set1_epi32(3);
+      for (int g = 0; g < 8; ++g) {
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + g * 24 + h * 8)));
+        const __m256i hb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + g * 24 + 16)));
+        const __m256i hn = h ? _mm256_srli_epi32(hb, 4) : _mm256_and_si256(hb, f4);
+        const __m256i sc = _mm256_or_si256(_mm256_and_si256(lo, f4), _mm256_slli_epi32(_mm256_and_si256(hn, f2), 4));
+        const __m256i mn = _mm256_or_si256(_mm256_srli_epi32(lo, 4), _mm256_slli_epi32(_mm256_srli_epi32(hn, 2), 4));
+        _mm256_storeu_ps(dm + g * 2 * COLS + h * 8, _mm256_mul_ps(_mm256_cvtepi32_ps(sc), d8));
+        _mm256_storeu_ps(dm + g * 2 * COLS + COLS + h * 8, _mm256_mul_ps(_mm256_cvtepi32_ps(mn), nmin8));
+      }
+    }
+  }
+}
+
+// The tile's group g of 32 k: its nibbles (then its bit planes)
+template <int F>
+inline const uint8_t* kgroup(const uint8_t* tile, int64_t g) {
+  return tile + (g >> 3) * ksb_bytes(F) + (g & 7) * kgroup_bytes(F);
+}
+template <int F>
+inline const uint8_t* kscales_of(const uint8_t* tile, int64_t g) {      // g: any group of the super-block
+  return tile + (g >> 3) * ksb_bytes(F) + 8 * kgroup_bytes(F);
+}
+
 // ---- AVX-512 VNNI: T tiles (16 columns each) by R rows at once -----------------------------
-template <int BITS, int R, int T, typename S>
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
+// F: 4, 8, or a K-quant (S is then float: the super-block's scales decoded into dm)
+template <int F, int R, int T, typename S>
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
 void tile_vnni(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64_t ldy, bool prefetch_next = false,
                uint8_t* unpack_to = nullptr) {
-  constexpr int P = R * T <= 4 ? 2 : 1;
-  const int64_t K = rows.K, G = rows.G, groups = K / G, gb = group_bytes(BITS, G), xblocks = K / XB;
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  constexpr bool KF = kfmt(F), NIB = F != 8, SPLIT = F == KQ6;
+  constexpr int PL = planes(F);
+  constexpr int P = (R * T <= 4 || SPLIT) ? 2 : 1;
+  const int64_t K = rows.K, G = rows.G, xblocks = K / XB, sums = K / G;
+  const int64_t groups = NIB ? K / 32 : K / G, gb = KF ? kgroup_bytes(F) : group_bytes(F, G);
+  const __m512i low = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(16), b5 = _mm512_set1_epi8(32);
   const S* sc = static_cast<const S*>(wt.s);
+  alignas(64) float dm[T][KF ? 8 * ksubs(F) * 2 * COLS : 1];
+  auto wgroup = [&](int t, int64_t g) {
+    const uint8_t* tile = wt.w + t * wt.wstride;
+    if constexpr (KF) return kgroup<F>(tile, g);
+    else return tile + g * gb;
+  };
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    if constexpr (KF) {
+      if ((g & 7) == 0)
+        for (int t = 0; t < T; ++t) kscales_avx2<F>(kscales_of<F>(wt.w + t * wt.wstride, g), dm[t]);
+    }
     // P integer chains per output (added exactly at the end) keep enough vpdpbusd in flight
-    // when few rows share a tile
+    // when few rows share a tile; Q6_K's two chains are its two sub-blocks
     __m512i isum[R][T][P];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t)
         for (int p = 0; p < P; ++p) isum[r][t][p] = _mm512_setzero_si512();
-    const int8_t* xg = rows.xq + row0 * K + g * G;
+    const int8_t* xg = rows.xq + row0 * K + g * (NIB ? 32 : G);
     if (prefetch_next) {      // the next tiles' weights and scales, while this one computes
       for (int t = 0; t < T; ++t) {
-        const uint8_t* next = wt.w + (T + t) * wt.wstride + g * gb;
+        const uint8_t* next = wgroup(T + t, g);
         for (int64_t line = 0; line < gb; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(sc + (T + t) * wt.sstride + g * 2 * COLS), _MM_HINT_T0);
+        if constexpr (KF) {
+          if ((g & 7) == 0)
+            for (int64_t line = 0; line < kscale_bytes(F); line += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(kscales_of<F>(wt.w + (T + t) * wt.wstride, g) + line), _MM_HINT_T0);
+        } else {
+          _mm_prefetch(reinterpret_cast<const char*>(sc + (T + t) * wt.sstride + g * 2 * COLS), _MM_HINT_T0);
+        }
       }
     }
-    if constexpr (BITS == 4) {
+    if constexpr (NIB) {
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         __m512i lo[T], hi[T];
         for (int t = 0; t < T; ++t) {
-          const __m512i v = _mm512_loadu_si512(wt.w + t * wt.wstride + g * gb + j * 64);
+          const uint8_t* wg = wgroup(t, g);
+          const __m512i v = _mm512_loadu_si512(wg + j * 64);
           lo[t] = _mm512_and_si512(v, low);
           hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          if (unpack_to) {    // the 8-bit layout of the same u: later row groups skip the decode
-            uint8_t* out = unpack_to + t * groups * 32 * COLS + g * 32 * COLS;
-            _mm512_storeu_si512(out + j * 64, lo[t]);
-            _mm512_storeu_si512(out + (j + 4) * 64, hi[t]);
+          if constexpr (PL > 0) {      // the high bits: a byte mask per plane
+            const uint8_t* pl = wg + 256 + j * 16 * PL;
+            uint64_t m[2 * PL];
+            std::memcpy(m, pl, sizeof(m));
+            lo[t] = _mm512_mask_add_epi8(lo[t], m[0], lo[t], b4);
+            hi[t] = _mm512_mask_add_epi8(hi[t], m[PL], hi[t], b4);
+            if constexpr (PL == 2) {
+              lo[t] = _mm512_mask_add_epi8(lo[t], m[1], lo[t], b5);
+              hi[t] = _mm512_mask_add_epi8(hi[t], m[3], hi[t], b5);
+            }
+          }
+          if constexpr (F == 4) {
+            if (unpack_to) {    // the 8-bit layout of the same u: later row groups skip the decode
+              uint8_t* out = unpack_to + t * groups * 32 * COLS + g * 32 * COLS;
+              _mm512_storeu_si512(out + j * 64, lo[t]);
+              _mm512_storeu_si512(out + (j + 4) * 64, hi[t]);
+            }
           }
         }
         for (int r = 0; r < R; ++r) {
@@ -279,15 +399,26 @@ void tile_vnni(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64
         }
       }
     }
-    const int64_t xb = g * G / XB;
     for (int t = 0; t < T; ++t) {
-      const S* s = sc + t * wt.sstride + g * 2 * COLS;
-      const __m512 dv = scales16_512<S>(s), mv = scales16_512<S>(s + COLS);
-      for (int r = 0; r < R; ++r) {
-        const float sx = rows.sx[(row0 + r) * xblocks + xb], sxs = rows.sxs[(row0 + r) * groups + g];
-        const __m512i u = P == 2 ? _mm512_add_epi32(isum[r][t][0], isum[r][t][P - 1]) : isum[r][t][0];
-        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_mul_ps(dv, _mm512_set1_ps(sx)), acc[r][t]);
-        acc[r][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sxs), acc[r][t]);
+      for (int sub = 0; sub < ksubs(F); ++sub) {
+        __m512 dv, mv;
+        if constexpr (KF) {
+          const float* s = dm[t] + ((g & 7) * ksubs(F) + sub) * 2 * COLS;
+          dv = _mm512_load_ps(s);
+          mv = _mm512_load_ps(s + COLS);
+        } else {
+          const S* s = sc + t * wt.sstride + g * 2 * COLS;
+          dv = scales16_512<S>(s);
+          mv = scales16_512<S>(s + COLS);
+        }
+        for (int r = 0; r < R; ++r) {
+          const float sx = rows.sx[(row0 + r) * xblocks + (NIB ? g : g * G / XB)];
+          const float sxs = rows.sxs[(row0 + r) * sums + g * ksubs(F) + sub];
+          const __m512i u = SPLIT ? isum[r][t][sub]
+                            : P == 2 ? _mm512_add_epi32(isum[r][t][0], isum[r][t][P - 1]) : isum[r][t][0];
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_mul_ps(dv, _mm512_set1_ps(sx)), acc[r][t]);
+          acc[r][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sxs), acc[r][t]);
+        }
       }
     }
   }
@@ -328,29 +459,48 @@ constexpr int64_t PREFETCH_BYTES = 2048;
 #pragma GCC pop_options
 
 // ---- scalar: the definition -----------------------------------------------------------------
-template <int BITS, typename S>
+template <int F, typename S>
 void tile_scalar(const Rows& rows, int64_t row, const Weight& wt, float* y) {
-  const int64_t K = rows.K, G = rows.G, groups = K / G, gb = group_bytes(BITS, G), xblocks = K / XB;
+  constexpr bool KF = kfmt(F), NIB = F != 8;
+  constexpr int PL = planes(F);
+  const int64_t K = rows.K, G = rows.G, xblocks = K / XB, sums = K / G;
+  const int64_t groups = NIB ? K / 32 : K / G, gb = group_bytes(F == 8 ? 8 : 4, G);
   const S* sc = static_cast<const S*>(wt.s);
+  auto bit = [](const uint8_t* plane, int b) { return (plane[b >> 3] >> (b & 7)) & 1; };
   for (int c = 0; c < COLS; ++c) {
     float acc = 0.0f;
     for (int64_t g = 0; g < groups; ++g) {
-      const int8_t* xg = rows.xq + row * K + g * G;
-      const uint8_t* wg = wt.w + g * gb;
-      int32_t u = 0;
-      for (int j = 0; j < (BITS == 4 ? 4 : G / 4); ++j)
+      const int8_t* xg = rows.xq + row * K + g * (NIB ? 32 : G);
+      const uint8_t* wg = KF ? kgroup<F>(wt.w, g) : wt.w + g * gb;
+      int32_t u[2] = {0, 0};            // the group's dot (Q6_K: its two sub-blocks')
+      for (int j = 0; j < (NIB ? 4 : G / 4); ++j)
         for (int i = 0; i < 4; ++i) {
-          const uint8_t byte = wg[j * 64 + c * 4 + i];
-          if (BITS == 4) {
-            u += static_cast<int32_t>(byte & 0x0F) * xg[4 * j + i];
-            u += static_cast<int32_t>(byte >> 4) * xg[16 + 4 * j + i];
+          const int b = c * 4 + i;
+          const uint8_t byte = wg[j * 64 + b];
+          if constexpr (NIB) {
+            int ulo = byte & 0x0F, uhi = byte >> 4;
+            for (int p = 0; p < PL; ++p) {
+              ulo |= bit(wg + 256 + j * 16 * PL + p * 8, b) << (4 + p);
+              uhi |= bit(wg + 256 + j * 16 * PL + (PL + p) * 8, b) << (4 + p);
+            }
+            u[0] += ulo * xg[4 * j + i];
+            u[F == KQ6 ? 1 : 0] += uhi * xg[16 + 4 * j + i];
           } else {
-            u += static_cast<int32_t>(byte) * xg[4 * j + i];
+            u[0] += static_cast<int32_t>(byte) * xg[4 * j + i];
           }
         }
-      const float sx = rows.sx[row * xblocks + g * G / XB], sxs = rows.sxs[row * groups + g];
-      acc = std::fma(static_cast<float>(u), scale_at<S>(sc, g * 2 * COLS + c) * sx, acc);
-      acc = std::fma(scale_at<S>(sc, g * 2 * COLS + COLS + c), sxs, acc);
+      for (int sub = 0; sub < ksubs(F); ++sub) {
+        float d, m;
+        if constexpr (KF) {
+          kscale_scalar<F>(kscales_of<F>(wt.w, g), (g & 7) * ksubs(F) + sub, c, &d, &m);
+        } else {
+          d = scale_at<S>(sc, g * 2 * COLS + c);
+          m = scale_at<S>(sc, g * 2 * COLS + COLS + c);
+        }
+        const float sx = rows.sx[row * xblocks + (NIB ? g : g * G / XB)], sxs = rows.sxs[row * sums + g * ksubs(F) + sub];
+        acc = std::fma(static_cast<float>(u[sub]), d * sx, acc);
+        acc = std::fma(m, sxs, acc);
+      }
     }
     y[c] = acc;
   }
@@ -369,8 +519,12 @@ void vnni_rows(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t 
   auto group_of = [&](auto rows_now) {
     constexpr int RN = decltype(rows_now)::value;
     if (i == 0) tile_vnni<BITS, RN, T, S>(rows, i, wt, y, ldy, true, reuse ? scratch : nullptr);
-    else if (reuse) tile_vnni<8, RN, T, S>(rows, i, decoded, y + i * ldy, ldy);
-    else tile_vnni<BITS, RN, T, S>(rows, i, wt, y + i * ldy, ldy);
+    else if constexpr (BITS == 4) {
+      if (reuse) tile_vnni<8, RN, T, S>(rows, i, decoded, y + i * ldy, ldy);
+      else tile_vnni<BITS, RN, T, S>(rows, i, wt, y + i * ldy, ldy);
+    } else {
+      tile_vnni<BITS, RN, T, S>(rows, i, wt, y + i * ldy, ldy);
+    }
     i += RN;
   };
   while (i + 4 <= M) group_of(std::integral_constant<int, 4>{});
@@ -391,10 +545,14 @@ void rows256(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t ld
     Tile::template tile<BITS, RN, S>(rows, i, wt, y + i * ldy, ldy, i == 0);
     i += RN;
   };
-  while (i + 8 <= M) group_of(std::integral_constant<int, 8>{});
-  if (M - i == 7) group_of(std::integral_constant<int, 7>{});
-  if (M - i == 6) group_of(std::integral_constant<int, 6>{});
-  if (M - i == 5) group_of(std::integral_constant<int, 5>{});
+  if constexpr (BITS == KQ6) {    // two sums a row (its sub-blocks): four rows keep them in registers
+    while (i + 4 <= M) group_of(std::integral_constant<int, 4>{});
+  } else {
+    while (i + 8 <= M) group_of(std::integral_constant<int, 8>{});
+    if (M - i == 7) group_of(std::integral_constant<int, 7>{});
+    if (M - i == 6) group_of(std::integral_constant<int, 6>{});
+    if (M - i == 5) group_of(std::integral_constant<int, 5>{});
+  }
   if (M - i == 4) group_of(std::integral_constant<int, 4>{});
   if (M - i == 3) group_of(std::integral_constant<int, 3>{});
   if (M - i == 2) group_of(std::integral_constant<int, 2>{});
@@ -404,7 +562,9 @@ void rows256(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t ld
 template <int BITS, typename S>
 void run_tiles(Isa isa, const Rows& rows, int64_t M, int64_t t0, int64_t t1, const Weight& base, float* y, int64_t N) {
   const S* s0 = static_cast<const S*>(base.s);
-  auto at = [&](int64_t t) { return Weight{base.w + t * base.wstride, s0 + t * base.sstride, base.wstride, base.sstride}; };
+  auto at = [&](int64_t t) {
+    return Weight{base.w + t * base.wstride, s0 ? s0 + t * base.sstride : nullptr, base.wstride, base.sstride};
+  };
   int64_t t = t0;
   if (isa == AVX512) {
     static thread_local std::vector<uint8_t> scratch;       // each worker thread's decoded tiles
@@ -425,16 +585,24 @@ void run_tiles(Isa isa, const Rows& rows, int64_t M, int64_t t0, int64_t t1, con
 
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                     const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group, int64_t isa) {
-  TORCH_CHECK(bits == 4 || bits == 8, "workbench_cpu::linear_q: bits is 4 or 8");
-  TORCH_CHECK(bits == 4 ? group == 32 : (group == 32 || group == 16), "linear_q: groups of 32 (4-bit), 32 or 16 (8-bit)");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == group_bytes(bits, group),
+  const bool kq = group == 256;         // a K-quant's super-blocks, read as stored
+  TORCH_CHECK(kq ? (bits >= 4 && bits <= 6) : (bits == 4 || bits == 8),
+              "workbench_cpu::linear_q: bits is 4 or 8, or 4, 5, 6 with group 256 (Q4_K, Q5_K, Q6_K)");
+  TORCH_CHECK(kq || (bits == 4 ? group == 32 : (group == 32 || group == 16)),
+              "linear_q: groups of 32 (4-bit), 32 or 16 (8-bit), 256 (K-quants)");
+  const int fmt = kq ? kformat(bits) : static_cast<int>(bits);
+  const int64_t unit = kq ? (fmt == KQ4 ? ksb_bytes(KQ4) : fmt == KQ5 ? ksb_bytes(KQ5) : ksb_bytes(KQ6))
+                          : group_bytes(bits, group);
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == unit,
               "linear_q: x [M, K] and w [N / 16, K / group, bytes per group] uint8 expected");
   TORCH_CHECK(x.size(1) == w.size(1) * group && x.size(1) % XB == 0, "linear_q: x's K does not match the weight's");
-  TORCH_CHECK(scales.dim() == 4 && scales.size(0) == w.size(0) && scales.size(1) == w.size(1) && scales.size(2) == 2 &&
-              scales.size(3) == COLS, "linear_q: scales [N / 16, K / group, 2, 16] expected");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf, "linear_q: fp32 or fp16 scales");
+  TORCH_CHECK(kq ? scales.numel() == 0 :
+              scales.dim() == 4 && scales.size(0) == w.size(0) && scales.size(1) == w.size(1) && scales.size(2) == 2 &&
+              scales.size(3) == COLS, "linear_q: scales [N / 16, K / group, 2, 16] expected (none for a K-quant)");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf || kq, "linear_q: fp32 or fp16 scales");
   TORCH_CHECK(isa >= SCALAR && isa <= AVX512VL_VNNI, "linear_q: isa 0 scalar, 1 avx2, 2 avx512 (VNNI), 3 avx_vnni, 4 avx512vl_vnni");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_q: fp32 or bf16 activations");
+  if (kq) group = bits == 6 ? 16 : 32;  // the activations' sums go by the scales' groups
   const int64_t M = x.size(0), K = x.size(1), tiles = w.size(0), N = tiles * COLS, groups = K / group;
   // bf16 in and out without a torch conversion per call (a decode step makes 121 of these calls)
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -468,7 +636,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   const Rows rows{xq.data(), sx.data(), sxs.data(), xsum.data(), K, group, xq4.data()};
   at::Tensor out = at::empty({M, N}, x.options());
   float* yp = bf16 ? accumulated.data() : out.data_ptr<float>();
-  const Weight base{wc.data_ptr<uint8_t>(), sc.data_ptr(), groups * group_bytes(bits, group), groups * 2 * COLS};
+  const Weight base{wc.data_ptr<uint8_t>(), kq ? nullptr : sc.data_ptr(), w.size(1) * unit, kq ? 0 : groups * 2 * COLS};
   // the bias is added in fp32, then the sum is rounded once to bf16 (to nearest even); each
   // thread finishes its own columns as soon as its tiles are done (no second parallel region)
   const bool biased = bias.has_value() && bias->defined();
@@ -479,7 +647,11 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
     // grain: two tiles, so the AVX-512 path keeps its 32-column pairs
     at::parallel_for(0, tiles, 2, [&](int64_t t0, int64_t t1) {
       const bool half = sc.scalar_type() == at::kHalf;
-      if (bits == 4) {
+      const Isa is = static_cast<Isa>(isa);
+      if (fmt == KQ4) run_tiles<KQ4, float>(is, rows, M, t0, t1, base, yp, N);
+      else if (fmt == KQ5) run_tiles<KQ5, float>(is, rows, M, t0, t1, base, yp, N);
+      else if (fmt == KQ6) run_tiles<KQ6, float>(is, rows, M, t0, t1, base, yp, N);
+      else if (bits == 4) {
         half ? run_tiles<4, at::Half>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N)
              : run_tiles<4, float>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N);
       } else {
