@@ -18,7 +18,9 @@ A kind neither kernel takes here is served as float by the loader, which says wh
     scale = d, zero = m + 8d; Q4_0, w = d * (q - 8): scale = d, zero = 0);
   - int8 groups: q -128..127 with w = q * scale per group, or, for a format with a zero point
     (Q5_0, Q5_1, Q5_K), q 0..255 with w = q * scale + zero;
-  - int8 per channel: q -128..127 with w = q * scale per output row.
+  - int8 per channel: q -128..127 with w = q * scale per output row;
+  - a K-quant (Q4_K, Q5_K, Q6_K): the file's rows of super-blocks as stored, which our kernel
+    reads in their own bits (engine.kernels.cpu_kquant); no other kernel takes them.
 Quantization of a float weight is round-to-nearest, as gpt-fast's: int8 symmetric per
 channel, int4 asymmetric per group (min/max over the group), its scale and minimum rounded to
 fp16 first so that our kernel stores them in 2 bytes exactly.
@@ -33,11 +35,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import first_line
-from engine.kernels import cpu_quant
+from engine.kernels import cpu_kquant, cpu_quant
 
 INT4, INT8 = "int4", "int8"
 INT8_GROUPS = "int8-groups"     # 8-bit weights with a float scale (and zero) per group (Q6_K: 16; others 32)
-BITS = {INT4: 4, INT8: 8, INT8_GROUPS: 8}
+KQUANTS = {f"{name} super-blocks": bits for name, bits in cpu_kquant.TYPES.items()}    # kind -> the op's bits
+Q4_K, Q5_K, Q6_K = KQUANTS
+BITS = {INT4: 4, INT8: 8, INT8_GROUPS: 8, **KQUANTS}
 INT4_GROUP = 32                 # llama.cpp's Q4 block; gpt-fast's default is 32 too
 OURS, TORCH = "ours", "torch"
 INNER_K_TILES = 1               # torch's int4 kernel takes any in_features divisible by the group
@@ -65,6 +69,8 @@ class QuantizedWeight:
         return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
 
     def describe(self) -> str:
+        if self.kind in KQUANTS:
+            return f"{self.kind.split()[0]} as stored ({cpu_kquant.BLOCK_BYTES[BITS[self.kind]] * 8 / 256:g} bits a weight)"
         if self.kind == INT8:
             return "int8 (per channel)"
         return f"{'int4' if self.kind == INT4 else 'int8'} (group {self.group_size})"
@@ -72,6 +78,8 @@ class QuantizedWeight:
 
 def _our_refusal(kind: str, shape: tuple[int, int], group_size: int) -> str | None:
     """Why our kernel cannot take this weight here (None: it can)."""
+    if kind in KQUANTS:
+        return cpu_kquant.refusal() or cpu_kquant.packable(shape)
     return cpu_quant.refusal() or cpu_quant.packable(shape, BITS[kind], group_size or cpu_quant.XBLOCK)
 
 
@@ -91,6 +99,8 @@ def unsupported(kind: str, shape: tuple[int, int], device: torch.device, dtype: 
         return None
     if kind == INT8_GROUPS:
         return f"no kernel takes 8-bit groups here ({ours})"
+    if kind in KQUANTS:
+        return f"no kernel reads {kind} here ({ours})"
     if not AVAILABLE:
         return f"{ours}; this torch ({torch.__version__}) has no weight-only {kind} kernels"
     if kind == INT4 and shape[1] % group_size:
@@ -174,6 +184,17 @@ def from_int8_groups(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
         raise ValueError(f"8-bit groups cannot be served here: {why}")
     w, scales = _pack8(q, scale.float(), None if zero is None else zero.float())
     return QuantizedWeight(INT8_GROUPS, w, scales, (out, inp), group, OURS, dtype)
+
+
+def from_kquant(raw: torch.Tensor, kind: str, dtype: torch.dtype) -> QuantizedWeight:
+    """The file's rows of `kind` super-blocks [out, in / 256 * bytes] uint8, read as stored."""
+    bits = BITS[kind]
+    out, inp = raw.shape[0], raw.shape[1] // cpu_kquant.BLOCK_BYTES[bits] * cpu_kquant.SUPER
+    why = _our_refusal(kind, (out, inp), cpu_kquant.SUPER)
+    if why:
+        raise ValueError(f"{kind} cannot be read as stored here: {why}")
+    return QuantizedWeight(kind, cpu_kquant.pack(raw, bits), torch.empty(0, dtype=torch.uint8), (out, inp),
+                           cpu_kquant.SUPER, OURS, dtype)
 
 
 def _pack8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,6 +349,8 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     the kernel's own arithmetic."""
     if isinstance(qw, StackedWeight):
         return torch.cat([dequantize(part) for part in qw.parts])
+    if qw.kind in KQUANTS:
+        return cpu_kquant.unpack(qw.data, BITS[qw.kind]).to(qw.dtype)
     if qw.kernel == OURS:
         return cpu_quant.unpack(qw.data, qw.scales, BITS[qw.kind]).to(qw.dtype)
     eye = torch.eye(qw.shape[1], dtype=qw.scales.dtype)
@@ -350,6 +373,8 @@ def rows(qw, ids: torch.Tensor) -> torch.Tensor:
                 out[inside] = rows(part, ids[inside] - start)
             start += part.shape[0]
         return out
+    if qw.kind in KQUANTS:
+        return cpu_kquant.rows(qw.data, BITS[qw.kind], ids)
     return cpu_quant.rows(qw.data, qw.scales, BITS[qw.kind], ids)
 
 

@@ -178,9 +178,15 @@ class GGUFTensors:
             return None
         source = self.source_of(hf_name)
         if source is not None and source.cols is not None and t.tensor_type.name not in FLOAT_READS \
-                and not _whole_groups(source.cols, format_of(t.tensor_type.name).group or BLOCK):
+                and not _whole_groups(source.cols, _widened_group(t.tensor_type.name)):
             return "F32"
         return t.tensor_type.name
+
+    def moves_columns(self, hf_name: str) -> bool:
+        """Whether transformers' columns are not the file's (a hybrid file's reorder): a K-quant's
+        super-blocks are then served widened, a group at a time."""
+        source = self.source_of(hf_name)
+        return source is not None and source.cols is not None
 
     def shape(self, hf_name: str) -> tuple[int, ...]:
         """transformers' shape ([out, in]; GGUF lists the dimensions the other way round)."""
@@ -196,7 +202,7 @@ class GGUFTensors:
         return BLOCK
 
     def int8_group(self, hf_name: str) -> int:
-        return format_of(self.type_of(hf_name)).group
+        return _widened_group(self.type_of(hf_name))
 
     def int4_groups(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [out, in] uint8 0..15, scale, zero [out, in / 32] float32) with
@@ -212,10 +218,19 @@ class GGUFTensors:
         decode = self._decoder(hf_name, INT8_GROUPS)
         return self._decoded(hf_name, lambda stored: decode, rows=rows)
 
+    def kquant_blocks(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor]:
+        """(the file's super-blocks [out, in / 256 * bytes] uint8,) of a K-quant, rows in
+        transformers' order (`rows`: only those), read as stored."""
+        if self.type_of(hf_name) not in _DECODERS or self.moves_columns(hf_name):
+            raise ValueError(f"{hf_name} is {self.type_of(hf_name)}, not K-quant super-blocks in the file's column order")
+        return self._decoded(hf_name, lambda stored: _as_stored, rows=rows)
+
     def _decoder(self, hf_name: str, form: str):
-        """The decoder of the tensor's type into `form`, which the table must give that type."""
+        """The decoder of the tensor's type into `form`, which the table must give that type
+        (a K-quant's widened form too)."""
         kind = self.type_of(hf_name)
-        if format_of(kind).cpu.form != form or kind not in _DECODERS:
+        fmt = format_of(kind)
+        if form not in (fmt.cpu.form, (fmt.widened or (None,))[0]) or kind not in _DECODERS:
             raise ValueError(f"{hf_name} is {kind}, which is not served as {form} (engine.loading.stored_formats)")
         return _DECODERS[kind]
 
@@ -317,6 +332,17 @@ class GGUFTensors:
 
 
 # ---- block decoders: stored blocks [rows, blocks, bytes] -> the kernels' forms, per row --------
+def _widened_group(kind: str) -> int:
+    """The group a stored type is served in a group at a time (a K-quant: its widened form's)."""
+    fmt = format_of(kind)
+    return fmt.widened[1] if fmt.widened else fmt.group or BLOCK
+
+
+def _as_stored(raw: np.ndarray):
+    """A row's blocks as the file stores them (a K-quant read in its super-blocks)."""
+    return (_rows(raw),)
+
+
 def _fp16(raw: np.ndarray, at: int) -> np.ndarray:
     """The fp16 at byte `at` of each block, as float32 [rows, blocks]."""
     return raw[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)

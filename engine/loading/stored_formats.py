@@ -12,11 +12,11 @@ take a weight of a shape here (quantized_linear.unsupported), never which format
   format   CPU                                   CUDA          group  why
   Q4_0     int4 groups                           dequantized   32     w = d(q - 8): 4-bit as stored
   Q4_1     int4 groups                           dequantized   32     w = dq + m: 4-bit as stored
-  Q4_K     int4 groups                           dequantized   32     w = d·sc·q - dmin·m per 32
+  Q4_K     Q4_K super-blocks (else int4 groups)  dequantized   256    4.5 bits a weight as stored
   Q5_0     int8 groups, u = q5, zero -16d        dequantized   32     a 5-bit value fits 8 bits exactly
   Q5_1     int8 groups, u = q5, zero m           dequantized   32     the same, with its min
-  Q5_K     int8 groups, u = q5, zero -dmin·m     dequantized   32     the same, per sub-block of 32
-  Q6_K     int8 groups, q - 32                   dequantized   16     its sub-blocks of 16
+  Q5_K     Q5_K super-blocks (else int8 groups)  dequantized   256    5.5 bits a weight as stored
+  Q6_K     Q6_K super-blocks (else int8 groups)  dequantized   256    6.5625 bits a weight as stored
   Q8_0     int8 groups                           dequantized   32     8-bit as stored
   MXFP4    dequantized (exact)                   dequantized   -      no MXFP4 kernel yet
   AWQ      int4 groups                           dequantized   ckpt   w = (q - z)s: 4-bit as stored
@@ -26,6 +26,11 @@ take a weight of a shape here (quantized_linear.unsupported), never which format
   float, F32, F16, BF16: the compute dtype everywhere.
 Any other GGUF type (Q2_K, Q3_K, the IQ types, ...) has no row: it is dequantized to the
 compute dtype at load, "no kernel takes" it (`format_of`).
+A K-quant is read in its super-blocks (engine.kernels.cpu_kquant) wherever that kernel passed its
+trial and the tensor's columns are the file's; elsewhere (a kernel refused, a hybrid file's
+reordered columns) it is served in its `widened` form, exactly, at more bytes a weight:
+Q4_K in int4 groups of 32 (scale d·sc, zero 8·d·sc - dmin·m), Q5_K in int8 groups of 32
+(u = q5, zero -dmin·m), Q6_K in int8 groups of 16 (q - 32).
 
 On the CPU a form is served by our kernel (engine.kernels.cpu_quant), or for int4 groups and
 int8 per channel by torch's weight-only kernels where ours does not run; a form no kernel
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.quantized_linear import INT4, INT8, INT8_GROUPS
+from engine.layers.quantized_linear import INT4, INT8, INT8_GROUPS, KQUANTS, Q4_K, Q5_K, Q6_K
 from engine.loading.awq_gptq import AWQ, GPTQ
 
 GGUF, CHECKPOINT, AT_LOAD, FLOAT = "GGUF", "AWQ/GPTQ", "at load", "float"      # where a format comes from
@@ -63,14 +68,20 @@ class StoredFormat:
     zero: bool                  # the form carries a zero point per group (w = u * scale + zero)
     cpu: Serving
     cuda: Serving
+    widened: tuple[str, int] | None = None     # a K-quant's form and group where its super-blocks are not read
 
     def on(self, device: torch.device) -> Serving:
         """How it is served on `device` (any accelerator as CUDA)."""
         return self.cpu if torch.device(device).type == "cpu" else self.cuda
 
-    def describe(self, group: int) -> str:
-        """How the report names it when served in its form: "int8 as stored (group 32)"."""
-        width = "int4" if self.cpu.form == INT4 else "int8"
+    def describe(self, form: str, group: int) -> str:
+        """How the report names it when served in `form`: "int8 as stored (group 32)",
+        "Q4_K super-blocks as stored"; a K-quant widened: "int4 groups of 32, widened"."""
+        if form in KQUANTS:
+            return f"{form} as stored"
+        width = "int4" if form == INT4 else "int8"
+        if self.widened:
+            return f"{width} groups of {group}, widened"
         return f"{width} as stored (group {group})"
 
 
@@ -78,26 +89,29 @@ def _gpu(form: str | None) -> Serving | None:
     """On CUDA: no quantized kernel in this release (None: as on the CPU, already float)."""
     if form is None:
         return None
-    width = {INT4: "int4", INT8_GROUPS: "int8", INT8: "int8"}[form]
-    return Serving(None, f"{width} weights run on the CPU only in this release (CUDA keeps them dequantized)")
+    what = {INT4: "int4 weights", INT8_GROUPS: "int8 weights", INT8: "int8 weights"}.get(form, "K-quant weights")
+    return Serving(None, f"{what} run on the CPU only in this release (CUDA keeps them dequantized)")
 
 
-def _row(name: str, source: str, form: str | None, group: int | None, why: str, zero: bool = False) -> StoredFormat:
+def _row(name: str, source: str, form: str | None, group: int | None, why: str, zero: bool = False,
+         widened: tuple[str, int] | None = None) -> StoredFormat:
     cpu = Serving(form, why)
-    return StoredFormat(name, source, group, zero, cpu, _gpu(form) or cpu)
+    return StoredFormat(name, source, group, zero, cpu, _gpu(form) or cpu, widened)
 
 
 FORMATS: dict[str, StoredFormat] = {f.name: f for f in (
     _row("Q4_0", GGUF, INT4, 32, "4-bit as stored: w = d(q - 8) is int4 groups of 32 exactly"),
     _row("Q4_1", GGUF, INT4, 32, "4-bit as stored: w = dq + m is int4 groups of 32 exactly"),
-    _row("Q4_K", GGUF, INT4, 32, "4-bit as stored: w = d·sc·q - dmin·m per sub-block of 32, int4 groups"),
+    _row("Q4_K", GGUF, Q4_K, 256, "as stored, 4.5 bits a weight: w = d·sc·q - dmin·m per sub-block of 32",
+         widened=(INT4, 32)),
     _row("Q5_0", GGUF, INT8_GROUPS, 32, "no 5-bit kernel; 8-bit groups hold w = d(q - 16) exactly: u = q, "
          "scale d, zero -16d", zero=True),
     _row("Q5_1", GGUF, INT8_GROUPS, 32, "no 5-bit kernel; 8-bit groups hold w = dq + m exactly: u = q, "
          "scale d, zero m", zero=True),
-    _row("Q5_K", GGUF, INT8_GROUPS, 32, "no 5-bit kernel; 8-bit groups hold w = d·sc·q - dmin·m exactly per "
-         "sub-block of 32: u = q, scale d·sc, zero -dmin·m", zero=True),
-    _row("Q6_K", GGUF, INT8_GROUPS, 16, "8-bit groups of 16 hold w = d·sc·(q - 32) exactly"),
+    _row("Q5_K", GGUF, Q5_K, 256, "as stored, 5.5 bits a weight: w = d·sc·q - dmin·m per sub-block of 32",
+         zero=True, widened=(INT8_GROUPS, 32)),
+    _row("Q6_K", GGUF, Q6_K, 256, "as stored, 6.5625 bits a weight: w = d·sc·(q - 32) per sub-block of 16",
+         widened=(INT8_GROUPS, 16)),
     _row("Q8_0", GGUF, INT8_GROUPS, 32, "8-bit as stored: w = dq, int8 groups of 32"),
     _row("MXFP4", GGUF, None, None, "no MXFP4 kernel yet"),
     _row(AWQ, CHECKPOINT, INT4, CHECKPOINT_GROUP, "4-bit as stored: w = (q - z)s is int4 groups exactly"),

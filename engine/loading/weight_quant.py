@@ -99,7 +99,7 @@ def plan_linears(model, weight_dtype: str, device: torch.device, stored, dtype: 
         parts = [(part, shape) for part, shape in _source(sources, name, m, model).parts]
         types = [stored.type_of(p) or FLOAT_SOURCE for p, _ in parts] if stored is not None else [FLOAT_SOURCE]
         kind, how = _choice(weight_dtype, types, device)
-        forms = [_form(source_type, stored, shape, device) for (_, shape), source_type in zip(parts, types)]
+        forms = [_form(source_type, stored, part, shape, device, dtype) for (part, shape), source_type in zip(parts, types)]
         if how == "stored":
             why_not = _why_not_stored(parts, forms, device, dtype, weight_dtype == AUTO)
         elif how == "rtn":
@@ -111,12 +111,18 @@ def plan_linears(model, weight_dtype: str, device: torch.device, stored, dtype: 
     return plans
 
 
-def _form(source_type: str, stored, shape, device: torch.device) -> tuple[str | None, int | None]:
+def _form(source_type: str, stored, part: str, shape, device: torch.device, dtype: torch.dtype
+          ) -> tuple[str | None, int | None]:
     """(the kernel form the table gives a stored type on `device`, its group): a GGUF type's
-    group is the table's, an AWQ/GPTQ checkpoint's its config's."""
+    group is the table's, an AWQ/GPTQ checkpoint's its config's; a K-quant whose super-blocks
+    cannot be read here (its kernel refused, the shape, reordered columns) its widened form's."""
     fmt = format_of(source_type)
     group = stored.int4_group(shape[1]) if fmt.group is CHECKPOINT_GROUP and fmt.cpu.form else fmt.group
-    return fmt.on(device).form, group
+    form = fmt.on(device).form
+    if form in quantized_linear.KQUANTS and (stored.moves_columns(part) or quantized_linear.unsupported(
+            form, tuple(shape), device, dtype, group)):
+        return fmt.widened
+    return form, group
 
 
 def _no_form(types: list[str], device: torch.device) -> str | None:
@@ -181,7 +187,7 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> Wei
             continue
         if p.how == "stored":
             qw = stored_weight(p, stored, dtype)
-            forms = {t: format_of(t).describe(group) for t, (_, group) in zip(p.types, p.forms)}
+            forms = {t: format_of(t).describe(form, group) for t, (form, group) in zip(p.types, p.forms)}
         else:
             qw = quantized_linear.quantize(p.module.weight, p.kind, dtype)
             forms = {p.source_type: f"{qw.describe()} round-to-nearest at load"}
@@ -239,7 +245,8 @@ def stored_weight(plan: LinearPlan, stored, dtype: torch.dtype):
             runs.append((form, [part]))
     weights = []
     for (form, _), parts in runs:
-        groups = stored.int4_groups if form == INT4 else stored.int8_groups
+        groups = (stored.int4_groups if form == INT4 else stored.kquant_blocks if form in quantized_linear.KQUANTS
+                  else stored.int8_groups)
         for rows in _row_slices(plan, parts):
             tensors = _cat(form, [groups(part) if rows == slice(None) else groups(part, rows) for part in parts])
             weights.append(_from_groups(form, tensors, dtype))
@@ -253,6 +260,8 @@ def _from_groups(form: str, tensors: tuple[torch.Tensor, ...], dtype: torch.dtyp
     (q, scale) or, where the format has a zero point (Q5_0, Q5_1, Q5_K), (q, scale, zero)."""
     if form == INT4:
         return quantized_linear.from_int4_groups(*tensors, dtype)
+    if form in quantized_linear.KQUANTS:
+        return quantized_linear.from_kquant(*tensors, form, dtype)
     q, scale, *zero = tensors
     return quantized_linear.from_int8_groups(q, scale, dtype, *zero)
 
@@ -308,7 +317,7 @@ def _choice(weight_dtype: str, types: list[str], device: torch.device) -> tuple[
     forms = [format_of(t).on(device).form for t in types]
     if weight_dtype == AUTO and all(forms):
         return "stored", "stored"
-    if weight_dtype == INT4 and all(form == INT4 for form in forms):
+    if weight_dtype == INT4 and all(form in (INT4, quantized_linear.Q4_K) for form in forms):
         return INT4, "stored"
     if weight_dtype in (INT4, INT8):
         return weight_dtype, "rtn"
