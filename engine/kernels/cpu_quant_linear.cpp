@@ -594,7 +594,8 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   const int64_t unit = kq ? (fmt == KQ4 ? ksb_bytes(KQ4) : fmt == KQ5 ? ksb_bytes(KQ5) : ksb_bytes(KQ6))
                           : group_bytes(bits, group);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == unit,
-              "linear_q: x [M, K] and w [N / 16, K / group, bytes per group] uint8 expected");
+              "linear_q: x [M, K] and w [N / 16, K / group, ", unit, "] uint8 expected",
+              kq ? " (K-quant super-blocks: 16 x the file's bytes a block)" : "");
   TORCH_CHECK(x.size(1) == w.size(1) * group && x.size(1) % XB == 0, "linear_q: x's K does not match the weight's");
   TORCH_CHECK(kq ? scales.numel() == 0 :
               scales.dim() == 4 && scales.size(0) == w.size(0) && scales.size(1) == w.size(1) && scales.size(2) == 2 &&
