@@ -4,8 +4,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # First: this CPU's ISA flags and which path each CPU-specific kernel took here (each is tried
-# before the engine relies on it; the next machine may have another ISA).
-.venv/bin/python -m engine.runtime.cpu_paths >&2
+# before the engine relies on it; the next machine may have another ISA). This machine has a
+# compiler (it builds llama.cpp), so each of our kernels must build and pass its trials here:
+# --require fails the run, naming a kernel that refused, and the suite's tests that skip on a
+# refusal on a user's machine fail under WORKBENCH_REQUIRE_KERNELS (tests/kernels_required.py).
+export WORKBENCH_REQUIRE_KERNELS=1
+.venv/bin/python -m engine.runtime.cpu_paths --require >&2
 # dtype auto for the default model: its whole-step trial (fp32 and bf16 loaded and timed, once
 # per CPU: engine.runtime.cpu_dtype) and its compiled step, here rather than inside the first
 # test that loads it, so no test's load timeout pays for them.

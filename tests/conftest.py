@@ -38,6 +38,7 @@ def forced_fallback(name: str | None):
     from engine import cpu_features
     from engine.kernels import cpu_attention, cpu_fp8, cpu_linear, cpu_quant
     from engine.layers import packed_linear, quantized_linear
+    from tests.kernels_required import skip_unless_runs
     ours_refused = lambda: "our CPU linear refused (forced by a test)"                       # noqa: E731
     onednn_refused = lambda dtype: "oneDNN refused this dtype (forced by a test)"            # noqa: E731
     with pytest.MonkeyPatch.context() as mp:
@@ -49,8 +50,9 @@ def forced_fallback(name: str | None):
         if name == "row-tiles":
             mp.setattr(packed_linear, "_fixed_tiles", True)
         elif name == "avx2":
-            if cpu_linear.refusal() or not all(f in cpu_features.flags() for f in cpu_linear.NEEDS["avx2"]):
-                pytest.skip(f"our CPU linear does not run here: {cpu_linear.refusal()}")
+            skip_unless_runs(cpu_linear.refusal(), "our CPU linear")
+            if not all(f in cpu_features.flags() for f in cpu_linear.NEEDS["avx2"]):
+                pytest.skip("our CPU linear's avx2 path does not run here (no such CPU)")
             mp.setitem(cpu_linear._chosen, "isa", "avx2")
         elif name in ("quant-ours-refused", "quant-refused"):
             mp.setattr(cpu_quant, "refusal", lambda: "our quantized linear refused (forced by a test)")
@@ -58,8 +60,9 @@ def forced_fallback(name: str | None):
                 mp.setattr(quantized_linear, "refusal", lambda kind, dtype: f"{kind} kernel refused (forced by a test)")
         elif name in QUANT_PATHS:
             isa = QUANT_PATHS[name]
-            if cpu_quant.refusal() or not all(f in cpu_features.flags() for f in cpu_quant.NEEDS[isa]):
-                pytest.skip(f"our quantized linear's {isa} path does not run here ({cpu_quant.refusal() or 'no such CPU'})")
+            skip_unless_runs(cpu_quant.refusal(), "our quantized CPU linear")
+            if not all(f in cpu_features.flags() for f in cpu_quant.NEEDS[isa]):
+                pytest.skip(f"our quantized linear's {isa} path does not run here (no such CPU)")
             mp.setitem(cpu_quant._chosen, "isa", isa)
         elif name == "fp8-refused":
             mp.setattr(cpu_fp8, "refusal", lambda: "our FP8 cache read refused (forced by a test)")

@@ -23,6 +23,7 @@ from engine.cache.kv_cache import FP8_DTYPE, CacheShape, KVCache, dequantize_fp8
 from engine.layers import attention_op
 from engine.layers.attention import CPU, KERNELS, TORCH, SeqSlice, attention, paged_attention_ref, prepare, store_kv
 from engine.layers.attention_metadata import TreeRows
+from tests.kernels_required import skip_unless_runs
 
 H_Q, H_KV, D, BS = 4, 2, 32, 4          # GQA groups of 2; 4-token blocks: tables cut tiles and chunks
 NUM_BLOCKS = 80
@@ -54,8 +55,7 @@ def _use(name: str):
     if name.startswith("cpu"):
         from engine import cpu_features
         from engine.kernels import cpu_attention
-        if _cpu_refusal() is not None:
-            pytest.skip(f"our CPU attention does not run here: {_cpu_refusal()}")
+        skip_unless_runs(_cpu_refusal(), "our CPU attention")
         isa = name.removeprefix("cpu-")
         if not all(f in cpu_features.flags() for f in cpu_attention.NEEDS[isa]):
             pytest.skip(f"no {isa} on this CPU")

@@ -14,8 +14,9 @@ from engine.kernels import cpu_attention
 from engine.kernels.cpu_attention import PassRows, reference
 from engine.layers.attention import store_kv
 from tests.conftest import forced_fallback
+from tests.kernels_required import every_test_needs
 
-pytestmark = pytest.mark.skipif(cpu_attention.refusal() is not None, reason=f"{cpu_attention.refusal()}")
+_needs_kernel = every_test_needs(cpu_attention.refusal, "our CPU attention")
 
 
 def _cache(dtype, num_kv_heads, head_dim, block_size, num_blocks=12, seed=0):

@@ -14,6 +14,7 @@ from engine.layers import attention
 from engine.loading.loader import load_model
 from engine.loading.synthetic import write_checkpoint
 from tests.conftest import forced_fallback
+from tests.kernels_required import skip_unless_runs
 
 # e4m3fn's extremes: ±0, the smallest and largest subnormals, the smallest normal, ±448 and the NaNs
 EXTREMES = [0x00, 0x80, 0x01, 0x81, 0x07, 0x87, 0x08, 0x88, 0x7e, 0xfe, 0x7f, 0xff]
@@ -31,8 +32,7 @@ def offered_isas() -> list[str]:
 
 @pytest.fixture
 def serving():
-    if cpu_fp8.refusal():
-        pytest.skip(cpu_fp8.refusal())
+    skip_unless_runs(cpu_fp8.refusal(), "our FP8 cache read")
 
 
 def fp8_pool(blocks: int, block_size: int, heads: int, head_dim: int, seed: int = 0):

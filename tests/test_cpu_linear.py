@@ -7,8 +7,9 @@ import torch.nn.functional as F
 
 from engine import cpu_features
 from engine.kernels import cpu_linear
+from tests.kernels_required import every_test_needs
 
-pytestmark = pytest.mark.skipif(cpu_linear.refusal() is not None, reason=f"{cpu_linear.refusal()}")
+_needs_kernel = every_test_needs(cpu_linear.refusal, "our CPU linear")
 RUNNABLE = [isa for isa, needs in cpu_linear.NEEDS.items() if all(f in cpu_features.flags() for f in needs)]
 
 

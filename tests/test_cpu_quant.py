@@ -8,8 +8,9 @@ import torch
 from engine import cpu_features
 from engine.kernels import cpu_quant
 from engine.layers import quantized_linear
+from tests.kernels_required import every_test_needs
 
-pytestmark = pytest.mark.skipif(cpu_quant.refusal() is not None, reason=f"{cpu_quant.refusal()}")
+_needs_kernel = every_test_needs(cpu_quant.refusal, "our quantized CPU linear")
 RUNNABLE = [isa for isa, needs in cpu_quant.NEEDS.items() if all(f in cpu_features.flags() for f in needs)]
 FORMATS = [(4, 32), (8, 32), (8, 16)]
 

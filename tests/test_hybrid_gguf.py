@@ -23,6 +23,7 @@ from engine.loading.loader import load_config, load_model, resolve, transformers
 from engine.loading.synthetic import make_config
 from engine.loading.synthetic_gguf import write_gguf
 from engine.loading.synthetic_gguf_hybrid import TINY_QWEN35_GGUF, TINY_QWEN3_NEXT_GGUF
+from tests.kernels_required import skip_unless_runs
 from tests.test_moe_gguf import PROMPTS, greedy, our_logits
 
 QWEN35, QWEN3_NEXT = "qwen3_5_text", "qwen3_next"
@@ -270,8 +271,7 @@ def test_bf16_serves_the_reordered_linears_as_stored(arch, gguf_file, reference)
     """bf16, weight_dtype auto: Qwen3.5's in_proj_qkv and out_proj are int8 groups from the file
     (never read in float), and the logits stay within twice the bf16 float model's error."""
     why = quantized_linear.unsupported(INT8_GROUPS, (256, 64), torch.device("cpu"), torch.bfloat16, 32)
-    if why:
-        pytest.skip(f"no 8-bit group kernel here: {why}")
+    skip_unless_runs(why, "our quantized CPU linear (8-bit groups)")
     loaded = load_model(str(gguf_file), dtype=torch.bfloat16)
     mixer = loaded.model.layers[0].linear_attn
     for linear in (mixer.in_proj_qkv, mixer.out_proj):

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from engine.layers import quantized_linear
-from engine.layers.quantized_linear import INT4, INT8_GROUPS
+from engine.layers.quantized_linear import INT4, INT8_GROUPS, Q4_K, Q6_K
 from engine.loading.gguf_tensors import GGUFTensors
 from engine.loading.loader import load_model, transformers_model
 from engine.loading.synthetic_gguf import quantize, recipe_type, use_more_bits, write_gguf
 from engine.loading.synthetic import make_config
 from engine.models.llama import Linear
 from tests.conftest import LOGITS_TEXT, our_logits
+from tests.kernels_required import excused, skip_unless_runs
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 64, 256
 # One tensor per stored type, named as a Llama model's: q and k have their rows permuted by
@@ -132,13 +133,13 @@ def exact(mix_file):
 def _kernels_refuse() -> str | None:
     cpu = torch.device("cpu")
     return (quantized_linear.unsupported(INT4, (HIDDEN, HIDDEN), cpu, torch.bfloat16, 32)
-            or quantized_linear.unsupported(INT8_GROUPS, (HIDDEN, HIDDEN), cpu, torch.bfloat16, 16))
+            or quantized_linear.unsupported(INT8_GROUPS, (HIDDEN, HIDDEN), cpu, torch.bfloat16, 16)
+            or quantized_linear.unsupported(Q4_K, (HIDDEN, HIDDEN), cpu, torch.bfloat16, 256))
 
 
 @pytest.fixture(scope="module")
 def as_stored(mix_file):
-    if _kernels_refuse():
-        pytest.skip(f"no quantized kernel here: {_kernels_refuse()}")
+    skip_unless_runs(_kernels_refuse(), "our quantized CPU linear")
     return load_model(str(mix_file), dtype=torch.bfloat16)
 
 
@@ -153,7 +154,7 @@ def test_our_float_read_of_a_gguf_is_transformers_own(mix_file, exact):
 
 def test_every_quantized_tensor_a_kernel_takes_is_served_as_stored(as_stored):
     report = as_stored.weights.as_dict()
-    assert report["served"] == {"Q4_K": "int4 as stored (group 32)", "Q6_K": "int8 as stored (group 16)",
+    assert report["served"] == {"Q4_K": "Q4_K super-blocks as stored", "Q6_K": "Q6_K super-blocks as stored",
                                 "Q8_0": "int8 as stored (group 32)", "Q5_0": "int8 as stored (group 32)"}
     assert (report["quantized_linears"], report["linears"]) == (4 * 4 + 1, 4 * 4 + 1)     # the Q5_0 downs too
     for i, layer in enumerate(as_stored.model.layers):
@@ -164,16 +165,45 @@ def test_every_quantized_tensor_a_kernel_takes_is_served_as_stored(as_stored):
     head = as_stored.model.lm_head
     # the tied embedding's rows are looked up in the head's stored bytes: no float table
     embedding = as_stored.model.embed_tokens
-    assert head.quant.kind == INT8_GROUPS and embedding.weight.is_meta and embedding.rows_from is head.quant
+    assert head.quant.kind == Q6_K and embedding.weight.is_meta and embedding.rows_from is head.quant
+
+
+def test_a_token_reads_the_files_bytes_of_each_k_quant(mix_file, as_stored):
+    """Super-blocks read as stored: the bytes a token reads of each quantized linear are the
+    file's bytes of its tensors (the tied Q6_K head whole), not half as many again."""
+    from engine.loading.gguf_tensors import read_header
+    from engine.speculative.step_costs import weight_bytes_per_token
+    _, tensors = read_header(mix_file)
+    k_quants = sum(t.n_bytes for t in tensors if t.tensor_type.name in ("Q4_K", "Q6_K"))
+    parts = [part for m in as_stored.model.modules() if getattr(m, "quant", None) is not None
+             for part in getattr(m.quant, "parts", [m.quant])]
+    assert sum(p.nbytes for p in parts if p.kind in quantized_linear.KQUANTS) == k_quants
+    floats = sum(p.numel() * p.element_size() for p in as_stored.model.parameters() if not p.is_meta)
+    row = HIDDEN * torch.bfloat16.itemsize        # the embedding row a token looks up
+    assert weight_bytes_per_token(as_stored.model) == sum(p.nbytes for p in parts) + floats + row
+
+
+def test_a_refused_k_quant_kernel_serves_the_widened_forms_with_the_same_logits(mix_file, as_stored, monkeypatch):
+    """Where the K-quant kernel refuses (a trial failed), Q4_K is served in int4 groups and Q6_K
+    in 8-bit groups of 16, exactly the same weights: the logits agree with the super-blocks' to
+    the rounding of d * sc * x against (d * sc) rounded into a widened scale."""
+    from engine.kernels import cpu_kquant
+    monkeypatch.setattr(cpu_kquant, "refusal", lambda: "a trial failed (forced)")
+    widened = load_model(str(mix_file), dtype=torch.bfloat16)
+    assert widened.weights.as_dict()["served"]["Q4_K"] == "int4 groups of 32, widened"
+    assert widened.weights.as_dict()["served"]["Q6_K"] == "int8 groups of 16, widened"
+    assert widened.model.lm_head.quant.kind == INT8_GROUPS
+    a, b = our_logits(widened).float(), our_logits(as_stored).float()
+    assert (a - b).abs().max() <= 2e-2 * b.abs().max()
 
 
 def test_a_fused_linear_of_mixed_types_runs_each_part_in_its_kernel(as_stored, exact):
-    """Layers 2 and 3 store q, k in Q4_K and v in Q6_K: one int4 weight for q and k, an int8
-    group weight for v, stacked; together they compute the file's weights."""
+    """Layers 2 and 3 store q, k in Q4_K and v in Q6_K: one Q4_K weight for q and k, a Q6_K one
+    for v, stacked; together they compute the file's weights."""
     for i in (2, 3):
         qkv = as_stored.model.layers[i].self_attn.qkv_proj
         parts = qkv.quant.parts
-        assert [p.kind for p in parts] == [INT4, INT8_GROUPS] and [p.shape[0] for p in parts] == [HIDDEN + 128, 128]
+        assert [p.kind for p in parts] == [Q4_K, Q6_K] and [p.shape[0] for p in parts] == [HIDDEN + 128, 128]
         want = exact.model.layers[i].self_attn.qkv_proj.dense_weight()
         assert (quantized_linear.dequantize(qkv.quant).float() - want).abs().max() <= 1e-2 * want.abs().max()
     assert not hasattr(as_stored.model.layers[0].self_attn.qkv_proj.quant, "parts")     # all Q4_K: one weight
@@ -194,8 +224,7 @@ def test_a_tensor_served_as_stored_is_never_read_in_float(mix_file, monkeypatch)
     embedding row, for the weights' fingerprint, which a draft head checks:
     engine.models.eagle_head); every other tensor goes from its blocks to its kernel, the Q5_0
     downs and the embedding's lookups included."""
-    if _kernels_refuse():
-        pytest.skip(f"no quantized kernel here: {_kernels_refuse()}")
+    skip_unless_runs(_kernels_refuse(), "our quantized CPU linear")
     read = []
     original = GGUFTensors.dequantized
     monkeypatch.setattr(GGUFTensors, "dequantized", lambda self, name, dtype=torch.float32, rows=slice(None):
@@ -214,7 +243,7 @@ def test_a_large_tensor_is_packed_in_slices_of_rows_with_the_same_results(mix_fi
     monkeypatch.setattr(weight_quant, "PART_VALUES", 2**20)
     sliced = load_model(str(mix_file), dtype=torch.bfloat16)
     parts = sliced.model.lm_head.quant.parts
-    assert [p.shape[0] for p in parts] == [4096] * 12 and all(p.kind == INT8_GROUPS for p in parts)
+    assert [p.shape[0] for p in parts] == [4096] * 12 and all(p.kind == Q6_K for p in parts)
     assert torch.equal(our_logits(sliced), our_logits(as_stored))
 
 
@@ -238,5 +267,5 @@ def test_bench_load_measures_a_gguf_against_its_file_size(mix_file):
     assert result["rss_target_basis"] == "file_bytes"
     assert result["rss_target_bytes"] == int(RSS_FACTOR * result["file_bytes"] + RSS_SLACK)
     assert result["stored_types"] == ["Q4_K", "Q5_0", "Q6_K", "Q8_0"]
-    assert result["weights"]["served"]["Q4_K"] == "int4 as stored (group 32)" or _kernels_refuse()
+    assert result["weights"]["served"]["Q4_K"] == "Q4_K super-blocks as stored" or excused(_kernels_refuse(), "our quantized CPU linear")
     assert result["all_quantized_as_stored"] is (not _kernels_refuse())       # Q5_0 too

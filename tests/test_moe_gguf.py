@@ -18,13 +18,14 @@ from engine import EngineConfig, SamplingParams
 from engine.engine import LLMEngine
 from engine.errors import CheckpointError
 from engine.layers import quantized_linear
-from engine.layers.quantized_linear import INT4, INT8_GROUPS
+from engine.layers.quantized_linear import INT4, INT8_GROUPS, Q4_K, Q6_K
 from engine.loading.gguf_tensors import GGUFTensors, _mxfp4
 from engine.loading.loader import load_config, load_model, resolve, transformers_model
 from engine.loading.synthetic import make_config
 from engine.loading.synthetic_gguf import TINY_QWEN3_MOE_Q4_K, recipe_type, use_more_bits, write_gguf
 from engine.runtime.model_runner import ModelRunner
 from tests.conftest import LOGITS_TEXT
+from tests.kernels_required import excused, skip_unless_runs
 
 QWEN3_MOE, GPT_OSS = "qwen3_moe", "gpt_oss"
 FILES = {QWEN3_MOE: (TINY_QWEN3_MOE_Q4_K, "Q4_K_M"), GPT_OSS: ("tiny-gpt-oss", "MXFP4_MOE")}
@@ -121,7 +122,8 @@ def greedy(loaded, prompts=PROMPTS, tokens=16) -> list[list[int]]:
 def _kernels_refuse() -> str | None:
     cpu = torch.device("cpu")
     return (quantized_linear.unsupported(INT4, (512, 256), cpu, torch.bfloat16, 32)
-            or quantized_linear.unsupported(INT8_GROUPS, (256, 256), cpu, torch.bfloat16, 16))
+            or quantized_linear.unsupported(INT8_GROUPS, (256, 256), cpu, torch.bfloat16, 16)
+            or quantized_linear.unsupported(Q4_K, (256, 256), cpu, torch.bfloat16, 256))
 
 
 # ---- the files -------------------------------------------------------------------------
@@ -232,19 +234,18 @@ def test_a_float_load_of_the_file_is_the_reference_weights(arch, gguf_file, refe
 
 @pytest.mark.parametrize("arch", [QWEN3_MOE], scope="module")
 def test_qwen3_moe_experts_are_served_as_stored_one_linear_each(arch, gguf_file, reference):
-    """bf16, weight_dtype auto: every expert's gate_up an int4 weight (Q4_K as stored), its
-    down int4 or, in the Q6_K layer, int8 groups of 16; none read in float. The logits stay
+    """bf16, weight_dtype auto: every expert's gate_up a Q4_K weight as stored, its down Q4_K
+    or, in the Q6_K layer, Q6_K; none read in float. The logits stay
     within twice the bf16 float model's error of the file's exact weights."""
-    if _kernels_refuse():
-        pytest.skip(f"no quantized kernel here: {_kernels_refuse()}")
+    skip_unless_runs(_kernels_refuse(), "our quantized CPU linear")
     loaded = load_model(str(gguf_file), dtype=torch.bfloat16)
-    assert loaded.weights.served["Q4_K"] == "int4 as stored (group 32)"
-    assert loaded.weights.served["Q6_K"] == "int8 as stored (group 16)"
+    assert loaded.weights.served["Q4_K"] == "Q4_K super-blocks as stored"
+    assert loaded.weights.served["Q6_K"] == "Q6_K super-blocks as stored"
     for i, layer in enumerate(loaded.model.layers):
         for expert in layer.mlp.experts:
-            assert expert.gate_up_proj.quant.kind == INT4 and expert.gate_up_proj.weight.is_meta
+            assert expert.gate_up_proj.quant.kind == Q4_K and expert.gate_up_proj.weight.is_meta
             assert expert.gate_up_proj.quant.shape == (512, 256)
-            assert expert.down_proj.quant.kind == (INT4 if i == 0 else INT8_GROUPS) and expert.down_proj.weight.is_meta
+            assert expert.down_proj.quant.kind == (Q4_K if i == 0 else Q6_K) and expert.down_proj.weight.is_meta
         assert layer.mlp.router.quant is None           # F32 in the file: llama.cpp never quantizes it
     exact = our_logits(load_model(str(reference), weight_dtype="float")).float()
     bf16 = our_logits(load_model(str(reference), dtype=torch.bfloat16, weight_dtype="float")).float()
@@ -268,7 +269,7 @@ def test_gpt_oss_mxfp4_experts_are_dequantized_at_load_and_said(arch, gguf_file,
             want = reference_model.layers[i].mlp.experts[e]
             assert torch.equal(expert.gate_up_proj.dense_weight(), want.gate_up_proj.dense_weight())
             assert torch.equal(expert.down_proj.bias, want.down_proj.bias)
-    if not _kernels_refuse():
+    if not excused(_kernels_refuse(), "our quantized CPU linear"):
         assert served["Q8_0"] == "int8 as stored (group 32)"
         assert loaded.model.layers[0].self_attn.qkv_proj.quant.kind == INT8_GROUPS
     exact = our_logits(load_model(str(reference), weight_dtype="float")).float()

@@ -14,6 +14,7 @@ from engine.bench.model_memory import CARDS, model_memory, quantized_bytes
 from engine.cache.memory_plan import GiB, MiB, plan_memory, weights_bytes
 from engine.loading.synthetic import make_config, write_checkpoint
 from engine.metrics import experts_active_by_batch
+from tests.kernels_required import skip_unless_runs
 
 CONTEXT = 32768
 
@@ -106,8 +107,7 @@ def test_cards_say_what_fits_after_the_weights_and_a_reserve(qwen3_30b):
 def test_quantized_sizes_are_our_kernels_bytes():
     from engine.kernels import cpu_quant
     from engine.layers import quantized_linear
-    if cpu_quant.refusal():
-        pytest.skip(f"our quantized kernel does not run here: {cpu_quant.refusal()}")
+    skip_unless_runs(cpu_quant.refusal(), "our quantized CPU linear")
     w = torch.randn(48, 96)
     assert quantized_linear.quantize_int4(w, torch.bfloat16).nbytes == quantized_bytes(48, 96, "int4")
     assert quantized_linear.quantize_int8(w, torch.bfloat16).nbytes == quantized_bytes(48, 96, "int8")

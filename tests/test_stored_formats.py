@@ -9,7 +9,7 @@ import torch
 
 from engine.kernels import cpu_quant
 from engine.layers import quantized_linear
-from engine.layers.quantized_linear import INT4, INT8, INT8_GROUPS
+from engine.layers.quantized_linear import INT4, INT8, INT8_GROUPS, Q4_K, Q5_K, Q6_K
 from engine.loading import gguf_tensors, stored_formats
 from engine.loading.loader import load_config, load_model, resolve
 from engine.loading.stored_formats import FORMATS, format_of
@@ -18,6 +18,7 @@ from engine.loading.synthetic import make_config
 from engine.loading.weight_quant import plan_linears
 from engine.models.llama import Linear
 from tests.conftest import our_logits
+from tests.kernels_required import excused, skip_unless_runs
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 64, 256
@@ -35,18 +36,23 @@ def _kernel_refuses() -> str | None:
 
 # ---- the table ---------------------------------------------------------------------------
 def test_every_stored_format_says_how_each_device_serves_it_and_why():
-    """On the CPU: the 4-bit types and AWQ/GPTQ as int4 groups, Q5/Q6_K/Q8_0 as 8-bit groups,
-    MXFP4 dequantized; on CUDA every quantized format dequantized, each with its reason."""
+    """On the CPU: the K-quants in their super-blocks (widened to int4 / 8-bit groups where those
+    cannot be read), the other 4-bit types and AWQ/GPTQ as int4 groups, Q5_0/Q5_1/Q8_0 as 8-bit
+    groups, MXFP4 dequantized; on CUDA every quantized format dequantized, each with its reason."""
     cpu = {name: f.on(CPU).form for name, f in FORMATS.items()}
-    assert cpu == {"Q4_0": INT4, "Q4_1": INT4, "Q4_K": INT4, "Q5_0": INT8_GROUPS, "Q5_1": INT8_GROUPS,
-                   "Q5_K": INT8_GROUPS, "Q6_K": INT8_GROUPS, "Q8_0": INT8_GROUPS, "MXFP4": None, "AWQ": INT4,
+    assert cpu == {"Q4_0": INT4, "Q4_1": INT4, "Q4_K": Q4_K, "Q5_0": INT8_GROUPS, "Q5_1": INT8_GROUPS,
+                   "Q5_K": Q5_K, "Q6_K": Q6_K, "Q8_0": INT8_GROUPS, "MXFP4": None, "AWQ": INT4,
                    "GPTQ": INT4, "int4 at load": INT4, "int8 at load": INT8, "float": None, "F32": None,
                    "F16": None, "BF16": None}
     assert {name: f.group for name, f in FORMATS.items() if f.cpu.form} == {
-        "Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q5_0": 32, "Q5_1": 32, "Q5_K": 32, "Q6_K": 16, "Q8_0": 32,
+        "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q5_0": 32, "Q5_1": 32, "Q5_K": 256, "Q6_K": 256, "Q8_0": 32,
         "AWQ": None, "GPTQ": None, "int4 at load": 32, "int8 at load": 0}     # None: the checkpoint's group_size
+    assert {name: f.widened for name, f in FORMATS.items() if f.widened} == {
+        "Q4_K": (INT4, 32), "Q5_K": (INT8_GROUPS, 32), "Q6_K": (INT8_GROUPS, 16)}
     assert all(f.on(CUDA).form is None and f.on(CUDA).why for f in FORMATS.values())
-    assert FORMATS["Q5_K"].on(CUDA).why == "int8 weights run on the CPU only in this release (CUDA keeps them dequantized)"
+    assert FORMATS["Q5_0"].on(CUDA).why == "int8 weights run on the CPU only in this release (CUDA keeps them dequantized)"
+    assert FORMATS["Q5_K"].on(CUDA).why == (
+        "K-quant weights run on the CPU only in this release (CUDA keeps them dequantized)")
     assert FORMATS["MXFP4"].on(CPU).why == FORMATS["MXFP4"].on(CUDA).why == "no MXFP4 kernel yet"
     assert {name for name, f in FORMATS.items() if f.zero} == {"Q5_0", "Q5_1", "Q5_K"}
     table = stored_formats.__doc__.splitlines()       # the docstring's table names every quantized row
@@ -102,8 +108,7 @@ def test_random_blocks_decode_to_the_oracles_weights_exactly(kind):
 def test_q5_blocks_packed_for_our_kernel_hold_the_oracles_weights(kind):
     """Through the 8-bit group kernel's layout (u = q, w = d * u + m): unpacked, the oracle's
     weights; the kernel's output in fp32 matches x @ w."""
-    if _kernel_refuses():
-        pytest.skip(f"our kernel does not run here: {_kernel_refuses()}")
+    skip_unless_runs(_kernel_refuses(), "our quantized CPU linear")
     raw = _random_blocks(kind, 32, 512 // gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0],
                          np.random.default_rng(11))
     want = torch.from_numpy(gguf.quants.dequantize(raw.reshape(32, -1), gguf.GGMLQuantizationType[kind]))
@@ -121,8 +126,7 @@ def test_q5_blocks_packed_for_our_kernel_hold_the_oracles_weights(kind):
 def test_q8_0_and_q6_k_pack_to_the_bytes_they_always_had(kind):
     """A zero point in the 8-bit form changes nothing for the types without one: u = q + 128,
     m = -128 d, byte for byte."""
-    if _kernel_refuses():
-        pytest.skip(f"our kernel does not run here: {_kernel_refuses()}")
+    skip_unless_runs(_kernel_refuses(), "our quantized CPU linear")
     raw = _random_blocks(kind, 32, 1, np.random.default_rng(3))
     q, scale = (torch.from_numpy(np.ascontiguousarray(a)) for a in gguf_tensors._DECODERS[kind](raw))
     qw = quantized_linear.from_int8_groups(q, scale, torch.bfloat16)
@@ -145,15 +149,14 @@ def test_the_q5_k_m_recipe_is_q4_k_ms_with_q5_k():
 
 
 def test_a_q5_k_m_file_is_served_as_stored_with_the_files_weights(q5_file):
-    """fp32, weight_dtype auto: every linear as stored (Q5_K and Q5_1 in 8-bit groups of 32),
-    none read in float, each weight the file's exactly."""
-    if _kernel_refuses():
-        pytest.skip(f"our kernel does not run here: {_kernel_refuses()}")
+    """fp32, weight_dtype auto: every linear as stored (Q5_K and Q6_K in their super-blocks, Q5_1
+    in 8-bit groups of 32), none read in float, each weight the file's exactly."""
+    skip_unless_runs(_kernel_refuses(), "our quantized CPU linear")
     loaded = load_model(str(q5_file), dtype=torch.float32)
     exact = load_model(str(q5_file), dtype=torch.float32, weight_dtype="float")
     report = loaded.weights.as_dict()
-    assert report["served"] == {"Q5_K": "int8 as stored (group 32)", "Q5_1": "int8 as stored (group 32)",
-                                "Q6_K": "int8 as stored (group 16)", "Q8_0": "int8 as stored (group 32)"}
+    assert report["served"] == {"Q5_K": "Q5_K super-blocks as stored", "Q5_1": "int8 as stored (group 32)",
+                                "Q6_K": "Q6_K super-blocks as stored", "Q8_0": "int8 as stored (group 32)"}
     assert (report["quantized_linears"], report["linears"]) == (4 * 4 + 1, 4 * 4 + 1)
     for (name, m), (_, want) in zip(loaded.model.named_modules(), exact.model.named_modules()):
         if isinstance(m, Linear):
@@ -163,8 +166,7 @@ def test_a_q5_k_m_file_is_served_as_stored_with_the_files_weights(q5_file):
 def test_q5_k_m_logits_stay_as_close_to_exact_as_bf16(q5_file):
     """As the Q4_K_M file's (tests/test_kquants.py): served as stored in bf16, within twice
     the dequantized bf16 model's error against the file's exact weights."""
-    if _kernel_refuses():
-        pytest.skip(f"our kernel does not run here: {_kernel_refuses()}")
+    skip_unless_runs(_kernel_refuses(), "our quantized CPU linear")
     reference = our_logits(load_model(str(q5_file), dtype=torch.float32, weight_dtype="float")).float()
     stored = load_model(str(q5_file), dtype=torch.bfloat16)
     assert stored.weights.quantized == 17
@@ -184,7 +186,8 @@ def test_on_cuda_the_plan_dequantizes_every_stored_format_and_says_why(q5_file):
         model = LlamaFamilyModel(config)
     plans = plan_linears(model, "auto", CUDA, GGUFTensors(q5_file, config), torch.bfloat16)
     assert len(plans) == 17 and not any(p.as_stored for p in plans)
-    assert {p.why_not for p in plans} == {"int8 weights run on the CPU only in this release (CUDA keeps them dequantized)"}
+    cpu_only = " run on the CPU only in this release (CUDA keeps them dequantized)"
+    assert {why for p in plans for why in p.why_not.split("; ")} == {"int8 weights" + cpu_only, "K-quant weights" + cpu_only}
     int4 = plan_linears(model, "int4", CUDA, GGUFTensors(q5_file, config), torch.bfloat16)
     assert {p.why_not for p in int4} == {"int4 weights run on the CPU only in this release (CUDA keeps them dequantized)"}
 
@@ -202,15 +205,14 @@ def test_a_part_of_a_type_without_a_row_dequantizes_its_linear_and_says_why():
     plans = {p.name: p for p in plan_linears(model, "auto", CPU, Stored(), torch.float32)}
     gate_up = plans["layers.0.mlp.gate_up_proj"]
     assert gate_up.source_type == "Q3_K+Q8_0" and gate_up.why_not == "no kernel takes Q3_K" and not gate_up.as_stored
-    assert plans["layers.0.self_attn.qkv_proj"].as_stored or _kernel_refuses()
+    assert plans["layers.0.self_attn.qkv_proj"].as_stored or excused(_kernel_refuses(), "our quantized CPU linear")
 
 
 def test_a_fused_linear_of_q5_0_and_q8_0_parts_is_one_8_bit_weight(tmp_path):
     """Q4_K_M on a width that is not whole super-blocks (320): q, k fall back to Q5_0 and, in
     the layers use_more_bits picks, v to Q8_0. The 8-bit groups with and without a zero point
     concatenate into one weight (no stacking), the file's weights exactly."""
-    if _kernel_refuses():
-        pytest.skip(f"our kernel does not run here: {_kernel_refuses()}")
+    skip_unless_runs(_kernel_refuses(), "our quantized CPU linear")
     path = write_gguf(tmp_path / "narrow-q4_k_m.gguf", {**MIX, "hidden_size": 320}, "Q4_K_M")
     loaded = load_model(str(path), dtype=torch.float32)
     exact = load_model(str(path), dtype=torch.float32, weight_dtype="float")

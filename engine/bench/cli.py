@@ -12,7 +12,9 @@ engine.bench.serve_remote), all. Each prints one JSON object with --json (field 
 contract: scripts read them) and exits 0 when it ran; an error it can name (an unreachable
 server, a bad option) is one line on stderr and exit code 2. Timings are medians;
 comparisons are ratios measured in the same run, since the machine may be shared and noisy. Every scenario with a model runs on --model (a HF folder
-or a .gguf; default: the embedded model), with --draft, --device and --dtype where given.
+or a .gguf; default: the embedded model) or --synthetic (a preset's random-weight checkpoint, written once to the
+user cache), with --draft, --device and --dtype where given; a scenario that cannot take one of them says so and
+exits 2 before anything runs (engine.bench.model_flags: which scenario takes which).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from engine.bench.gpu import bench_gpu_check
 from engine.bench.peer import BUSY_BUDGET_S, bench_peer
 from engine.bench.quality import bench_quality
 from engine.bench import kl_divergence, quality, serve, serve_remote
+from engine.bench.model_flags import model_source
 from engine.bench.scenarios import (BUILTIN_SHAPES, bench_decode, bench_kv, bench_memory, bench_parity, bench_prefix,
                                     bench_speculative)
 from engine.config import BY_KEY
@@ -38,7 +41,7 @@ from engine.workload import WORKLOAD_BY_KEY
 
 def bench_kernels(args) -> dict:
     from engine.bench.kernels import run_kernel_bench
-    return run_kernel_bench()
+    return run_kernel_bench(model_source("kernels", args))
 
 
 def bench_load(args) -> dict:
@@ -69,7 +72,7 @@ def exit_on_signals() -> None:
 NOT_IN_ALL = ("agreement",)          # needs --against and a real file
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("scenario", choices=[*SCENARIOS, "all"])
@@ -82,8 +85,8 @@ def main(argv=None) -> int:
                     help="weights as served (the weight_dtype setting; default: each scenario's own, the engine's "
                     "auto for most; parity and kv: float, the weights transformers reads); quality: the one to judge")
     ap.add_argument("--synthetic", default=None, choices=sorted(PRESETS) + sorted(SYNTHETIC_GGUF_PRESETS),
-                    help="load: a random-weight checkpoint of this architecture (or a GGUF of it: *-q4_k_m), "
-                    "written once to the user cache")
+                    help="instead of --model: a random-weight checkpoint of this architecture (or a GGUF of it: "
+                    "*-q4_k_m), written once to the user cache")
     ap.add_argument("--layers", type=int, default=None,
                     help="load --synthetic: write and load the preset's first N layers (default: all that fit "
                     "this machine's free memory; qwen3-30b-a3b and gpt-oss-20b do not fit whole)")
@@ -127,9 +130,20 @@ def main(argv=None) -> int:
     serve_remote.add_arguments(ap)
     quality.add_arguments(ap)
     kl_divergence.add_arguments(ap)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     torch.manual_seed(0)
     names = [n for n in SCENARIOS if n not in NOT_IN_ALL] if args.scenario == "all" else [args.scenario]
+    try:
+        for name in names:          # every refusal before anything runs or is written
+            model_source(name, args)
+    except WorkbenchError as e:
+        runs_all = " (all runs every scenario on the one model: run the others one by one)" if len(names) > 1 else ""
+        print(f"python -m engine.bench {args.scenario}: {e}{runs_all}", file=sys.stderr)
+        return 2
     try:
         results = {name: SCENARIOS[name](args) for name in names}
     except WorkbenchError as e:

@@ -1,7 +1,9 @@
 """`python -m engine.bench gpu-check --json`: everything that needs a GPU, in one short run
 (well under two minutes on a data-centre GPU), for the day a device is lent.
 
-1. kernels: the Triton decode-attention bench (achieved vs copy bandwidth);
+Everything runs on --model or --synthetic (default: the embedded model).
+1. kernels: the Triton decode-attention bench (achieved vs copy bandwidth; at the named
+   model's attention shape, engine.bench.kernels);
 2. parity: greedy output of the Triton-kernel eager path, the compiled step (torch.compile,
    CUDA graphs) and transformers agree, bf16, on a few prompts;
 3. speed: decode tok/s of each path against transformers `generate` in bf16;
@@ -28,7 +30,8 @@ def bench_gpu_check(args) -> dict:
     if not torch.cuda.is_available():
         return {"cuda": False, "message": "no CUDA on this machine: the GPU checks did not run"}
     from engine.bench.kernels import run_kernel_bench
-    result = {"cuda": True, "device": torch.cuda.get_device_name(), "kernels": run_kernel_bench()}
+    from engine.bench.model_flags import source_of
+    result = {"cuda": True, "device": torch.cuda.get_device_name(), "kernels": run_kernel_bench(source_of(args))}
     outputs, speeds, loads = {}, {}, {}
     for name, compile_mode in (("eager_kernels", "off"), ("compiled", "on")):
         eng = _engine(args, compile_mode)
@@ -50,8 +53,9 @@ def bench_gpu_check(args) -> dict:
 
 def _engine(args, compile_mode: str):
     from engine import EngineConfig, LLMEngine
+    from engine.bench.model_flags import model_path
     config = EngineConfig(device="cuda", dtype="bfloat16", compile=compile_mode, enable_prefix_caching=False)
-    return LLMEngine.load(args.model, config)
+    return LLMEngine.load(model_path(args), config)
 
 
 def _generate_all(eng) -> tuple[list[list[int]], float]:
@@ -118,8 +122,9 @@ def _timed_generate(hf, ids, tokens: int):
 
 def _transformers(args) -> tuple[list[list[int]], float]:
     from transformers import AutoTokenizer
+    from engine.bench.model_flags import model_path
     from engine.loading.loader import resolve, transformers_model
-    folder = resolve(args.model)
+    folder = resolve(model_path(args))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     hf = transformers_model(folder, dtype=torch.bfloat16).to("cuda").eval()
     outputs, tokens, seconds = [], 0, 0.0

@@ -1,6 +1,8 @@
-"""`python -m engine.bench kernels --json`: decode-attention kernel speed against the
-device's measured copy bandwidth; on the CPU, the quantized linears' cost by row count
-(engine.bench.linear_rows).
+"""`python -m engine.bench kernels [--model F | --synthetic PRESET] --json`: decode-attention
+kernel speed against the device's measured copy bandwidth; on the CPU, the quantized linears'
+cost by row count (engine.bench.linear_rows), of the model named (default: the embedded one).
+On CUDA the attention runs at the named model's shape (query heads, KV heads, head_dim; a
+preset's from its config, nothing written), else at SHAPE's; `model` names which.
 
 Decode attention is memory bound: each step reads every cached K/V byte once. So the
 figure of merit is achieved bandwidth = bytes the kernel must move / kernel time, and
@@ -24,17 +26,37 @@ L2_FLUSH_BYTES = 256 << 20
 DEVICE = "cuda"
 
 
-def run_kernel_bench() -> dict:
+def run_kernel_bench(source=None) -> dict:
+    """source: an engine.bench.model_flags.ModelSource (None: the embedded model)."""
+    from engine.bench.model_flags import ModelSource
+    source = source or ModelSource(None, None)
     if not torch.cuda.is_available():
         from engine.bench.linear_rows import linear_rows_bench
-        return {"cuda": False, "message": "CUDA is absent; attention kernel bench skipped", **linear_rows_bench()}
+        return {"cuda": False, "message": "CUDA is absent; attention kernel bench skipped", **linear_rows_bench(source)}
     from engine.kernels.dispatch import kernels_available
     if not kernels_available("cuda"):
-        return {"cuda": True, "message": "triton is not importable; kernel bench skipped"}
+        return {"cuda": True, "model": source.name, "message": "triton is not importable; kernel bench skipped"}
+    shape = attention_shape(source)
     copy_gbps = copy_bandwidth_gbps()
-    results = [decode_case(ctx, dtype, copy_gbps) for ctx in CONTEXT_LENS for dtype in KV_DTYPES]
-    return {"cuda": True, "device": torch.cuda.get_device_name(), "shape": SHAPE,
+    results = [decode_case(ctx, dtype, copy_gbps, shape) for ctx in CONTEXT_LENS for dtype in KV_DTYPES]
+    return {"cuda": True, "device": torch.cuda.get_device_name(), "model": source.name, "shape": shape,
             "copy_gb_per_s": round(copy_gbps, 1), "results": results}
+
+
+def attention_shape(source) -> dict:
+    """SHAPE, or with the named model's query heads, KV heads and head_dim."""
+    if not source.model and not source.synthetic:
+        return SHAPE
+    if source.synthetic:
+        from engine.loading.synthetic import make_config
+        from engine.loading.synthetic_gguf import SYNTHETIC_GGUF_PRESETS
+        config = make_config(SYNTHETIC_GGUF_PRESETS.get(source.synthetic, (source.synthetic,))[0])
+    else:
+        from engine.loading.loader import load_config, resolve
+        config = load_config(resolve(source.model))
+    heads = config.num_attention_heads
+    return {**SHAPE, "num_q_heads": heads, "num_kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads}
 
 
 def median_ms(fn, flush: torch.Tensor | None = None) -> float:
@@ -61,11 +83,11 @@ def copy_bandwidth_gbps(num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes / (ms * 1e-3) / 1e9
 
 
-def decode_case(context_len: int, kv_dtype: torch.dtype, copy_gbps: float) -> dict:
+def decode_case(context_len: int, kv_dtype: torch.dtype, copy_gbps: float, layer: dict = SHAPE) -> dict:
     from engine.kernels.paged_attention import paged_decode_attention
     from engine.kernels.store import store_kv
 
-    s = SHAPE
+    s = layer
     num_blocks = context_len // s["block_size"]
     shape = (num_blocks, s["block_size"], s["num_kv_heads"], s["head_dim"])
     fp8 = kv_dtype == FP8_DTYPE

@@ -355,12 +355,16 @@ def judge(ours: dict, file_error: dict | None, model: Path, reference: Path | No
 
 
 def bench_agreement(args) -> dict:
-    """The `agreement` scenario: --against llama.cpp --model FILE.gguf [--reference F32.gguf]."""
-    if getattr(args, "against", None) != "llama.cpp" or not args.model or not str(args.model).endswith(".gguf"):
-        raise WorkbenchError("agreement needs --against llama.cpp --model FILE.gguf (python -m engine.bench.real_files "
-                             "lists the real ones; --reference their F32 file)")
+    """The `agreement` scenario: --against llama.cpp --model FILE.gguf (or --synthetic PRESET-q4_k_m)
+    [--reference F32.gguf]."""
+    from engine.bench.model_flags import model_path
+    against = getattr(args, "against", None) == "llama.cpp"
+    path = model_path(args) if against else None          # --model, or --synthetic's GGUF
+    if not against or not path or not str(path).endswith(".gguf"):
+        raise WorkbenchError("agreement needs --against llama.cpp --model FILE.gguf (or a GGUF --synthetic preset; "
+                             "python -m engine.bench.real_files lists the real files; --reference their F32 file)")
     reference = Path(args.reference).expanduser() if getattr(args, "reference", None) else None
-    return against_llama_cpp(Path(args.model).expanduser(), reference, n_ctx=args.window,
+    return against_llama_cpp(Path(path).expanduser(), reference, n_ctx=args.window,
                              chunks=max(1, args.eval_tokens // args.window),
                              paths=tuple(args.paths.split(",")), isas=tuple(args.isa.split(",")),
                              dtype=args.dtype or "float32", layers=args.by_layer)

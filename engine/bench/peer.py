@@ -62,7 +62,8 @@ import statistics
 import time
 from collections import Counter
 
-from engine.bench.peer_servers import LLAMA, LlamaPeer, peer_for
+from engine.bench.model_flags import model_path
+from engine.bench.peer_servers import LLAMA, VLLM, LlamaPeer, peer_for
 from engine.bench.serve import concurrency_levels, parse_compare
 from engine.errors import ConfigError
 from engine.metrics import combined, ratio
@@ -85,18 +86,23 @@ PEER_PROMPTS = [
 
 def bench_peer(args) -> dict:
     """The `peer` scenario: --engine (llama-server or vllm), --model (a .gguf; default the
-    embedded one), --prompts, --tokens, --k; --sweep-concurrency 1,4: the concurrency sweep
-    instead, with --compare KEY=A,B arms on our side."""
+    embedded one; vllm: a Hugging Face folder too) or --synthetic (llama-server: a GGUF preset),
+    --prompts, --tokens, --k; --sweep-concurrency 1,4: the concurrency sweep instead, with
+    --compare KEY=A,B arms on our side."""
     count = max(1, min(args.prompts, len(PEER_PROMPTS)))
     engine = getattr(args, "engine", None) or LLAMA
     if args.busy_cores and engine != LLAMA:
         raise ConfigError("peer --busy-cores runs against llama-server only; leave --engine out or drop --busy-cores")
     dtype, peer_dtype = peer_dtypes(args, engine)
+    if engine == VLLM:
+        from engine.remote.vllm_venv import python
+        python()                  # a missing vLLM is said before a synthetic checkpoint is written
+    model = model_path(args)
     if args.sweep_concurrency:
-        return run_peer_sweep(args.model, count, args.tokens, concurrency_levels(args), engine,
+        return run_peer_sweep(model, count, args.tokens, concurrency_levels(args), engine,
                               getattr(args, "compare", None), dtype=dtype, peer_dtype=peer_dtype)
     prompts = [[{"role": "user", "content": text}] for text in PEER_PROMPTS[:count]]
-    return run_peer_bench(args.model, prompts, args.tokens, args.k, args.compile, args.busy_cores, args.repeats,
+    return run_peer_bench(model, prompts, args.tokens, args.k, args.compile, args.busy_cores, args.repeats,
                           engine, dtype=dtype, peer_dtype=peer_dtype,
                           busy_budget_s=getattr(args, "busy_budget_s", BUSY_BUDGET_S))
 

@@ -6,7 +6,7 @@ in the same compute dtype, in one run:
   - greedy agreement over the chat prompt set: how many tokens each reply shares with the
     float reply before the first difference (the median, and every prompt's count).
 
-`--against llama.cpp --model FILE.gguf`: our engine (fp32 compute unless --dtype, weights as
+`--against llama.cpp --model FILE.gguf` (or --synthetic with a GGUF preset): our engine (fp32 compute unless --dtype, weights as
 stored) beside llama.cpp on the same file (bench_against_llama_cpp):
   - perplexity by llama-perplexity's protocol (engine.remote.llama_tools) on the same token ids
     (llama-server's tokenization of the same text), n_ctx = --window, --eval-tokens / n_ctx
@@ -84,11 +84,14 @@ def bench_against_llama_cpp(args) -> dict:
     from engine.errors import WorkbenchError
     from engine.remote import llama_tools
     from engine.remote.llama_server import LlamaServer
-    if not args.model or not str(args.model).endswith(".gguf"):
-        raise WorkbenchError("--against llama.cpp needs --model FILE.gguf (the file both engines load; "
-                             "python -m engine.bench.real_files lists the real ones)")
-    model = Path(args.model).expanduser()
-    eng = _engine(argparse.Namespace(**{**vars(args), "dtype": args.dtype or "float32", "device": args.device or "cpu"}),
+    from engine.bench.model_flags import model_path
+    path = model_path(args)           # --model, or --synthetic's GGUF
+    if not path or not str(path).endswith(".gguf"):
+        raise WorkbenchError("--against llama.cpp needs --model FILE.gguf or a GGUF --synthetic preset (the file both "
+                             "engines load; python -m engine.bench.real_files lists the real ones)")
+    model = Path(path).expanduser()
+    eng = _engine(argparse.Namespace(**{**vars(args), "model": str(model), "synthetic": None,
+                                        "dtype": args.dtype or "float32", "device": args.device or "cpu"}),
                   enable_prefix_caching=False, compile="off")
     threads = torch.get_num_threads()
     n_ctx = args.window

@@ -4,7 +4,8 @@ prefix, kv, memory, decode, speculative (the command line and the registry: engi
 Each returns one JSON-able dict (field names are a contract: scripts read them). Timings are
 medians; comparisons are ratios measured in the same run, since the machine may be shared
 and noisy. Every scenario with a model runs on --model (a HF folder or a .gguf; default: the
-embedded model), with --draft, --device and --dtype where given.
+embedded model) or --synthetic (engine.bench.model_flags), with --draft, --device and --dtype
+where given.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from engine.bench.model_flags import model_path
 from engine.metrics import combined, speculation_report
 # The prompt sets are the serving workload's (engine.workload), shared with the app's load panel.
 from engine.workload import CHAT_PROMPTS, PASSAGE, REPEAT_PROMPTS, chat, held_out_text  # noqa: F401
@@ -43,14 +45,7 @@ def _engine(args, **config):
     from engine import EngineConfig, LLMEngine
     given = (("device", args.device), ("dtype", args.dtype), ("weight_dtype", getattr(args, "weight_dtype", None)))
     config.update({key: value for key, value in given if value})
-    return LLMEngine.load(_model_path(args), EngineConfig(**config), progress=_progress)
-
-
-def _model_path(args) -> str | None:
-    if args.model or not getattr(args, "synthetic", None):
-        return args.model
-    from engine.bench.load import synthetic_checkpoint
-    return str(synthetic_checkpoint(args.synthetic))
+    return LLMEngine.load(model_path(args), EngineConfig(**config), progress=_progress)
 
 
 def _progress(message: str, fraction: float) -> None:
@@ -214,12 +209,13 @@ def _perplexity(runner, ids: list[int], window: int) -> float:
 
 # ---- analytic memory ---------------------------------------------------------------
 def bench_memory(args) -> dict:
-    """Bytes per sequence from a config's shapes (analytic); for a config we can build (a
-    folder, 'default' or a synthetic preset such as qwen3-30b-a3b), what the model needs on a
-    GPU card (engine.bench.model_memory); and the memory plan of --model (with --draft) on
-    --device as the engine makes it."""
+    """Bytes per sequence from a config's shapes (analytic; --config, else the model's); for a
+    config we can build (a folder, 'default' or a synthetic preset such as qwen3-30b-a3b), what
+    the model needs on a GPU card (engine.bench.model_memory); and the memory plan of --model
+    or --synthetic (with --draft) on --device as the engine makes it."""
     from engine.bench.model_memory import model_memory
-    config = args.model if args.config == "default" and args.model else args.config
+    named = model_path(args)          # --model, or --synthetic's checkpoint
+    config = named if args.config == "default" and named else args.config
     result = cache_bytes(config, args.context)
     hf_config = _config_for(config)
     if hf_config is not None:
@@ -370,7 +366,7 @@ def _dtype_auto(args, eng) -> dict | None:
         return None
     from engine.loading.loader import cache_dir
     from engine.runtime.cpu_dtype import STEP_DTYPE_CACHE, dtype_name, known_steps, model_format, step_choice
-    fmt = model_format(args.model, eng.config)
+    fmt = model_format(model_path(args), eng.config)
     steps = known_steps(cache_dir() / STEP_DTYPE_CACHE, fmt, eng.thread_governor.most)
     return {"picks": dtype_name(step_choice(steps).dtype) if steps else None, "step_s": steps, "model_format": fmt}
 

@@ -218,9 +218,10 @@ def profile_report(eng, arm: ProfileArm, held: dict, args) -> dict:
 
 def not_applied(eng, profile: SessionProfile, held: dict, args) -> dict[str, str]:
     asked, out = profile.engine_config(), {}
-    model = args.model or "default"
+    from engine.bench.model_flags import model_path
+    model = model_path(args) or "default"         # --model, or --synthetic's checkpoint
     if profile.model != model:
-        out["model"] = f"{profile.model!r}: this run serves --model {model!r}"
+        out["model"] = f"{profile.model!r}: this run serves {model!r}"
     if profile.backend != "local":
         out["backend"] = f"{profile.backend!r}: this run serves the local engine (a server: --backend URL)"
     for key in settings_table.keys(settings_table.ENGINE, applies=(settings_table.LOAD,)):

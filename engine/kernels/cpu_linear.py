@@ -57,15 +57,28 @@ def build_tag() -> str:
     return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(FLAGS).encode()).hexdigest()[:12]
 
 
-@functools.cache
 def load() -> None:
-    """Compile (once per source and torch version) and load the op library."""
+    """Compile (once per source and torch version) and load the op library; where the build
+    failed, raise its error again (with the compiler's output) on every call."""
+    error = _built()
+    if error is not None:
+        raise error
+
+
+@functools.cache
+def _built() -> Exception | None:
+    """The build's error, kept: torch does not build a failed extension again in one process,
+    so a second try would only say the library is missing, not why."""
     from torch.utils.cpp_extension import load
     folder = build_dir() / build_tag()
     folder.mkdir(parents=True, exist_ok=True)
-    load(name=f"workbench_cpu_{build_tag()}", sources=[str(source) for source in SOURCES],
-         extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-         build_directory=str(folder), is_python_module=False, verbose=False)
+    try:
+        load(name=f"workbench_cpu_{build_tag()}", sources=[str(source) for source in SOURCES],
+             extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+             build_directory=str(folder), is_python_module=False, verbose=False)
+    except Exception as error:      # noqa: BLE001 - a compiler missing or failing is the answer
+        return error
+    return None
 
 
 @functools.cache

@@ -59,6 +59,7 @@ TINY_QWEN3_MOE_Q4_K = {"preset": "tiny-qwen3-moe", "hidden_size": 256, "moe_inte
                        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
 SYNTHETIC_GGUF_PRESETS = {"qwen3-1.7b-q4_k_m": ("qwen3-1.7b", "Q4_K_M"),
                           "qwen3-1.7b-q5_k_m": ("qwen3-1.7b", "Q5_K_M"),
+                          "qwen3-8b-q4_k_m": ("qwen3-8b", "Q4_K_M"),          # about 5 GB, as the released file
                           "tiny-qwen3-moe-q4_k_m": (TINY_QWEN3_MOE_Q4_K, "Q4_K_M"),
                           "tiny-gpt-oss-mxfp4": ("tiny-gpt-oss", "MXFP4_MOE"),
                           "tiny-qwen3.5-q8_0": (hybrid_gguf.TINY_QWEN35_GGUF, "Q8_0"),

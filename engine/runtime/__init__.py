@@ -5,5 +5,6 @@ compiled_step.py  the decode and verify step under torch.compile (CUDA graphs on
 eagle_step.py     the EAGLE head's draft step: compiled where the target's step is, else eager
 cpu_dtype.py      dtype="auto" on the CPU: fp32 or bf16, whichever runs the model's decode step faster here (skipping one it cannot run)
 cpu_paths.py      which path serves each part of a step here, and why (each CPU path is tried first)
+kernel_check.py   whether each of our native CPU kernels runs where it must (cpu_paths --require, CI's first check)
 detokenizer.py    incremental detokenization: the text each new token adds
 """
