@@ -300,6 +300,38 @@ inline const uint8_t* kscales_of(const uint8_t* tile, int64_t g) {      // g: an
   return tile + (g >> 3) * ksb_bytes(F) + 8 * kgroup_bytes(F);
 }
 
+// A super-block's d (and -dmin) for 16 columns, and one group's (sub-block's) d, m from them:
+// kscales_avx2's values, 16 lanes at a time, computed as the group is finished (no stores)
+template <int F>
+__attribute__((target("avx512f,avx512bw,f16c")))
+inline void ksuper16(const uint8_t* s, __m512* d16, __m512* nmin16) {
+  *d16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + (F == KQ6 ? 16 * COLS : 8 * 24))));
+  if constexpr (F != KQ6)
+    *nmin16 = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_set1_epi32(static_cast<int>(0x80000000u)), _mm512_castps_si512(
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 8 * 24 + 2 * COLS))))));
+}
+
+template <int F>
+__attribute__((target("avx512f,avx512bw,f16c")))
+inline void kgroup16(const uint8_t* s, int sub, __m512 d16, __m512 nmin16, __m512* dv, __m512* mv) {
+  if constexpr (F == KQ6) {
+    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + sub * COLS)));
+    *dv = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d16);
+    *mv = _mm512_mul_ps(*dv, _mm512_set1_ps(-32.0f));
+  } else {
+    const __m512i f4 = _mm512_set1_epi32(15), f2 = _mm512_set1_epi32(3);
+    const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + sub * 24)));
+    const __m128i h8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + sub * 24 + 16));
+    const __m512i hb = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(h8, h8));    // column c < 8: byte c, else c - 8
+    const __m512i hn = _mm512_and_si512(_mm512_srlv_epi32(hb, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0,
+                                                                                  4, 4, 4, 4, 4, 4, 4, 4)), f4);
+    const __m512i sc = _mm512_or_si512(_mm512_and_si512(lo, f4), _mm512_slli_epi32(_mm512_and_si512(hn, f2), 4));
+    const __m512i mn = _mm512_or_si512(_mm512_srli_epi32(lo, 4), _mm512_slli_epi32(_mm512_srli_epi32(hn, 2), 4));
+    *dv = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d16);
+    *mv = _mm512_mul_ps(_mm512_cvtepi32_ps(mn), nmin16);
+  }
+}
+
 // ---- AVX-512 VNNI: T tiles (16 columns each) by R rows at once -----------------------------
 // F: 4, 8, or a K-quant (S is then float: the super-block's scales decoded into dm)
 template <int F, int R, int T, typename S>
@@ -313,7 +345,7 @@ void tile_vnni(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64
   const int64_t groups = NIB ? K / 32 : K / G, gb = KF ? kgroup_bytes(F) : group_bytes(F, G);
   const __m512i low = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(16), b5 = _mm512_set1_epi8(32);
   const S* sc = static_cast<const S*>(wt.s);
-  alignas(64) float dm[T][KF ? 8 * ksubs(F) * 2 * COLS : 1];
+  __m512 d16[T], nmin16[T];      // a K-quant's super-block scales, per tile
   auto wgroup = [&](int t, int64_t g) {
     const uint8_t* tile = wt.w + t * wt.wstride;
     if constexpr (KF) return kgroup<F>(tile, g);
@@ -325,7 +357,7 @@ void tile_vnni(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64
   for (int64_t g = 0; g < groups; ++g) {
     if constexpr (KF) {
       if ((g & 7) == 0)
-        for (int t = 0; t < T; ++t) kscales_avx2<F>(kscales_of<F>(wt.w + t * wt.wstride, g), dm[t]);
+        for (int t = 0; t < T; ++t) ksuper16<F>(kscales_of<F>(wt.w + t * wt.wstride, g), &d16[t], &nmin16[t]);
     }
     // P integer chains per output (added exactly at the end) keep enough vpdpbusd in flight
     // when few rows share a tile; Q6_K's two chains are its two sub-blocks
@@ -403,9 +435,7 @@ void tile_vnni(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64
       for (int sub = 0; sub < ksubs(F); ++sub) {
         __m512 dv, mv;
         if constexpr (KF) {
-          const float* s = dm[t] + ((g & 7) * ksubs(F) + sub) * 2 * COLS;
-          dv = _mm512_load_ps(s);
-          mv = _mm512_load_ps(s + COLS);
+          kgroup16<F>(kscales_of<F>(wt.w + t * wt.wstride, g), (g & 7) * ksubs(F) + sub, d16[t], nmin16[t], &dv, &mv);
         } else {
           const S* s = sc + t * wt.sstride + g * 2 * COLS;
           dv = scales16_512<S>(s);
