@@ -78,7 +78,7 @@ def test_on_a_k_quant_file_ours_is_closer_to_llama_cpp_than_the_file_is_to_f32()
     out = kld.against_llama_cpp(real_file("Q4_K_M"), real_file("F32"), n_ctx=N_CTX, chunks=CHUNKS,
                                 paths=("auto", "float"), noise=False)
     stored = out["paths"][0]
-    assert stored["path"] == "auto" and "int4 as stored" in stored["weight_dtype"]
+    assert stored["path"] == "auto" and "Q4_K super-blocks as stored" in stored["weight_dtype"]
     assert out["file_vs_reference"]["mean_kld"] > 0.01                 # a real quantization error: the scale
     assert stored["ratio_to_file_error"] <= kld.KLD_SHARE_TARGET
     assert stored["llama_cpp_vs_ours"]["same_top"] >= 0.94
