@@ -96,6 +96,37 @@ def test_fp8_encode_decode_match_torch_bit_for_bit():
     assert torch.equal(decoded, expected.float())
 
 
+@triton.jit
+def _count_kernel(out_ptr, n):
+    total = 0
+    for _ in range(0, n):          # a runtime bound: a scalar tensor in the interpreter
+        total += 1
+    tl.store(out_ptr, total)
+
+
+def test_a_loop_with_a_runtime_bound_runs_where_the_interpreter_converts_scalars_with_int(monkeypatch):
+    """triton 3.6's interpreter took int() of a one-element array for a loop bound, which numpy
+    2.4 refuses, so every kernel with such a loop failed there; engine.kernels.mend_interpreter
+    makes it take the element. Here 3.6's conversion is put back on this triton, then mended."""
+    import numpy
+    from triton.runtime import interpreter
+    from engine.kernels import mend_interpreter
+    if numpy.lib.NumpyVersion(numpy.__version__) < "2.4.0":
+        pytest.skip("numpy < 2.4 converts a one-element array itself")
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def as_in_triton_3_6(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", as_in_triton_3_6)
+    out = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(Exception, match="0-dimensional"):
+        _count_kernel[(1,)](out, 5)
+    mend_interpreter()
+    _count_kernel[(1,)](out, 5)
+    assert out.item() == 5
+
+
 # --------------------------------------------------------------------------- store
 
 @pytest.mark.parametrize("cache_dtype,input_dtype", [
@@ -275,18 +306,18 @@ for arch in (80, 90):
           # a draft tree's mask, a window (its causal and tree forms), both; the prefill shape:
           # none or both (the other two differ from those in their launch shape only)
           for tree, window in ((False, False), (True, True)) + (((True, False), (False, True)) if split else ()):
-            out = "*fp32" if split else "*" + q
+            part = "*fp32" if split else "*" + q       # without a split, the partials are placeholders
             build(_paged_attn_kernel, {"q_ptr": "*" + q, "k_cache_ptr": "*" + cache, "v_cache_ptr": "*" + cache,
                   "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "block_tables_ptr": "*i64",
-                  "positions_ptr": "*i64", "out_ptr": out, "lse_ptr": out, "tree_bits_ptr": "*i64",
+                  "positions_ptr": "*i64", "out_ptr": "*" + q, "part_ptr": part, "lse_ptr": part, "tree_bits_ptr": "*i64",
                   "tree_start_ptr": "*i32", "window_start_ptr": "*i64", "sinks_ptr": "*fp32"},
                   dict(IS_FP8=fp8, STORE_LSE=split, IS_TREE=tree, HAS_WINDOW=window, SINKS=window and not split,
                        DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", HEAD_DIM=128, BLOCK_SIZE=16,
                        SLOT_DTYPE=tl.int32, BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=128),
                   arch, 4 if block_m <= 16 else 8)
         for sinks in (False, True):
-            build(_merge_partitions_kernel, {"part_out_ptr": "*fp32", "lse_ptr": "*fp32", "positions_ptr": "*i64",
-                  "out_ptr": "*" + q, "sinks_ptr": "*fp32"}, dict(SINKS=sinks, BLOCK_P=64, BLOCK_D=128), arch, 4)
+            build(_merge_partitions_kernel, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "positions_ptr": "*i64",
+                  "out_ptr": "*" + q, "sinks_ptr": "*fp32"}, dict(SINKS=sinks, BLOCK_P=16, BLOCK_D=128), arch, 4)
 print("compiled")
 """
 

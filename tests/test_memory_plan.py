@@ -1,6 +1,9 @@
-"""The memory plan: the KV pool is sized per device (CUDA: what gpu_memory_fraction leaves
-after everything in use and the activation reserve; CPU: a budget that scales with RAM),
+"""The memory plan: the KV pool is sized per device (CUDA: what this process may hold, the
+gpu_memory_fraction of the device less what other processes hold, after its own tensors and
+the activation reserve; CPU: a budget that scales with RAM),
 a draft's weights and cache count in the same plan, and the plan is what gets allocated."""
+import gc
+
 import pytest
 import torch
 
@@ -43,6 +46,47 @@ def test_on_cuda_the_pool_gets_what_the_fraction_leaves_after_memory_in_use_and_
 def test_a_gpu_without_room_for_one_block_says_what_to_change(tiny_model):
     with pytest.raises(CacheTooSmallError, match="no room for a KV cache on cuda.*raise gpu_memory_fraction"):
         plan_memory(EngineConfig(gpu_memory_fraction=0.5), CUDA, tiny_model.model, memory=(40 * GiB, 80 * GiB))
+
+
+@pytest.fixture
+def shared_gpu(monkeypatch):
+    """torch.cuda's memory queries as a shared 80 GiB GPU answers them (fakes: no GPU needed):
+    30 GiB free; this process's allocator holds 12 GiB, of which its tensors use 2 GiB (the
+    other 10 GiB cached, freed by a bench before). Records what the plan calls, in order."""
+    calls, answers = [], {"free": 30 * GiB, "total": 80 * GiB, "reserved": 12 * GiB, "allocated": 2 * GiB}
+
+    def call(name, value=None):
+        def fake(*args, **kwargs):
+            calls.append(name)
+            return value() if value else None
+        return fake
+    monkeypatch.setattr(gc, "collect", call("collect", lambda: 0))
+    monkeypatch.setattr(torch.cuda, "empty_cache", call("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", call("mem_get_info", lambda: (answers["free"], answers["total"])))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", call("memory_reserved", lambda: answers["reserved"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", call("memory_allocated", lambda: answers["allocated"]))
+    return calls, answers
+
+
+def test_on_cuda_this_process_may_hold_its_fraction_less_what_other_processes_hold(tiny_model, shared_gpu):
+    """Others hold 80 - 30 - 12 = 38 GiB, so this process may hold 0.9 * 80 - 38 = 34 GiB; its
+    tensors use 2 GiB of that: the pools get 32 GiB less the reserve. The 10 GiB torch has cached
+    count for nobody; unreachable tensors are collected and the cache released before measuring."""
+    calls, _ = shared_gpu
+    plan = plan_memory(EngineConfig(), CUDA, tiny_model.model)
+    assert calls[:3] == ["collect", "empty_cache", "mem_get_info"]
+    assert plan.others_bytes == plan.as_dict()["others_bytes"] == 38 * GiB
+    budget = int(0.9 * 80 * GiB) - 38 * GiB - 2 * GiB - plan.reserve_bytes
+    assert plan.num_blocks == budget // _per_block(tiny_model.model) and plan.budget == "gpu_memory_fraction 0.9"
+    whole_device = int(0.9 * 80 * GiB) - (80 - 30) * GiB - plan.reserve_bytes      # the old rule: 20 GiB
+    assert plan.kv_pool_bytes > whole_device + 9 * GiB
+
+
+def test_a_gpu_that_others_fill_says_how_much_they_hold(tiny_model, shared_gpu):
+    _, answers = shared_gpu
+    answers.update(free=4 * GiB, reserved=2 * GiB)          # others: 74 GiB of 80
+    with pytest.raises(CacheTooSmallError, match=r"80.00 GiB in all, other processes and CUDA contexts 74.00 GiB"):
+        plan_memory(EngineConfig(), CUDA, tiny_model.model)
 
 
 def test_kv_cache_bytes_and_num_blocks_override_the_plan(tiny_model):

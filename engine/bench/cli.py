@@ -93,6 +93,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile", default="auto", choices=["off", "on", "auto"],
                     help="parity, decode, speculative: run our decode and verify steps compiled "
                     "(engine.runtime.compiled_step)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="gpu-check: the whole script at sizes that take seconds (the tiny synthetic preset unless "
+                    "--model/--synthetic; with --device cpu, on the CPU): for tests and a first look at a machine")
+    ap.add_argument("--out", default=None, metavar="FOLDER",
+                    help="gpu-check: also write the results to FOLDER/gpu_check.json, after every section")
     ap.add_argument("--prompts", type=int, default=8, help="parity: number of prompts")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per prompt (parity, decode, speculative)")
     ap.add_argument("--repeats", type=int, default=5)

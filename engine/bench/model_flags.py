@@ -155,6 +155,14 @@ def _layers(scenario: str, args) -> Refusal:
     return None
 
 
+def _gpu_check_only(scenario: str, args) -> Refusal:
+    """--dry-run (tiny sizes and model) and --out (a results folder) are gpu-check's."""
+    for flag, given in (("--dry-run", getattr(args, "dry_run", False)), ("--out", getattr(args, "out", None))):
+        if given and scenario != "gpu-check":
+            return _refuse(flag, "only gpu-check reads it; drop it")
+    return None
+
+
 def model_source(scenario: str, args) -> ModelSource:
     """The model `scenario` runs on, from --model / --synthetic; a ConfigError naming the flag,
     why the scenario does not take it and what to do instead, where it does not."""
@@ -165,7 +173,7 @@ def model_source(scenario: str, args) -> ModelSource:
     if source.model and source.synthetic:
         raise ConfigError(f"{scenario}: --model {source.model} and --synthetic {source.synthetic} both name the model "
                           "to run on; give one")
-    refusal = _layers(scenario, args) or RULES[scenario](args)
+    refusal = _layers(scenario, args) or _gpu_check_only(scenario, args) or RULES[scenario](args)
     if refusal is not None:
         raise ConfigError(f"{scenario} {refusal}")
     return source

@@ -1,9 +1,13 @@
 """The memory plan: how a device's memory goes to the weights, the KV pool and a reserve for
 activations, and how many tokens of context the pool holds.
 
-- CUDA: as vLLM's gpu_memory_utilization, the engine may use `gpu_memory_fraction` of the
-  device's total memory. What is in use when the plan is made (our weights, the CUDA
-  context, other processes) and the activation reserve are subtracted; the pool gets the rest.
+- CUDA: this process may hold `gpu_memory_fraction` of the device's total memory less what
+  other processes hold (mem_get_info's used memory less what this process's allocator holds,
+  memory_reserved; CUDA contexts count there too). From that, what this process's tensors
+  use when the plan is made (our weights) and the activation reserve are subtracted; the pool
+  gets the rest. Tensors no longer reachable (a dropped engine in a reference cycle, a bench's
+  buffers) are collected and torch's cached blocks released before measuring, so they count
+  for nobody; the plan says how much the others hold (`others_bytes`).
 - CPU: the pool is a byte budget, by default RAM / 32 (at least 256 MiB, at most 8 GiB).
   The reserve is shown, not subtracted: host memory is not set aside in advance.
 - `kv_cache_bytes`, when set, is the pool budget on any device; `num_blocks` overrides both.
@@ -30,6 +34,7 @@ CUDA a fixed allowance for cuBLAS workspaces and allocator slack. A longer promp
 """
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass, replace
 
@@ -60,6 +65,7 @@ class MemoryPlan:
     block_size: int
     num_blocks: int
     budget: str                 # which rule sized the pool
+    others_bytes: int = 0       # CUDA: held outside this process's allocator when planned (other processes, contexts)
     moe: "ExpertBytes | None" = None        # the target's experts (all resident; in weights_bytes)
     kv_layers: "KVLayers | None" = None     # the target's full and window layers (all cached in full)
     state: "StateBytes | None" = None       # a hybrid target's linear-layer state slots (apart from KV)
@@ -82,7 +88,7 @@ class MemoryPlan:
         return {"device": self.device, "total_bytes": self.total_bytes, "weights_bytes": self.weights_bytes,
                 "draft_weights_bytes": self.draft_weights_bytes, "kv_pool_bytes": self.kv_pool_bytes,
                 "reserve_bytes": self.reserve_bytes, "reserve_tokens": self.reserve_tokens,
-                "tokens_that_fit": self.tokens_that_fit, "budget": self.budget,
+                "tokens_that_fit": self.tokens_that_fit, "budget": self.budget, "others_bytes": self.others_bytes,
                 "moe": self.moe.as_dict() if self.moe else None,
                 "kv_layers": self.kv_layers.as_dict() if self.kv_layers else None,
                 "state": self.state.as_dict() if self.state else None}
@@ -162,19 +168,37 @@ class KVLayers:
                                         "so a window layer's KV bytes equal a full layer's"}
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A device's memory when the plan is made, in bytes."""
+    free: int                   # held by nobody (CUDA: mem_get_info's free)
+    total: int
+    ours_held: int = 0          # CUDA: what this process's allocator holds (memory_reserved)
+    ours_used: int = 0          # CUDA: of that, what live tensors use (memory_allocated): our weights
+
+    @property
+    def others(self) -> int:
+        """Held outside this process's allocator: other processes, and CUDA contexts."""
+        return max(0, self.total - self.free - self.ours_held)
+
+
 def plan_memory(config: EngineConfig, device: torch.device, target: torch.nn.Module,
-                draft: torch.nn.Module | None = None, memory: tuple[int, int] | None = None) -> MemoryPlan:
-    """The plan for a loaded target (and draft). `memory` = (free, total) bytes of the device
-    as measured now; measured here when not given. Call it with no KV pool allocated."""
+                draft: torch.nn.Module | None = None,
+                memory: "DeviceMemory | tuple[int, int] | None" = None) -> MemoryPlan:
+    """The plan for a loaded target (and draft). `memory`: the device's as measured now, or
+    (free, total) bytes (as if every used byte were another's); measured here when not given.
+    Call it with no KV pool allocated."""
     device = torch.device(device)
-    free, total = memory or device_memory(device)
+    memory = device_memory(device) if memory is None else memory
+    memory = DeviceMemory(*memory) if isinstance(memory, tuple) else memory
+    total = memory.total
     models = [target] + ([draft] if draft is not None else [])
     target_bytes, draft_bytes = weights_bytes(target), weights_bytes(draft, shared_with=target) if draft else 0
     tokens = min(RESERVE_PREFILL_TOKENS, target.max_positions)
     reserve = activation_bytes(target, tokens, kernels=_kernels_likely(config, device))
     reserve += CUDA_FIXED_RESERVE if device.type == "cuda" else 0
     per_block = sum(_kv_bytes_per_token(m, config) for m in models) * config.block_size
-    budget, rule = kv_budget(config, device, free, total, reserve)
+    budget, rule = kv_budget(config, device, memory, reserve)
     state = state_bytes(target, config, device)
     if state:
         budget -= state.pool_bytes
@@ -186,34 +210,38 @@ def plan_memory(config: EngineConfig, device: torch.device, target: torch.nn.Mod
         num_blocks = config.num_blocks or state_slots(config, device) * -(-target.max_positions // config.block_size)
     plan = MemoryPlan(str(device), total, target_bytes + draft_bytes, draft_bytes, reserve, tokens,
                       per_block, config.block_size, num_blocks, "num_blocks" if config.num_blocks else rule,
-                      expert_bytes(target), kv_layers(target), state)
+                      memory.others if device.type == "cuda" else 0, expert_bytes(target), kv_layers(target), state)
     if num_blocks < 1:
         raise CacheTooSmallError(_no_room(plan, budget))
     return plan
 
 
-def kv_budget(config: EngineConfig, device: torch.device, free: int, total: int, reserve: int) -> tuple[int, str]:
-    """(bytes for the KV pools, which rule gave them)."""
+def kv_budget(config: EngineConfig, device: torch.device, memory: DeviceMemory, reserve: int) -> tuple[int, str]:
+    """(bytes for the KV pools, which rule gave them). CUDA: what this process may hold (the
+    fraction of the device less the others' memory), less what its tensors use and the reserve."""
     if config.kv_cache_bytes is not None:
         return config.kv_cache_bytes, "kv_cache_bytes"
     if device.type == "cuda":
-        in_use = total - free
         fraction = config.gpu_memory_fraction
-        return int(total * fraction) - in_use - reserve, f"gpu_memory_fraction {fraction:g}"
-    return cpu_budget(total), f"RAM/{CPU_RAM_DIVISOR}"
+        ours_at_most = int(memory.total * fraction) - memory.others
+        return ours_at_most - memory.ours_used - reserve, f"gpu_memory_fraction {fraction:g}"
+    return cpu_budget(memory.total), f"RAM/{CPU_RAM_DIVISOR}"
 
 
 def cpu_budget(ram_bytes: int) -> int:
     return min(max(ram_bytes // CPU_RAM_DIVISOR, CPU_BUDGET_MIN), CPU_BUDGET_MAX)
 
 
-def device_memory(device: torch.device) -> tuple[int, int]:
-    """(free, total) bytes. On CUDA, blocks torch caches but no tensor uses count as free."""
+def device_memory(device: torch.device) -> DeviceMemory:
+    """The device's memory now. On CUDA, unreachable tensors are collected and the blocks torch
+    caches but no tensor uses are released first, so they count as free."""
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
-        return torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)
+        return DeviceMemory(free, total, torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
     total = ram_bytes()
-    return total, total
+    return DeviceMemory(total, total)
 
 
 def ram_bytes() -> int:
@@ -322,7 +350,8 @@ def _kernels_likely(config: EngineConfig, device: torch.device) -> bool:
 
 
 def _no_room(plan: MemoryPlan, budget: int) -> str:
-    return (f"no room for a KV cache on {plan.device}: {_gib(plan.total_bytes)} in all, weights "
+    others = f", other processes and CUDA contexts {_gib(plan.others_bytes)}" if plan.device.startswith("cuda") else ""
+    return (f"no room for a KV cache on {plan.device}: {_gib(plan.total_bytes)} in all{others}, weights "
             f"{_gib(plan.weights_bytes)}, activation reserve {_gib(plan.reserve_bytes)}, leaving "
             f"{_gib(max(budget, 0))} by {plan.budget} (one block needs {plan.kv_bytes_per_block} bytes); "
             "raise gpu_memory_fraction or kv_cache_bytes, shorten the context, use the FP8 KV cache, "

@@ -1,5 +1,8 @@
-"""Entry point for `engine.layers.attention.attention(...)` in the kernels mode: store the new
-K/V with the store kernel, then attend with the paged-attention kernel.
+"""Entry points for `engine.layers.attention` in the kernels mode: `store` writes a pass's new
+K/V with the store kernel (one launch for every row), then `decode_attention` attends a batch
+of sequences that each feed the same few rows (a decode pass: one launch per layer, whatever
+the number of sequences) and `sequence_attention` one sequence alone (a prefill chunk, a draft
+tree) with the paged-attention kernel.
 
 This module imports without triton; `kernels_available` says whether the kernels can run.
 """
@@ -10,7 +13,7 @@ import torch
 from engine.cache.kv_cache import LayerCache
 from engine.config import MAX_SPEC_TOKENS
 from engine.kernels import interpreting
-from engine.layers.attention_metadata import KernelLaunch
+from engine.layers.attention_metadata import DecodeBatch, KernelLaunch
 
 try:
     from engine.kernels.paged_attention import (DECODE_BLOCK_N, DECODE_PARTITION, paged_attention,
@@ -47,17 +50,38 @@ def kernels_in_effect(backend: str, device: torch.device | str) -> tuple[bool, s
     return False, "off: the Triton kernels run on CUDA (on the CPU only in the interpreter, for tests)"
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache,
-              meta: KernelLaunch, scale: float, tree: tuple | None = None, window: int = 0,
-              sinks: torch.Tensor | None = None, window_start: torch.Tensor | None = None) -> torch.Tensor:
-    """q [N, H_q, D], k/v [N, H_kv, D] of one sequence -> [N, H_q, D]. Same contract as
-    `engine.layers.attention.attention` (window, sinks too). tree: (bits [N] int64, start [1]
-    int32), see paged_attention; meta.positions are then the rows' cache indices (the causal
-    part), and under a window window_start [N] int64 is each row's first cache index seen."""
+def _require() -> None:
     if _IMPORT_ERROR is not None:
         raise RuntimeError("Triton kernels were requested but triton failed to import "
                            f"({_IMPORT_ERROR}); install triton or turn kernels off.") from _IMPORT_ERROR
-    store_kv(cache, k, v, meta.slot_mapping)
+
+
+def store(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v [N, H_kv, D] of every new row of a pass into their slots [N], in one launch (an FP8
+    pool's values quantized as they are stored). Same bits as engine.layers.attention.store_kv."""
+    _require()
+    store_kv(cache, k, v, slot_mapping)
+
+
+def decode_attention(q: torch.Tensor, cache: LayerCache, batch: DecodeBatch, scale: float, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Q, H_q, D] of a batch's sequences, their new K/V already stored -> [B, Q, H_q, D], in
+    one launch (and the merge's, where a context spans several partitions). The partitions are
+    DECODE_PARTITION keys whatever the batch, so a sequence's bits are its own alone or beside
+    any others (engine.kernels.paged_attention: batch invariance)."""
+    _require()
+    return paged_attention(q, cache, batch.block_tables, batch.positions, batch.max_context_len, scale,
+                           DECODE_PARTITION, DECODE_BLOCK_N, window=window, sinks=sinks)
+
+
+def sequence_attention(q: torch.Tensor, cache: LayerCache, meta: KernelLaunch, scale: float, tree: tuple | None = None,
+                       window: int = 0, sinks: torch.Tensor | None = None,
+                       window_start: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, H_q, D] of one sequence, its new K/V already stored -> [N, H_q, D]. Same contract as
+    `engine.layers.attention.attention` (window, sinks too). tree: (bits [N] int64, start [1]
+    int32), see paged_attention; meta.positions are then the rows' cache indices (the causal
+    part), and under a window window_start [N] int64 is each row's first cache index seen."""
+    _require()
     num_tokens = q.shape[0]
     # The kernel masks by meta.positions itself, so it is correct for any positions; the
     # token count alone picks the launch shape and no device value is read back (no sync).

@@ -10,8 +10,17 @@ exact float16/bfloat16/float32 values.
 
 Split-K: the keys are cut into partitions of `partition_size` tokens, each program
 handles one (sequence, KV head, row chunk, partition) and writes a normalized partial
-output with its log-sum-exp; a second kernel merges the partitions. With one partition
-the first kernel writes the final output directly.
+output with its log-sum-exp; a second kernel merges the partitions. A row whose keys all lie
+in the first partition (position < partition_size) gets its final output from the first
+kernel directly and is skipped by the merge.
+
+Batch invariance: a row's arithmetic depends only on its sequence (its query, positions and
+keys) and on the partition size, never on the other sequences of the launch. Whether a row
+is written directly or merged is the row's own position's choice, not the batch's longest
+context; the merge runs over a row's own partitions in chunks of a fixed MERGE_BLOCK_P, so
+the order of its sums does not change with the grid; programs past a sequence's context
+write nothing. So a sequence's output is bitwise the same alone or in any batch, given the
+same partition size (the engine's decode launches: DECODE_PARTITION, fixed).
 
 Softmax runs online in float32, in base 2 (exp2) with log2(e) folded into the scale.
 
@@ -20,7 +29,7 @@ position - window; the tiles wholly before every row's window are not read (a ti
 does not see leaves its sums exactly as they were, so skipping it changes no bit). A tree's
 rows, whose cache indices are not their positions, are given their first cache index in the
 window (`window_start`). Attention sinks (gpt-oss, one logit per query head) add exp(sink)
-to the denominator: in the first kernel with one partition, else in the merge.
+to the denominator: in the first kernel for a row written directly, else in the merge.
 """
 import math
 
@@ -29,14 +38,17 @@ import triton
 import triton.language as tl
 
 from engine.cache.kv_cache import LayerCache
-from engine.kernels import interpreting
+from engine.kernels import interpreting, mend_interpreter
 from engine.kernels.fp8 import e4m3_decode_div256
+
+mend_interpreter()          # the loops below have runtime bounds
 
 # Launch shapes. Register use was checked by compiling for sm_80/sm_90 (no spills at these
 # sizes); the speeds are untuned: `python -m engine.bench kernels` measures them on a GPU.
 MAX_BLOCK_M = 64           # query rows (tokens x group heads) per program; more rows -> more chunks
 DECODE_BLOCK_N = 32        # keys per inner-loop tile
-DECODE_PARTITION = 256     # keys per split-K partition
+DECODE_PARTITION = 256     # keys per split-K partition (fixed: never derived from the batch)
+MERGE_BLOCK_P = 16         # partitions the merge reads per step (fixed: see batch invariance above)
 PREFILL_BLOCK_N = 32
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -62,9 +74,9 @@ def _load_scale(scale_ptr, slot, kvh, tok_ok, stride_ss):
 @triton.jit
 def _paged_attn_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, positions_ptr,
-        out_ptr, lse_ptr, tree_bits_ptr, tree_start_ptr, window_start_ptr, sinks_ptr,
+        out_ptr, part_ptr, lse_ptr, tree_bits_ptr, tree_start_ptr, window_start_ptr, sinks_ptr,
         stride_qb, stride_qq, stride_qh, stride_bt, stride_pb, stride_cs, stride_ch, stride_ss, stride_tb, stride_wb,
-        stride_ob, stride_op, stride_oq, stride_oh, stride_lb, stride_lp, stride_lq,
+        stride_ob, stride_oq, stride_oh, stride_xb, stride_xp, stride_xq, stride_xh, stride_lb, stride_lp, stride_lq,
         qk_scale_log2, num_queries, group, num_row_chunks, partition_size, window,
         IS_FP8: tl.constexpr, STORE_LSE: tl.constexpr, IS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr,
         SINKS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -91,14 +103,15 @@ def _paged_attn_kernel(
             lo = pos - window + 1
 
     # Keys this program reads: its partition, cut at the chunk's last query position (and
-    # under a window, from the first tile any of its rows sees).
+    # under a window, from the first tile any of its rows sees). The first partition's program
+    # always runs: a row without keys (a padded row: position -1) gets zeros, not garbage.
     start = part * partition_size
     end = tl.minimum(start + partition_size, tl.max(pos, axis=0) + 1)
     first_tile = start
     if HAS_WINDOW:
         lo_min = tl.min(tl.where(row_ok, lo, end), axis=0)
         first_tile = start + tl.maximum(lo_min - start, 0) // BLOCK_N * BLOCK_N
-    if start < end:
+    if (start < end) | (part == 0):
         q = tl.load(q_ptr + seq * stride_qb + qtok[:, None] * stride_qq + head[:, None] * stride_qh
                     + dims[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)  # [M, D]
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)   # running max of scores (log2 units)
@@ -138,51 +151,67 @@ def _paged_attn_kernel(
                 p = p * _load_scale(v_scale_ptr, slot, kvh, tok_ok, stride_ss)[None, :]
             acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
 
-        if SINKS:   # one partition: the sink's term joins the denominator here
-            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634   # log2 units
-            m_s = tl.maximum(m_i, sink)
-            alpha = tl.math.exp2(m_i - m_s)
-            l_i = l_i * alpha + tl.math.exp2(sink - m_s)
-            acc = acc * alpha[:, None]
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)   # rows without keys (masked rows): m_i = -inf, acc = 0
-        out = acc / l_i[:, None]
-        o_ptrs = (out_ptr + seq * stride_ob + part * stride_op + qtok[:, None] * stride_oq
-                  + head[:, None] * stride_oh + dims[None, :])
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if part == 0:   # a row whose keys all lie in the first partition is final here; the others are merged
+            direct = row_ok & (pos < partition_size)
+            l_d, acc_d = l_i, acc
+            if SINKS:   # the sink's term joins its denominator here
+                sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634   # log2 units
+                m_s = tl.maximum(m_i, sink)
+                alpha = tl.math.exp2(m_i - m_s)
+                l_d = l_i * alpha + tl.math.exp2(sink - m_s)
+                acc_d = acc * alpha[:, None]
+            l_d = tl.where(l_d == 0.0, 1.0, l_d)   # rows without keys (masked rows): m_i = -inf, acc = 0
+            o_ptrs = out_ptr + seq * stride_ob + qtok[:, None] * stride_oq + head[:, None] * stride_oh + dims[None, :]
+            tl.store(o_ptrs, (acc_d / l_d[:, None]).to(out_ptr.dtype.element_ty), mask=direct[:, None] & d_ok[None, :])
         if STORE_LSE:
+            split = row_ok & (pos >= partition_size)
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
+            x_ptrs = (part_ptr + seq * stride_xb + part * stride_xp + qtok[:, None] * stride_xq
+                      + head[:, None] * stride_xh + dims[None, :])
+            tl.store(x_ptrs, acc / l_i[:, None], mask=split[:, None] & d_ok[None, :])
             tl.store(lse_ptr + seq * stride_lb + part * stride_lp + qtok * stride_lq + head,
-                     m_i + tl.math.log2(l_i), mask=row_ok)
+                     m_i + tl.math.log2(l_i), mask=split)
 
 
 @triton.jit
-def _merge_partitions_kernel(part_out_ptr, lse_ptr, positions_ptr, out_ptr, sinks_ptr,
-                             stride_pb, stride_tb, stride_tp, stride_tq, stride_th,
+def _merge_partitions_kernel(part_ptr, lse_ptr, positions_ptr, out_ptr, sinks_ptr,
+                             stride_pb, stride_xb, stride_xp, stride_xq, stride_xh,
                              stride_lb, stride_lp, stride_lq, stride_ob, stride_oq, stride_oh, head_dim,
                              partition_size, SINKS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     """out = sum_p w_p * out_p / sum_p w_p with w_p = 2^(lse_p - max lse), over the partitions
-    up to this query token's (one before its window has lse -inf: w_p = 0). With sinks, the
-    head's sink is one more term of the denominator (and of the max)."""
+    up to this query token's (one before its window has lse -inf: w_p = 0), read BLOCK_P at a
+    time. With sinks, the head's sink is one more term of the denominator (and of the max). A
+    token in the first partition alone was written by the first kernel: nothing to do."""
     seq, qtok, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_parts = tl.load(positions_ptr + seq * stride_pb + qtok) // partition_size + 1
-    parts = tl.arange(0, BLOCK_P)
-    part_ok = parts < num_parts
-    dims = tl.arange(0, BLOCK_D)
-    lse = tl.load(lse_ptr + seq * stride_lb + parts * stride_lp + qtok * stride_lq + head,
-                  mask=part_ok, other=float("-inf"))                                   # [P]
-    m = tl.max(lse, axis=0)
-    if SINKS:
-        sink = tl.load(sinks_ptr + head) * 1.4426950408889634                           # log2 units
-        m = tl.maximum(m, sink)
-    w = tl.where(part_ok, tl.math.exp2(lse - m), 0.0)
-    part_out = tl.load(part_out_ptr + seq * stride_tb + parts[:, None] * stride_tp + qtok * stride_tq
-                       + head * stride_th + dims[None, :],
-                       mask=part_ok[:, None] & (dims[None, :] < head_dim), other=0.0)  # [P, D]
-    total = tl.sum(w, axis=0)
-    if SINKS:
-        total = total + tl.math.exp2(sink - m)
-    out = tl.sum(w[:, None] * part_out, axis=0) / total
-    tl.store(out_ptr + seq * stride_ob + qtok * stride_oq + head * stride_oh + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+    if num_parts > 1:
+        dims = tl.arange(0, BLOCK_D)
+        lse_row = lse_ptr + seq * stride_lb + qtok * stride_lq + head
+        part_row = part_ptr + seq * stride_xb + qtok * stride_xq + head * stride_xh
+        m = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        for first in range(0, num_parts, BLOCK_P):
+            parts = first + tl.arange(0, BLOCK_P)
+            m = tl.maximum(m, tl.load(lse_row + parts * stride_lp, mask=parts < num_parts, other=float("-inf")))
+        m_all = tl.max(m, axis=0)
+        if SINKS:
+            sink = tl.load(sinks_ptr + head) * 1.4426950408889634                       # log2 units
+            m_all = tl.maximum(m_all, sink)
+        total = tl.zeros([BLOCK_P], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for first in range(0, num_parts, BLOCK_P):
+            parts = first + tl.arange(0, BLOCK_P)
+            part_ok = parts < num_parts
+            lse = tl.load(lse_row + parts * stride_lp, mask=part_ok, other=float("-inf"))  # [P]
+            w = tl.where(part_ok, tl.math.exp2(lse - m_all), 0.0)
+            part_out = tl.load(part_row + parts[:, None] * stride_xp + dims[None, :],
+                               mask=part_ok[:, None] & (dims[None, :] < head_dim), other=0.0)  # [P, D]
+            total += w
+            acc += tl.sum(w[:, None] * part_out, axis=0)
+        denominator = tl.sum(total, axis=0)
+        if SINKS:
+            denominator += tl.math.exp2(sink - m_all)
+        tl.store(out_ptr + seq * stride_ob + qtok * stride_oq + head * stride_oh + dims,
+                 (acc / denominator).to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -220,9 +249,9 @@ def paged_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tens
         dot_dtype = tl.float32
     block_m = min(max(16, triton.next_power_of_2(num_queries * group)), MAX_BLOCK_M)  # tl.dot: M >= 16
     row_chunks = triton.cdiv(num_queries * group, block_m)
-    num_parts = triton.cdiv(max_context_len, partition_size)
+    num_parts = triton.cdiv(max(max_context_len, 1), partition_size)
     out = _empty(*q.shape, dtype=q.dtype, device=q.device)
-    if num_parts == 1:   # write the final output directly; no log-sum-exp (lse: a placeholder)
+    if num_parts == 1:   # every row is written directly; no partials (placeholders)
         part_out, lse = out.unsqueeze(1), out                                 # [B, 1, Q, H_q, D]
     else:
         part_out = _empty(batch, num_parts, num_queries, num_q_heads, head_dim, dtype=torch.float32,
@@ -235,14 +264,14 @@ def paged_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tens
     has_sinks = sinks is not None
     sinks = sinks.detach().to(torch.float32).contiguous() if has_sinks else positions   # unused without
     _paged_attn_kernel[(batch, num_kv_heads * row_chunks, num_parts)](
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, positions, part_out, lse, tree_bits, tree_start,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, positions, out, part_out, lse, tree_bits, tree_start,
         window_start, sinks,
         q.stride(0), q.stride(1), q.stride(2), block_tables.stride(0), positions.stride(0),
         cache.k.stride(1), cache.k.stride(2), stride_ss, tree_bits.stride(0), window_start.stride(0),
-        *part_out.stride()[:4], *lse.stride()[:3],
+        *out.stride()[:3], *part_out.stride()[:4], *lse.stride()[:3],
         scale * math.log2(math.e), num_queries, group, row_chunks, partition_size, window,
         IS_FP8=is_fp8, STORE_LSE=num_parts > 1, IS_TREE=tree is not None, HAS_WINDOW=window > 0,
-        SINKS=has_sinks and num_parts == 1, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        SINKS=has_sinks, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         # 32-bit slot offsets save registers; 64-bit only where the cache needs them
         SLOT_DTYPE=tl.int64 if cache.k.numel() >= 2**31 else tl.int32,
         DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",  # fp32: no TF32
@@ -252,7 +281,7 @@ def paged_attention(q: torch.Tensor, cache: LayerCache, block_tables: torch.Tens
         _merge_partitions_kernel[(batch, num_queries, num_q_heads)](
             part_out, lse, positions, out, sinks, positions.stride(0), *part_out.stride()[:4],
             *lse.stride()[:3], *out.stride()[:3], head_dim, partition_size, SINKS=has_sinks,
-            BLOCK_P=triton.next_power_of_2(num_parts), BLOCK_D=triton.next_power_of_2(head_dim))
+            BLOCK_P=MERGE_BLOCK_P, BLOCK_D=triton.next_power_of_2(head_dim))
     return out
 
 

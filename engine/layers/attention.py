@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.attention_metadata import (CPU, KERNELS, MODES, TORCH, AttentionMetadata,  # noqa: F401 (re-exported)
-                                              KernelLaunch, SeqSlice, TreeRows)
+                                              DecodeBatch, KernelLaunch, SeqSlice, TreeRows)
 from engine.cache.kv_cache import LayerCache, dequantize_fp8, quantize_fp8
 from engine.kernels import cpu_fp8
 from engine.layers.rotation import hadamard
@@ -88,7 +88,7 @@ def paged_attention_ref(q: torch.Tensor, cache: LayerCache, meta: AttentionMetad
 def prepare(mode: str, positions: torch.Tensor, slot_mapping: torch.Tensor, seqs: list[SeqSlice],
             block_size: int, group_size: int) -> AttentionMetadata:
     """A pass's metadata with its mode's layout, built once for every layer: the torch path's
-    groups, our CPU kernel's rows, or the Triton kernels' launch per sequence. group_size:
+    groups, our CPU kernel's rows, or the Triton kernels' launches (_KernelPass). group_size:
     query heads per KV head."""
     if mode not in MODES:
         raise ValueError(f"unknown attention mode {mode!r}; known: {MODES}")
@@ -99,7 +99,7 @@ def prepare(mode: str, positions: torch.Tensor, slot_mapping: torch.Tensor, seqs
         from engine.kernels import cpu_attention
         layout = cpu_attention.rows_of(seqs, positions)
     else:
-        layout = [_launch(positions, slot_mapping, s, block_size, group_size) for s in seqs]
+        layout = _KernelPass(positions, slot_mapping, seqs, block_size, group_size)
     return AttentionMetadata(mode=mode, positions=positions, slot_mapping=slot_mapping, seqs=seqs, layout=layout)
 
 
@@ -321,9 +321,7 @@ def attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float,
 def _attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, window: int,
                sinks: torch.Tensor | None) -> torch.Tensor:
     if meta.mode == KERNELS:
-        return torch.cat([_kernel_attention(q[s.start:s.start + s.count], k[s.start:s.start + s.count],
-                                            v[s.start:s.start + s.count], cache, launch, scale, window, sinks)
-                          for s, launch in zip(meta.seqs, meta.layout)])
+        return _kernel_attention(q, k, v, cache, meta, scale, window, sinks)
     if meta.mode == CPU:
         from engine.kernels import cpu_attention
         if cache.k_scale is None:           # a float pool: stored by our kernel library, one call
@@ -335,21 +333,86 @@ def _attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float
     return paged_attention_ref(q, cache, meta, scale, window, sinks)
 
 
-def _kernel_attention(q, k, v, cache: LayerCache, launch: tuple, scale: float, window: int,
+class _KernelPass:
+    """A kernels pass's launches, built once for every layer. The sequences that each feed the
+    same few new rows (decodes, verify passes of one k; no tree) attend together: one
+    DecodeBatch per row count, so a decode pass of any number of sequences is one launch per
+    layer. Every other sequence (a prefill chunk, a draft tree) is launched alone: `alone`
+    holds (its SeqSlice, _launch's tuple)."""
+
+    def __init__(self, positions: torch.Tensor, slot_mapping: torch.Tensor, seqs: list[SeqSlice], block_size: int,
+                 group_size: int):
+        from engine.kernels.dispatch import MAX_DECODE_TOKENS
+        by_count: dict[int, list[SeqSlice]] = {}
+        self.alone = []
+        for s in seqs:
+            if s.tree is None and s.count <= MAX_DECODE_TOKENS:
+                by_count.setdefault(s.count, []).append(s)
+            else:
+                self.alone.append((s, _launch(positions, slot_mapping, s, block_size, group_size)))
+        self.batches = [_decode_batch(positions, same) for same in by_count.values()]
+
+    @property
+    def whole(self) -> DecodeBatch | None:
+        """The one batch that is every row of the pass in order (a plain decode or verify pass)."""
+        if len(self.batches) == 1 and not self.alone and self.batches[0].rows is None:
+            return self.batches[0]
+        return None
+
+
+def _decode_batch(positions: torch.Tensor, seqs: list[SeqSlice]) -> DecodeBatch:
+    width, device = seqs[0].count, positions.device
+    in_order = [s.start for s in seqs] == list(range(0, width * len(seqs), width))
+    rows = None
+    if not (in_order and width * len(seqs) == positions.shape[0]):
+        rows = torch.tensor([s.start + i for s in seqs for i in range(width)], dtype=torch.int64, device=device)
+    tables = torch.nn.utils.rnn.pad_sequence([s.block_table for s in seqs], batch_first=True)  # [B, max_blocks]
+    return DecodeBatch(rows=rows, positions=(positions if rows is None else positions[rows]).view(len(seqs), width),
+                       block_tables=tables, max_context_len=max(s.context_len for s in seqs))
+
+
+def _kernel_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, window: int,
                       sinks: torch.Tensor | None) -> torch.Tensor:
-    """One sequence's rows where the Triton kernels run (launch: _launch's). A draft tree's rows
-    are masked by their cache index (the causal part) and a bit per tree key on their path,
-    the keys past the context (TREE_KEYS of them at most; a wider tree takes the torch path);
-    under a window, by the first cache index each one sees as well (_TreeMask.window_start)."""
+    """A kernels pass (its layout: _KernelPass): every new row's K/V stored in one launch, then
+    each DecodeBatch attended in one launch and every other sequence alone."""
+    from engine.kernels import dispatch
+    launches = meta.layout
+    dispatch.store(cache, k, v, meta.slot_mapping)
+    whole = launches.whole
+    if whole is not None:                   # a plain decode or verify pass: no gather, no scatter
+        return _decode(q, cache, whole, scale, window, sinks)
+    out = torch.empty_like(q)
+    for batch in launches.batches:
+        out[batch.rows] = _decode(q[batch.rows], cache, batch, scale, window, sinks)
+    for s, launch in launches.alone:
+        rows = slice(s.start, s.start + s.count)
+        out[rows] = _attend_alone(q[rows], cache, launch, scale, window, sinks)
+    return out
+
+
+def _decode(q: torch.Tensor, cache: LayerCache, batch: DecodeBatch, scale: float, window: int,
+            sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [B*Q, H_q, D], a DecodeBatch's rows -> [B*Q, H_q, D]."""
+    from engine.kernels import dispatch
+    b, width = batch.positions.shape
+    return dispatch.decode_attention(q.view(b, width, *q.shape[1:]), cache, batch, scale, window, sinks).flatten(0, 1)
+
+
+def _attend_alone(q, cache: LayerCache, launch: tuple, scale: float, window: int,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
+    """One sequence's rows where the Triton kernels run, its K/V stored (launch: _launch's). A
+    draft tree's rows are masked by their cache index (the causal part) and a bit per tree key
+    on their path, the keys past the context (TREE_KEYS of them at most; a wider tree takes the
+    torch path); under a window, by the first cache index each one sees as well
+    (_TreeMask.window_start)."""
     from engine.kernels import dispatch
     one, mask = launch
     if isinstance(one, AttentionMetadata):                       # a tree too wide for one mask word
-        store_kv(cache, k, v, one.slot_mapping)
         return paged_attention_ref(q, cache, one, scale, window, sinks)
     if mask is None:
-        return dispatch.attention(q, k, v, cache, one, scale, window=window, sinks=sinks)
-    return dispatch.attention(q, k, v, cache, one, scale, tree=(mask.bits, mask.start), window=window, sinks=sinks,
-                              window_start=mask.window_start(window) if window else None)
+        return dispatch.sequence_attention(q, cache, one, scale, window=window, sinks=sinks)
+    return dispatch.sequence_attention(q, cache, one, scale, tree=(mask.bits, mask.start), window=window, sinks=sinks,
+                                       window_start=mask.window_start(window) if window else None)
 
 
 def _launch(positions: torch.Tensor, slot_mapping: torch.Tensor, s: SeqSlice, block_size: int,

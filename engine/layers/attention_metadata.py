@@ -65,6 +65,19 @@ class KernelLaunch:
     context_len: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class DecodeBatch:
+    """Sequences of a kernels pass that each feed the same Q new rows (decodes, verify passes
+    of one k), attending in one decode launch per layer: `rows` [B*Q] the pass's rows,
+    sequence by sequence (None: every row of the pass, in order), positions [B, Q], block
+    tables [B, max_blocks] (padded with block 0, never read) and the longest context (a host
+    int: it sizes the split-K grid without a device sync)."""
+    rows: torch.Tensor | None
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    max_context_len: int
+
+
 def pass_positions(start: int, n: int, block_table: list[int], block_size: int, device) -> tuple:
     """A pass over n new tokens from position `start`: positions [N], the block table as a
     tensor, and the cache slot of each new token [N] (built on the host side of the pass)."""

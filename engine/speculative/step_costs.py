@@ -55,7 +55,8 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def pass_seconds(runner, n: int, context: int = 64, repeats: int = 9, tree=None) -> float:
-    """Median time of one n-token forward pass at `context` tokens, rolled back after each.
+    """Median time of one n-token forward pass at `context` tokens, rolled back after each (on
+    CUDA each timed to the end of its kernels).
     tree: an engine.speculative.tree.DraftTree of n - 1 nodes, verified as a tree pass instead."""
     prompt = list(range(1000, 1000 + context))
     seq = runner.start(prompt, reserve_tokens=n)
@@ -75,8 +76,10 @@ def pass_seconds(runner, n: int, context: int = 64, repeats: int = 9, tree=None)
         runner.rollback(seq, context)
         times = []
         for _ in range(repeats):
+            _synchronize(runner.device)
             t0 = time.perf_counter()
             one_pass()
+            _synchronize(runner.device)
             times.append(time.perf_counter() - t0)
             runner.rollback(seq, context)
     finally:
@@ -84,10 +87,15 @@ def pass_seconds(runner, n: int, context: int = 64, repeats: int = 9, tree=None)
     return statistics.median(times)
 
 
-def verify_costs(runner, ks=(1, 2, 4, 8)) -> dict[str, float]:
+def verify_costs(runner, ks=(1, 2, 4, 8), repeats: int = 9) -> dict[str, float]:
     """{k: time of a (k+1)-token pass / time of a 1-token pass}."""
-    one = pass_seconds(runner, 1)
-    return {str(k): pass_seconds(runner, k + 1) / one for k in ks}
+    one = pass_seconds(runner, 1, repeats=repeats)
+    return {str(k): pass_seconds(runner, k + 1, repeats=repeats) / one for k in ks}
+
+
+def _synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def tree_verify_costs(runner, nodes=(8, 16, 24, 32), context: int = 256) -> dict[str, dict[str, float]]:
