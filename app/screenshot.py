@@ -47,11 +47,14 @@ SCRIPT = (
     ({}, "What is the capital of France?"),
     ({"proposer": "ngram"}, "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."),
     ({"kv_cache_dtype": "fp8_e4m3"}, "Now say it once more, then name the animals in it."),
-    ({"proposer": "auto"}, "Give me three tips for writing clear documentation."),
+    # The last reply streams while the picture is taken: rendered Markdown (a list, emphasis,
+    # a code block) coloured by draft outcome.
+    ({"proposer": "auto"}, "Show me a Python function that reverses a string, then give three tips for testing it."),
 )
 # --plots: one more turn, the EAGLE head drafting trees (what the plots' tree row shows)
 TREE_TURN = ({"draft_tree": "4:6:24"}, "Now give me three tips for naming functions.")
-CHARACTERS_BEFORE_GRAB = 120      # of the last reply
+CODE_FENCES_BEFORE_GRAB = 2       # the last reply's first code block closed
+CHARACTERS_BEFORE_GRAB = 700      # or this much of it, whichever comes first
 LAST_REPLY_MAX_TOKENS = 200
 # --remote: two turns on one system prompt, so the second shows the server's prefix-cache hits
 REMOTE_SYSTEM_PROMPT = "You are a concise cooking tutor. Answer in two or three plain sentences."
@@ -151,12 +154,17 @@ def chat_and_grab(workbench, out: Path, size=WINDOW_SIZE, whole_plots: bool = Fa
         if number < len(script):
             wait_until(lambda: controller.request_id is None)
     # Mid-reply: the last answer is still streaming when the picture is taken.
-    wait_until(lambda: len("".join(controller.reply_parts)) >= CHARACTERS_BEFORE_GRAB or controller.request_id is None)
+    wait_until(lambda: _shows_enough("".join(controller.reply_parts)) or controller.request_id is None)
+    window.chat.flush()                                   # its latest tokens drawn
     if whole_plots:
         out.parent.mkdir(parents=True, exist_ok=True)
         window.plots.save_png(str(out))
     else:
         grab(window, out)
+
+
+def _shows_enough(reply: str) -> bool:
+    return reply.count("```") >= CODE_FENCES_BEFORE_GRAB or len(reply) >= CHARACTERS_BEFORE_GRAB
 
 
 def _load_dock_ready(workbench) -> None:

@@ -47,6 +47,7 @@ LOAD_COLOURS = {
     "experts": "#bf3989", "all_experts": "#57606a",
 }
 ERROR_COLOUR = "#cf222e"
+CODE_BACKGROUND = "#f3f5f7"   # a code block's box in a rendered reply
 PAYS_COLOUR = "#1a7f37"       # "speculation pays here"
 MUTED_COLOUR = "#57606a"
 

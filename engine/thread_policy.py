@@ -6,8 +6,8 @@ is the fastest way to decode. On a busy one it is the slowest: when another prog
 one of two cores, the thread that shares its core runs half the time, in slices of
 milliseconds, and every op waits for it (issue #20: steps from 25 ms to 1,460 ms).
 
-Measured on the 2-core AVX-512 machine, SmolLM2-135M fp32, decode tok/s quiet / beside one
-spinning process (README, "Every CPU"): libgomp's default 32.6 / 10.2; OMP_WAIT_POLICY=PASSIVE
+Measured on the 2-core AVX-512 machine (2026-12-01), SmolLM2-135M fp32, decode tok/s quiet /
+beside one spinning process: libgomp's default 32.6 / 10.2; OMP_WAIT_POLICY=PASSIVE
 22.8 / 21.3 (every barrier sleeps and wakes: a third slower when quiet); GOMP_SPINCOUNT 3,000
 27.5 / 12.3; one thread 23.1 / 21.8. No wait policy is good at both. So the policy is:
 keep OpenMP's default wait, and run as many threads as there are cores that other programs

@@ -273,6 +273,7 @@ def test_the_default_model_loads_with_progress_then_streams_an_answer(open_workb
     assert done["summary"]["generated_tokens"] <= 8
     assert done["finish_reason"] in ("stop", "length")
     assert "Paris" in reply
+    chat.set_raw(True)          # as typed: rendered Markdown drops a reply's leading space
     transcript = chat.transcript.toPlainText()
     assert reply in transcript and "TTFT" in transcript and "tok/s" in transcript
     assert bench.controller.conversation[-1] == {"role": "assistant", "content": reply}
@@ -303,6 +304,7 @@ def test_a_model_from_a_profile_loads_and_its_replies_stream_into_the_chat(open_
     assert [e["step"] for e in steps] == list(range(done["summary"]["generated_tokens"]))
     assert done["summary"]["generated_tokens"] <= 6
     assert "".join(text for e in steps for text, _ in e["pieces"]) == reply
+    bench.window.chat.set_raw(True)         # as typed: rendered Markdown drops a reply's leading space
     assert reply and reply in bench.window.chat.transcript.toPlainText()
     assert bench.controller.conversation == [{"role": "user", "content": "Hello!"},
                                              {"role": "assistant", "content": reply}]
@@ -317,7 +319,9 @@ def test_accepted_draft_tokens_are_coloured_apart_from_target_tokens(tiny_bench,
     assert done["summary"]["acceptance_rate"] == 1.0                     # the target drafting for itself
     kinds = {kind for _, kind in transcript_fragments(bench.window.chat) if kind}
     assert "accepted" in kinds and kinds & {"bonus", "target", "resampled"}
-    # Exact per token: the accepted-coloured text is exactly the accepted tokens' text.
+    # Exact per token: the accepted-coloured text is exactly the accepted tokens' text, as typed
+    # (tests/test_chat_markdown.py: the colours of a rendered reply).
+    bench.window.chat.set_raw(True)
     tokenizer = tiny_model.tokenizer
     for kind in ("accepted", "bonus"):
         coloured = "".join(t for t, k in transcript_fragments(bench.window.chat) if k == kind)

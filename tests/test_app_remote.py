@@ -74,6 +74,7 @@ def test_a_connected_server_streams_replies_into_the_chat_and_the_plots(tiny_ben
     done = send(bench, qtbot, "What is a roux? Answer in one sentence.")
     assert done["finish_reason"] in ("stop", "length") and done["summary"]["generated_tokens"] > 0
     reply = "".join(e["text_delta"] for e in steps)
+    bench.window.chat.set_raw(True)         # as typed: rendered Markdown drops a reply's leading space
     assert reply and reply in bench.window.chat.transcript.toPlainText()
     assert bench.controller.conversation[-1] == {"role": "assistant", "content": reply}
     assert len(bench.controller.conversation) == 4   # the local exchange is kept

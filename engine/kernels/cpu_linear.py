@@ -5,7 +5,8 @@ scalar). The weights stream once per call for every row, with no 2-row padding a
 second kernel for one row.
 
 Built at first use with torch.utils.cpp_extension (gcc and ninja) into the user cache
-folder, keyed by the source's hash, so later processes load it in milliseconds. Tried
+folder, keyed by the source's hash, so later processes load it in milliseconds; a build killed
+midway is taken over by the next load, never waited on (engine.kernels.build_lock). Tried
 before it is used (`refusal`): it must build, and on a random weight each instruction set
 this CPU offers must give the scalar path's bits and agree with torch's matmul. The widest
 set that passes runs; `force_isa` (or WORKBENCH_CPU_ISA=avx2|scalar in the environment)
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from engine import cpu_features
 from engine.errors import first_line
+from engine.kernels.build_lock import build_lock
 
 # one library: this op, the quantized one (cpu_quant_linear.cpp, engine.kernels.cpu_quant), the
 # FP8 cache read (cpu_fp8.cpp, engine.kernels.cpu_fp8) and paged attention (cpu_attention.cpp,
@@ -73,9 +75,10 @@ def _built() -> Exception | None:
     folder = build_dir() / build_tag()
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        load(name=f"workbench_cpu_{build_tag()}", sources=[str(source) for source in SOURCES],
-             extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-             build_directory=str(folder), is_python_module=False, verbose=False)
+        with build_lock(folder):        # torch's own lock, left by a killed build, would be waited on forever
+            load(name=f"workbench_cpu_{build_tag()}", sources=[str(source) for source in SOURCES],
+                 extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                 build_directory=str(folder), is_python_module=False, verbose=False)
     except Exception as error:      # noqa: BLE001 - a compiler missing or failing is the answer
         return error
     return None
