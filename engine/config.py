@@ -196,10 +196,9 @@ SETTINGS: tuple[Setting, ...] = (
             choices={"auto": "auto", "torch": "torch (reference)", "triton": "Triton kernels"}, rebuilds_pool=True),
     Setting("compile", str, "auto", ENGINE, NEXT_REQUEST, "Compiled step",
             choices={"off": "off (eager)", "on": "on (torch.compile)", "auto": "auto"},
-            help="compile the decode and verify step with torch.compile at the first step that needs it "
-            "(about a minute the first time on a 2-core CPU, seconds later from the disk cache). It serves steps "
-            "where one request decodes alone, and rounds differently from the batched eager pass: with it on, a "
-            "reply can depend on whether it had company. auto: on for CUDA, off on the CPU (batch invariance)",
+            help="run every pass through one torch.compile'd step (about a minute the first time on a 2-core CPU, "
+            "seconds later from the disk cache); every pass of every request takes it, so a reply does not depend "
+            "on its company. auto and on: compiled wherever the compiler runs (engine.runtime.compiled_step)",
             group=RUNTIME_GROUP),
     # ---- many requests at once (engine.scheduler) ----
     Setting("max_num_seqs", int, None, ENGINE, LIVE, "Max sequences", low=1, high=4096, optional=True,
@@ -221,7 +220,8 @@ SETTINGS: tuple[Setting, ...] = (
             choices={"auto": "as stored (a 4-bit GGUF stays 4-bit)", "float": "dequantized (the dtype above)",
                      "int8": "int8 (per channel)", "int4": "int4 (groups of 32)"},
             help="auto: a GGUF's or AWQ/GPTQ checkpoint's quantized weights run as stored where a kernel takes "
-            "them (Q4_*, AWQ, GPTQ as int4; Q5_*, Q6_K, Q8_0 as 8-bit groups); every other weight in the dtype above. "
+            "them (Q4_K, Q5_K, Q6_K in their super-blocks; Q4_0, Q4_1, AWQ, GPTQ as int4; Q5_0, Q5_1, Q8_0 as 8-bit "
+            "groups); every other weight in the dtype above. "
             "int8 / int4: every linear quantized at load (round-to-nearest), a 4-bit GGUF's tensors kept as stored. "
             "CPU kernels only in this release (engine.loading.weight_quant)"),
     Setting("max_model_len", int, None, ENGINE, LOAD, "Context length", low=1, optional=True,
