@@ -37,12 +37,13 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from engine.bench.load import shape_checkpoint
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "List three primes.")
 # Llama-3.2-3B's config.json (its vocabulary too: the default model's tokenizer covers the ids it reads)
@@ -339,22 +340,6 @@ def batched_decode_check(device: torch.device, lengths=(3, 700, 256, 257, 40, 1,
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-def shape_checkpoint(name: str, fields: dict) -> Path:
-    """<cache>/synthetic/NAME: a random-weight checkpoint of the shape `fields` gives (a preset's
-    fields changed; engine.loading.synthetic), written once (into a temporary folder, renamed)."""
-    from engine.loading.loader import cache_dir
-    from engine.loading.synthetic import write_checkpoint
-    folder = cache_dir() / "synthetic" / name
-    if (folder / "config.json").is_file():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    print(f"writing the synthetic {name} checkpoint to {folder} (once)", file=sys.stderr)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{name}-"))
-    write_checkpoint(tmp, fields)
-    os.replace(tmp, folder)
-    return folder
-
-
 def _bandwidth(device: torch.device, kernels: dict | None) -> float | None:
     """Bytes per second the roofline divides by: the kernel bench's device copy (CUDA), or a
     large read (CPU), measured in this run."""

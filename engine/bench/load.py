@@ -71,13 +71,18 @@ def synthetic_checkpoint(preset: str, layers: int | None = None) -> Path:
     """<cache>/synthetic/PRESET (with `layers` fewer than the preset's: PRESET-<layers>L),
     written once (into a temporary folder, then renamed); a GGUF preset:
     <cache>/synthetic/PRESET.gguf."""
-    from engine.loading.loader import cache_dir
-    from engine.loading.synthetic import write_checkpoint
     from engine.loading.synthetic_gguf import SYNTHETIC_GGUF_PRESETS
     if preset in SYNTHETIC_GGUF_PRESETS:
         return synthetic_gguf(preset)
     fields = reduced_preset(preset, layers)
-    name = preset if fields == preset else f"{preset}-{layers}L"
+    return shape_checkpoint(preset if fields == preset else f"{preset}-{layers}L", fields)
+
+
+def shape_checkpoint(name: str, fields) -> Path:
+    """<cache>/synthetic/NAME: a random-weight checkpoint of a preset (or a preset's fields
+    changed; engine.loading.synthetic), written once (into a temporary folder, renamed)."""
+    from engine.loading.loader import cache_dir
+    from engine.loading.synthetic import write_checkpoint
     folder = cache_dir() / "synthetic" / name
     if (folder / "config.json").is_file():
         return folder
