@@ -74,7 +74,7 @@ def test_on_a_k_quant_file_ours_is_closer_to_llama_cpp_than_the_file_is_to_f32()
     than llama.cpp's are (measured 0.0049 and 0.0045). Same top token: both engines round each
     linear's input to 8 bits, so a near tie can go either way; llama.cpp beside itself with only
     its attention's rounding changed keeps the same top token at 96.9% of these positions, ours
-    beside it at 96.1%: the bound is set under both, not at the issue's 98% (README)."""
+    beside it at 96.1%: the bound is set under both, not at the issue's 98% (docs/benchmarks.md)."""
     out = kld.against_llama_cpp(real_file("Q4_K_M"), real_file("F32"), n_ctx=N_CTX, chunks=CHUNKS,
                                 paths=("auto", "float"), noise=False)
     stored = out["paths"][0]

@@ -33,7 +33,7 @@ rounding of the activations.
 its K/V rounded to float16 (`ours / ours_kv_f16`). With 8-bit activations a change in the last
 bits of a linear's input flips some roundings by a whole step, and the flips compound layer by
 layer: on the F32 file that change leaves 10 of 10 replies as they were, on the K-quant files
-it parts 6-8 of 10 (README, "Real GGUF files against llama.cpp"). Two engines that are not
+it parts 6-8 of 10 (docs/benchmarks.md, "Quantized weights and agreement with llama.cpp"). Two engines that are not
 bit-identical agree no better than that, whichever rounding each uses.
 """
 from __future__ import annotations

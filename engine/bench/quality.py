@@ -14,8 +14,8 @@ stored) beside llama.cpp on the same file (bench_against_llama_cpp):
     attention off, and with K/V in f32 and flash attention off; ours with K/V in fp32 (the
     compute dtype) and in float16. On the F32 file the arms agree to 0.001%; on a quantized
     file each moves perplexity by a few tenths of a percent, the noise that both engines' 8-bit
-    activations (before their integer dot products) re-draw at any small change (README,
-    "Real GGUF files against llama.cpp");
+    activations (before their integer dot products) re-draw at any small change (docs/benchmarks.md,
+    "Quantized weights and agreement with llama.cpp");
   - greedy replies to the 10 chat prompts on the same prompt ids, --tokens each (32 is the
     issue's), through llama-server as users run it and again with its K/V in f32: per prompt
     the first divergence (null: all tokens agree) and, where they part, each side's log-prob
