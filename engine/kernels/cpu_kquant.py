@@ -191,29 +191,39 @@ def unpack(w: torch.Tensor, bits: int) -> torch.Tensor:
     return dequantize_blocks(blocks_of(w, bits), bits)
 
 
-def blocks_of(w: torch.Tensor, bits: int) -> torch.Tensor:
-    """Packed tiles [T, blocks, 16 * bytes] -> the file's rows of super-blocks [T * 16, blocks * bytes]."""
+def blocks_of(w: torch.Tensor, bits: int, cols: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed tiles [T, blocks, 16 * bytes] -> the file's rows of super-blocks [T * 16, blocks * bytes];
+    cols [T]: of each tile only that column's row, [T, blocks * bytes] (a lookup decodes one row, not 16)."""
     tiles, blocks, _ = w.shape
+    width = COLS if cols is None else 1
+
+    def pick(t: torch.Tensor, dim: int) -> torch.Tensor:       # the columns kept, along `dim` (of size 16)
+        if cols is None:
+            return t
+        shape = [1] * t.dim()
+        shape[0] = tiles
+        return t.gather(dim, cols.view(shape).expand(*t.shape[:dim], 1, *t.shape[dim + 1:]))
+
     groups = blocks * 8
     pl = PLANES[bits]
     body = w[..., :8 * (256 + 64 * pl)].reshape(tiles, groups, 256 + 64 * pl)
-    v = body[..., :256].reshape(tiles, groups, 4, COLS, 4)                 # [tile, group, j, col, i]
+    v = pick(body[..., :256].reshape(tiles, groups, 4, COLS, 4), 3)       # [tile, group, j, col, i]
     u = torch.stack([v & 0x0F, v >> 4], dim=2)                             # [tile, group, half, j, col, i]
     if pl:
         planes = body[..., 256:].reshape(tiles, groups, 4, 2, pl, 8)
         bit = (planes[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1        # [.., pl, 8 bytes, 8 bits]
-        bit = bit.reshape(tiles, groups, 4, 2, pl, COLS, 4).permute(0, 1, 3, 4, 2, 5, 6)    # [.., half, pl, j, col, i]
+        bit = pick(bit.reshape(tiles, groups, 4, 2, pl, COLS, 4), 5).permute(0, 1, 3, 4, 2, 5, 6)  # [.., half, pl, j, col, i]
         for p in range(pl):
             u = u | (bit[:, :, :, p] << (4 + p))
-    u = u.permute(0, 4, 1, 2, 3, 5).reshape(tiles * COLS, blocks, SUPER)       # [row, block, 256]
+    rows = tiles * width
+    u = u.permute(0, 4, 1, 2, 3, 5).reshape(rows, blocks, SUPER)               # [row, block, 256]
     scales = w[..., 8 * (256 + 64 * pl):]
-    rows = tiles * COLS
 
-    def column_major(t: torch.Tensor, width: int) -> torch.Tensor:     # [tiles, blocks, x * 16] -> [rows, blocks, x]
-        return t.reshape(tiles, blocks, width, COLS).permute(0, 3, 1, 2).reshape(rows, blocks, width)
+    def column_major(t: torch.Tensor, x: int) -> torch.Tensor:     # [tiles, blocks, x * 16] -> [rows, blocks, x]
+        return pick(t.reshape(tiles, blocks, x, COLS), 3).permute(0, 3, 1, 2).reshape(rows, blocks, x)
 
     def fp16_rows(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(tiles, blocks, COLS, 2).permute(0, 2, 1, 3).reshape(rows, blocks, 2)
+        return pick(t.reshape(tiles, blocks, COLS, 2), 2).permute(0, 2, 1, 3).reshape(rows, blocks, 2)
 
     if bits == 6:
         q = u.reshape(rows, blocks, 2, 4, 32)
@@ -242,9 +252,7 @@ def blocks_of(w: torch.Tensor, bits: int) -> torch.Tensor:
 def rows(w: torch.Tensor, bits: int, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the float weight (unpack's values): an embedding looked up in its tied
     head's super-blocks, without a float copy of the table."""
-    tiles = ids // COLS
-    values = unpack(w[tiles], bits).reshape(len(ids), COLS, -1)
-    return values[torch.arange(len(ids)), ids % COLS]
+    return dequantize_blocks(blocks_of(w[ids // COLS], bits, ids % COLS), bits)
 
 
 def random_blocks(n: int, k: int, bits: int, gen: torch.Generator) -> torch.Tensor:
