@@ -30,16 +30,6 @@ PLANES = {4: 0, 5: 1, 6: 2}                              # high bits kept as bit
 GROUP = {4: 32, 5: 32, 6: 16}                            # k per scale
 
 
-def tile_bytes(bits: int) -> int:
-    """Bytes per tile of 16 columns and super-block: 16 x the file's."""
-    return COLS * BLOCK_BYTES[bits]
-
-
-def is_kquant(w: torch.Tensor, bits: int) -> bool:
-    """Whether packed bytes `w` hold a K-quant's super-blocks (else 4- or 8-bit groups)."""
-    return bits in BLOCK_BYTES and w.dim() == 3 and w.shape[2] == tile_bytes(bits)
-
-
 @functools.cache
 def refusal() -> str | None:
     """Why the K-quants cannot be read as stored here (None: they passed their trials)."""
