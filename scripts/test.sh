@@ -36,4 +36,14 @@ else
   echo "test: no vLLM venv: tests/test_remote_vllm.py skips (bash scripts/build_vllm.sh installs it)" >&2
 fi
 export QT_QPA_PLATFORM=offscreen
-exec .venv/bin/python -m pytest "$@"
+# A crash (segfault, abort) writes every thread's stack to a file (tests/conftest.py); the
+# crashing thread's is printed last, so the tail of a CI log shows where it happened.
+export WORKBENCH_CRASH_LOG=$(mktemp)
+status=0
+.venv/bin/python -m pytest -p no:faulthandler "$@" || status=$?
+if [ -s "$WORKBENCH_CRASH_LOG" ]; then
+  echo "test: the suite crashed (exit $status); every thread's stack, the crashing one last:" >&2
+  awk 'BEGIN{RS=""; ORS="\n\n"} !/^Current thread/ && !/^Extension modules/' "$WORKBENCH_CRASH_LOG" >&2
+  awk 'BEGIN{RS=""; ORS="\n\n"} /^Current thread/' "$WORKBENCH_CRASH_LOG" >&2
+fi
+exit $status

@@ -231,3 +231,14 @@ def assert_dies_mid_stream(backend, kill) -> None:
         request.close()
     assert len(transcript) >= 5 and all(transcript[:5])
     assert "stopped in the middle of the reply" in str(info.value) and "kept" in str(info.value)
+
+
+def pytest_configure(config):
+    """WORKBENCH_CRASH_LOG=F: a crash (segfault, abort) writes every thread's Python stack to F
+    instead of stderr, so scripts/test.sh can print the crashing thread's stack last, where a
+    CI log's tail keeps it (run with -p no:faulthandler: pytest's own handler writes to stderr)."""
+    path = os.environ.get("WORKBENCH_CRASH_LOG")
+    if path:
+        import faulthandler
+        config._workbench_crash_log = open(path, "w")       # open for the whole run: the handler writes to its fd
+        faulthandler.enable(file=config._workbench_crash_log, all_threads=True)
