@@ -53,8 +53,9 @@ def linear_rows_bench(source=None, repeats: int = REPEATS) -> dict:
                           f"({loaded.weights.summary() if loaded.weights else 'float weights'}); pass a quantized "
                           "GGUF: --model FILE.gguf, or --synthetic with a GGUF preset (qwen3-1.7b-q4_k_m, ...)")
 
-    buffer = bandwidth_buffer()
-    reads = read_bandwidths(buffer)
+    from engine.speculative.step_costs import BANDWIDTH_BYTES, read_bandwidths
+    buffer = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)      # far larger than any cache
+    reads = read_bandwidths(READS, buffer)
 
     def timed(passes: dict[str, tuple[list, int]], read_each_round: bool = False) -> dict[str, float]:
         """Median ms of each pass (label: (weights, rows)): every weight called once on `rows`
@@ -74,7 +75,7 @@ def linear_rows_bench(source=None, repeats: int = REPEATS) -> dict:
                 if repeat:
                     times[label].append(time.perf_counter() - start)
             if repeat and read_each_round:
-                reads.extend(read_bandwidths(buffer, 1, warm=False))
+                reads.extend(read_bandwidths(1, buffer, warm=False))
         return {label: round(statistics.median(t) * 1e3, 3) for label, t in times.items()}
 
     everything = body + ([head] if head is not None else [])
@@ -82,7 +83,7 @@ def linear_rows_bench(source=None, repeats: int = REPEATS) -> dict:
     all_ms = measured.pop(ALL)
     rows_ms = measured
     head_ms = timed({str(n): ([head], n) for n in ROWS}) if head is not None else None
-    reads += read_bandwidths(buffer)
+    reads += read_bandwidths(READS, buffer)
     del buffer
     body_bytes = sum(qw.nbytes for qw in body)
     all_bytes = sum(qw.nbytes for qw in everything)
@@ -109,23 +110,3 @@ def linear_rows_bench(source=None, repeats: int = REPEATS) -> dict:
         result["head_ratio_to_1_row"] = {n: round(ms / head_ms["1"], 3) for n, ms in head_ms.items()}
         result["head_gb_s"] = round(head.nbytes / head_ms["1"] / 1e6, 2)
     return result
-
-
-def bandwidth_buffer() -> torch.Tensor:
-    """A buffer far larger than any cache (engine.speculative.step_costs' size)."""
-    from engine.speculative.step_costs import BANDWIDTH_BYTES
-    return torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
-
-
-def read_bandwidths(buffer: torch.Tensor, reads: int = READS, warm: bool = True) -> list[float]:
-    """Bytes per second of each of `reads` reductions over `buffer` (the memory-bound limit a
-    pass that reads every weight once cannot beat; step_costs.read_bandwidth's measure), after
-    one untimed (warm)."""
-    if warm:
-        buffer.sum()
-    out = []
-    for _ in range(reads):
-        start = time.perf_counter()
-        buffer.sum()
-        out.append(buffer.numel() * buffer.element_size() / (time.perf_counter() - start))
-    return out

@@ -36,9 +36,9 @@ def refusal() -> str | None:
     why = cpu_quant.refusal()
     if why:
         return why
-    isa = cpu_quant.isa()
+    plan = cpu_quant.plan()
     gen = torch.Generator().manual_seed(0)
-    for bits in BLOCK_BYTES:
+    for isa, bits in ((isa, bits) for isa in dict.fromkeys((plan.few, plan.many)) for bits in BLOCK_BYTES):
         raw = random_blocks(3 * COLS, 2 * SUPER, bits, gen)
         w = pack(raw, bits)
         x = torch.randn(9, 2 * SUPER, generator=gen)
@@ -59,7 +59,8 @@ def refusal() -> str | None:
 def linear(x: torch.Tensor, w: torch.Tensor, bits: int, isa: str | None = None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype, through packed super-blocks `w`."""
-    return torch.ops.workbench_cpu.linear_q(x, w, _NO_SCALES, bias, bits, SUPER, cpu_quant.ISAS[isa or cpu_quant.isa()])
+    return torch.ops.workbench_cpu.linear_q(x, w, _NO_SCALES, bias, bits, SUPER,
+                                            cpu_quant.ISAS[isa] if isa else cpu_quant.code())
 
 
 _NO_SCALES = torch.empty(0)

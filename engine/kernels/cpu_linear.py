@@ -120,13 +120,16 @@ def choose_isa(chosen: dict[str, str], needs: dict[str, tuple[str, ...]], trial,
     if wanted and wanted not in passed:
         return f"{ISA_ENV}={wanted} asks for an instruction set {what} did not pass here (passed: {', '.join(passed)})"
     chosen.setdefault("isa", wanted or passed[-1])
+    chosen.setdefault("passed", ",".join(passed))
+    chosen.setdefault("forced", wanted or "")
     return None
 
 
 def force(chosen: dict[str, str], name: str | None, refusal) -> None:
     """Run with `name` ('avx512', 'avx2', 'scalar'), or None: the widest that passed
     (`refusal` is tried again)."""
-    chosen.pop("isa", None)
+    for said in ("isa", "passed", "forced"):
+        chosen.pop(said, None)
     if name is not None:
         if name not in ISAS:
             raise ValueError(f"unknown instruction set {name!r}; known: {', '.join(ISAS)}")

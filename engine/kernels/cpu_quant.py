@@ -11,8 +11,9 @@ tested where no AVX-VNNI CPU is at hand.
 Built with our CPU linear, into the same library (engine.kernels.cpu_linear.load). Tried before
 it is used (`refusal`): on random weights of both widths, each instruction set this CPU offers
 must give the scalar path's bits for 1, 5 and 9 rows and agree with the dequantized weight.
-The widest set that passes runs; `force_isa` (or WORKBENCH_CPU_ISA=avx2|avx_vnni|scalar...) picks
-another.
+Of the sets that pass, each row count runs the one measured fastest here (`plan`,
+engine.kernels.cpu_quant_paths); `force_isa` (or WORKBENCH_CPU_ISA=avx2|avx_vnni|scalar...) runs
+one at every row count.
 
 Scales are stored in fp16 when every d and m is exactly an fp16 number (a GGUF's are), else
 in fp32: exact either way, and fp16 saves a sixth of a 4-bit weight's bytes.
@@ -23,8 +24,9 @@ import functools
 
 import torch
 
+from engine import cpu_features
 from engine.errors import first_line
-from engine.kernels import cpu_linear
+from engine.kernels import cpu_linear, cpu_quant_paths
 
 COLS, XBLOCK = 16, 32           # output columns per tile; activation block
 GROUPS = {4: (32,), 8: (32, 16)}
@@ -34,6 +36,7 @@ NEEDS = {"scalar": (), "avx2": ("avx2", "fma", "f16c"), "avx_vnni": ("avx2", "fm
          "avx512": ("avx512f", "avx512bw", "avx512_vnni")}
 OFFSET8 = 128                   # an 8-bit q is stored as u = q + 128
 _chosen: dict[str, str] = {}
+_measured: dict[str, cpu_quant_paths.Plan] = {}     # the measured plan, once per process
 
 
 @functools.cache
@@ -75,13 +78,41 @@ def _trial(isa: str) -> str | None:
 
 
 def isa() -> str:
+    """The widest path that passed its trial, or the one forced."""
     return _chosen.get("isa", "scalar")
 
 
+def plan() -> cpu_quant_paths.Plan:
+    """The path each row count runs: measured on this CPU (engine.kernels.cpu_quant_paths) among
+    the paths that passed their trials, unless one was forced (WORKBENCH_CPU_ISA, force_isa, a
+    test) or only one runs."""
+    chosen = isa()
+    passed = [p for p in _chosen.get("passed", "").split(",") if p and p != "scalar"]
+    if _chosen.get("forced") or chosen != (passed[-1] if passed else "scalar"):
+        return cpu_quant_paths.Plan(chosen, chosen, why=f"forced ({chosen})")
+    if len(passed) < 2:
+        return cpu_quant_paths.Plan(chosen, chosen, why="the only path that runs here")
+    if "plan" not in _measured:
+        key = (f"{cpu_features.model_name()} | {cpu_features.isa_name()} | {','.join(cpu_features.simd_flags())} | "
+               f"{cpu_linear.build_tag()} | torch {torch.__version__} | {torch.get_num_threads()} threads")
+        try:
+            _measured["plan"] = cpu_quant_paths.measured_plan(passed, chosen, key, cpu_linear.build_dir())
+        except RuntimeError as error:
+            _measured["plan"] = cpu_quant_paths.Plan(chosen, chosen, why=f"the widest: timing failed ({first_line(error)})")
+    return _measured["plan"]
+
+
+def code() -> int:
+    """The op's `isa` argument for the plan in effect."""
+    return plan().code(ISAS)
+
+
 def force_isa(name: str | None) -> None:
-    """Run with `name` ('avx512' meaning VNNI, 'avx512vl_vnni', 'avx_vnni', 'avx2', 'scalar'), or
-    None: the widest that passed."""
+    """Run with `name` ('avx512' meaning VNNI, 'avx512vl_vnni', 'avx_vnni', 'avx2', 'scalar') at
+    every row count, or None: the measured plan over the paths that passed."""
     cpu_linear.force(_chosen, name, refusal)
+    if name:
+        _chosen["forced"] = name
 
 
 def packable(shape: tuple[int, int], bits: int, group: int) -> str | None:
@@ -155,7 +186,7 @@ def rows(w: torch.Tensor, scales: torch.Tensor, bits: int, ids: torch.Tensor) ->
 
 def linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, bits: int) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype."""
-    return torch.ops.workbench_cpu.linear_q(x, w, scales, bias, bits, group_of(w, bits), ISAS[isa()])
+    return torch.ops.workbench_cpu.linear_q(x, w, scales, bias, bits, group_of(w, bits), code())
 
 
 def group_of(w: torch.Tensor, bits: int) -> int:
@@ -182,8 +213,8 @@ def forget(key: int) -> None:
 
 def use(key: int) -> None:
     """The weights linear_at reads on this thread (a step, before its graph runs), on the
-    instruction set chosen now."""
-    torch.ops.workbench_cpu.use_weights(key, ISAS[isa()])
+    paths planned now."""
+    torch.ops.workbench_cpu.use_weights(key, code())
 
 
 def linear_at(x: torch.Tensor, index: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -615,6 +615,9 @@ void run_tiles(Isa isa, const Rows& rows, int64_t M, int64_t t0, int64_t t1, con
 
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                     const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group, int64_t isa) {
+  // isa: a path, or a plan (engine.kernels.cpu_quant_paths): few | many << 4 | from << 8, the
+  // path `many` from `from` rows (every path gives the same bits: only the speed differs)
+  if (isa > 15) isa = x.dim() == 2 && x.size(0) >= (isa >> 8) ? (isa >> 4) & 15 : isa & 15;
   const bool kq = group == 256;         // a K-quant's super-blocks, read as stored
   TORCH_CHECK(kq ? (bits >= 4 && bits <= 6) : (bits == 4 || bits == 8),
               "workbench_cpu::linear_q: bits is 4 or 8, or 4, 5, 6 with group 256 (Q4_K, Q5_K, Q6_K)");

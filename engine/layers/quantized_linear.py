@@ -152,7 +152,8 @@ def path() -> str:
     """Which kernel serves quantized weights here, for "In effect"."""
     ours = cpu_quant.refusal()
     if ours is None:
-        return f"ours ({cpu_quant.isa()}{' VNNI' if cpu_quant.isa() == 'avx512' else ''}), int8 activations per 32"
+        return (f"ours ({cpu_quant.plan().describe(lambda isa: isa + ' VNNI' if isa == 'avx512' else isa)}), "
+                "int8 activations per 32")
     torch_says = refusal(INT4, FAST_DTYPES[0])
     return f"torch's int4/int8 kernels ({ours})" if torch_says is None else f"float ({ours}; {torch_says})"
 

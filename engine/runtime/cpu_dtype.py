@@ -25,8 +25,6 @@ failed is skipped with its reason and never picked.
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -41,6 +39,7 @@ from engine.config import EngineConfig, SamplingParams
 from engine.errors import first_line
 from engine.layers import packed_linear
 from engine.loading import loader
+from engine.measured_cache import measured_once, read_cache
 
 PROBE_SHAPE = (8192, 2048)          # [out, in]
 CANDIDATES = (torch.float32, torch.bfloat16)
@@ -123,14 +122,14 @@ def fastest(cache_file: Path) -> DtypeChoice:
     """The dtype whose float linear reads faster on this CPU, of those whose kernels run here
     (fp32 if none other does), and why. Each dtype's fastest linear backend becomes its
     preferred one (engine.layers.packed_linear.prefer)."""
-    return _choice(_measured_once(cache_file, cpu_key(), measure))
+    return _choice(measured_once(cache_file, cpu_key(), measure))
 
 
 def fastest_step(cache_file: Path, model_format: str, step_seconds: Callable[[torch.dtype], float]) -> DtypeChoice:
     """The dtype whose whole decode step runs faster for a model of `model_format` on this
     CPU, and why; measured once per CPU and model format by `step_seconds(dtype)` (seconds
     per decode step of the model loaded in that dtype, as the engine runs it)."""
-    return step_choice(_measured_once(cache_file, step_key(model_format), lambda: measure_steps(step_seconds),
+    return step_choice(measured_once(cache_file, step_key(model_format), lambda: measure_steps(step_seconds),
                                       keep=lambda measured: any(not isinstance(v, str) for v in measured.values())))
 
 
@@ -173,33 +172,8 @@ def step_choice(measured: dict) -> DtypeChoice:
 def known_steps(cache_file: Path, model_format: str, threads: int | None = None) -> dict | None:
     """What the whole-step measurement found for this CPU, model format and thread count
     (an engine's starting count: its thread_governor.most), if it has run."""
-    found = _read_cache(cache_file).get(step_key(model_format, threads))
+    found = read_cache(cache_file).get(step_key(model_format, threads))
     return found if isinstance(found, dict) else None
-
-
-def _measured_once(cache_file: Path, key: str, measure_now: Callable[[], dict],
-                   keep: Callable[[dict], bool] = lambda measured: True) -> dict:
-    """known[key] from the cache file, measured now and written there if missing (unless
-    `keep` says the result is not worth keeping: measured again next time)."""
-    known = _read_cache(cache_file)
-    if not isinstance(known.get(key), dict):
-        known[key] = measure_now()
-        if not keep(known[key]):
-            return known[key]
-        known = _read_cache(cache_file) | {key: known[key]}       # keep what another process wrote meanwhile
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(cache_file)
-    return known[key]
-
-
-def _read_cache(cache_file: Path) -> dict:
-    try:
-        known = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        return {}
-    return known if isinstance(known, dict) else {}
 
 
 def _choice(measured: dict) -> DtypeChoice:

@@ -20,6 +20,7 @@ import sys
 import torch
 
 from engine import cpu_features
+from engine.kernels import cpu_quant
 from engine.layers import packed_linear, quantized_linear
 from engine.runtime import compiled_step, kernel_check
 from engine.runtime.cpu_dtype import dtype_name
@@ -53,6 +54,8 @@ def probe_report() -> dict[str, str | None]:
     from engine.loading.loader import cache_dir
     from engine.runtime.cpu_dtype import compute_refusal, fastest
     report = {"dtype_auto": fastest(cache_dir() / "cpu_dtype.json").why, "quantized": quantized_linear.path()}
+    if cpu_quant.refusal() is None:
+        report["quantized_paths"] = cpu_quant.plan().why
     for dtype in packed_linear.DTYPES:
         report[f"compute_{dtype_name(dtype)}"] = compute_refusal(dtype) or "runs"
         report[f"linear_{dtype_name(dtype)}"] = packed_linear.path(dtype)

@@ -16,17 +16,26 @@ from engine.cache.memory_plan import expert_bytes
 BANDWIDTH_BYTES = 512 * 2**20
 
 
-def read_bandwidth(repeats: int = 7) -> float:
-    """Bytes per second a large-tensor reduction reads (the memory-bound limit a decode step
-    that reads every weight once cannot beat), median of repeats, on this thread count."""
-    x = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(repeats):
+def read_bandwidths(reads: int = 7, buffer: torch.Tensor | None = None, warm: bool = True) -> list[float]:
+    """Bytes per second of each of `reads` reductions over a large buffer (BANDWIDTH_BYTES unless
+    given; the memory-bound limit a decode step that reads every weight once cannot beat), on
+    this thread count, after one untimed (warm)."""
+    x = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32) if buffer is None else buffer
+    if warm:
+        x.sum()
+    out = []
+    for _ in range(reads):
         t0 = time.perf_counter()
         x.sum()
-        times.append(time.perf_counter() - t0)
-    return BANDWIDTH_BYTES / statistics.median(times)
+        out.append(x.numel() * x.element_size() / (time.perf_counter() - t0))
+    return out
+
+
+def read_bandwidth(reads: int = 7) -> float:
+    """The best of `reads` reads: what the machine gives when nothing else is reading (on a
+    shared machine a median moves with the neighbours; the same read gave 30 to 62 GB/s from
+    one hour to the next), so a roofline fraction divides by the limit, not by the noise."""
+    return max(read_bandwidths(reads))
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
