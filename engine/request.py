@@ -22,7 +22,7 @@ import torch
 
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import CacheTooSmallError
-from engine.layers.sampler import make_generator, probabilities, sample
+from engine.layers.sampler import greedy, make_generator, probabilities, sample
 from engine.metrics import TARGET, RequestStats, StepEvent, speculation_report
 from engine.runtime.detokenizer import Detokenizer
 from engine.runtime.model_runner import ModelRunner, RunnerSeq
@@ -205,7 +205,7 @@ class Request:
     def _verify(self, proposal: Proposal, logits: torch.Tensor) -> Verdict:
         """logits [1 + drafts, V]: the target's at the root and at every draft."""
         if self.params.greedy:
-            return greedy_verify(proposal.tree, logits.argmax(-1).tolist())
+            return greedy_verify(proposal.tree, greedy(logits))
         target_probs = probabilities(logits, self.params)
         if proposal.probs is not None:            # a chain drafted from q: keep with min(1, p/q)
             return rejection_sample(proposal.tokens, proposal.probs, target_probs, self.generator)

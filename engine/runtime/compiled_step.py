@@ -35,7 +35,8 @@ dtype (`TORCH_LOGS=recompiles`: "GLOBAL_STATE changed: num_threads"), and induct
 were generated for it (`#pragma omp parallel num_threads(2)`, no parallel region at one
 thread; the FX graph cache keys on it too). Each change recompiled the step inside a reply:
 4.6 s on the 2-core CPU for the tiny test model, seconds more for a real one. So inductor
-generates kernels that ask OpenMP for the count when they run (`cpp.dynamic_threads`), the
+generates kernels that run on the calling thread (`cpp.threads = 1`: configure_compiler says
+why; `cpp.dynamic_threads` as well, for any kernel that would ask OpenMP for the count), the
 graph keeps every guard but the global-state one (`guard_filter_fn`), and `_ModelGraph` checks
 the rest of that state itself (`GlobalStateBuilt`). A count change then costs nothing: the
 same graph runs at the new count. The thread count never changes a row (every kernel on the
@@ -159,6 +160,13 @@ def configure_compiler(cache_dir: Path) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ[OUR_FOLDER_VARIABLE] = folder
     inductor.fx_graph_cache = True
     inductor.cpp.dynamic_threads = True
+    # The graph's own kernels (norms, rotary, SiLU, residual adds, casts) run on the calling
+    # thread: a decode row's are microseconds of work, and an OpenMP region each (a fork, a
+    # barrier per loop, a join; about 150 a step of the default model) cost more than they
+    # saved. The heavy ops (our linears, attention) keep every thread. Default model, bf16,
+    # 2-core Xeon (2026-12-06), two runs each, interleaved: decode 9.36 / 7.79 -> 7.92 / 7.13 ms
+    # a token (median of 7 replies), a 400-token prefill 805 / 831 -> 663 / 673 ms.
+    inductor.cpp.threads = 1
     inductor.graph_partition = True             # CUDA graphs around the attention op
     # no size, stride and alignment checks of each custom op's output in the graph's wrapper
     # (two calls into torch per op, ~150 ops a step; the ops' fakes give their shapes)

@@ -20,7 +20,7 @@ import torch
 from engine.config import SamplingParams
 from engine.layers import attention
 from engine.layers.attention import TORCH, SeqSlice
-from engine.layers.sampler import probabilities
+from engine.layers.sampler import greedy, probabilities
 from engine.speculative.spec_decode import Proposal, Proposer
 from engine.speculative.tree import DraftTree
 
@@ -54,7 +54,7 @@ class AssistantProposer(Proposer):
             rows = target.embed_tokens(torch.tensor([token], device=self.runner.device))[:, :target.config.hidden_size]
             logits, feature = self.assistant.draft(rows, feature, positions, self.runner.kv, meta)
             if params.greedy:
-                token = int(logits[0].argmax())
+                token = greedy(logits[0])
             else:
                 q = probabilities(logits[0], params)
                 token = int(torch.multinomial(q, 1, generator=generator))

@@ -24,7 +24,7 @@ import torch
 
 from engine.config import SamplingParams
 from engine.layers.attention_metadata import AttentionMetadata, SeqSlice, TreeRows
-from engine.layers.sampler import probabilities
+from engine.layers.sampler import greedy, probabilities
 from engine.models.eagle_head import EagleHead
 from engine.runtime.eagle_step import EagleStep
 from engine.speculative.spec_decode import Proposal, Proposer
@@ -141,7 +141,7 @@ class EagleProposer(Proposer):
 
     def _pick(self, reduced_logits: torch.Tensor, params: SamplingParams, generator):
         if params.greedy:
-            return self.head.head_ids[int(reduced_logits.argmax())], None
+            return self.head.head_ids[greedy(reduced_logits.reshape(-1))], None
         q = probabilities(self.head.full_logits(reduced_logits)[0], params)
         return int(torch.multinomial(q, 1, generator=generator)), q
 

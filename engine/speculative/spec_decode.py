@@ -22,7 +22,7 @@ import torch
 
 from engine.config import SamplingParams
 from engine.errors import DraftIncompatibleError
-from engine.layers.sampler import probabilities
+from engine.layers.sampler import greedy, probabilities
 from engine.metrics import ACCEPTED, BONUS, RESAMPLED
 from engine.runtime.model_runner import PassItem
 from engine.speculative.tree import DraftTree, TreeShape, Verdict, frontier_rows, grow, select
@@ -139,7 +139,7 @@ class DraftModelProposer(Proposer):
         tokens, probs = [], []
         for i in range(k):
             if params.greedy:
-                token = int(torch.argmax(logits[-1]))
+                token = greedy(logits[-1])
             else:
                 q = probabilities(logits[-1], params)
                 token = int(torch.multinomial(q, 1, generator=generator))
