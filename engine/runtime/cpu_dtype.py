@@ -18,7 +18,8 @@ Two measurements, each kept in the user cache folder:
   (engine.layers.packed_linear.BACKENDS: ours, oneDNN; torch's matmul only where neither
   runs), and answers `auto` where no model is at hand (bench kernels).
 
-Both are kept per CPU model, instruction set, torch version and thread count (`cpu_key`). A
+Both are kept per CPU model, instruction set, torch version and thread count (`cpu_key`),
+the whole step's also per version of the engine (`step_key`). A
 dtype is timed only after a tiny forward pass's worth of its ops has run (`compute_refusal`);
 a dtype whose kernels are missing (on an AVX2-only CPU oneDNN refuses bf16) or whose trial
 failed is skipped with its reason and never picked.
@@ -134,7 +135,12 @@ def fastest_step(cache_file: Path, model_format: str, step_seconds: Callable[[to
 
 
 def step_key(model_format: str, threads: int | None = None) -> str:
-    return f"{cpu_key(threads)} | {model_format}"
+    """cpu_key, the engine's version (a step's speed is the engine's code as much as the CPU's:
+    a trial kept from an earlier version chose bf16 by 9.17 against 9.39 ms, and once the graph's
+    own kernels stopped opening OpenMP regions a fresh one chose fp32 by 8.08 against 8.27 ms)
+    and the model's format."""
+    from engine.runtime.compiled_step import engine_source_tag
+    return f"{cpu_key(threads)} | engine {engine_source_tag()} | {model_format}"
 
 
 def measure_steps(step_seconds: Callable[[torch.dtype], float]) -> dict[str, float | str]:
