@@ -37,6 +37,7 @@ NEEDS = {"scalar": (), "avx2": ("avx2", "fma", "f16c"), "avx_vnni": ("avx2", "fm
 OFFSET8 = 128                   # an 8-bit q is stored as u = q + 128
 _chosen: dict[str, str] = {}
 _measured: dict[str, cpu_quant_paths.Plan] = {}     # the measured plan, once per process
+_codes: dict[tuple, int] = {}                       # code() per state of the two above
 
 
 @functools.cache
@@ -103,8 +104,13 @@ def plan() -> cpu_quant_paths.Plan:
 
 
 def code() -> int:
-    """The op's `isa` argument for the plan in effect."""
-    return plan().code(ISAS)
+    """The op's `isa` argument for the plan in effect (asked by every eager call: kept per
+    state, a dict lookup instead of the plan's checks)."""
+    state = (_chosen.get("isa"), _chosen.get("forced"), _chosen.get("passed"), id(_measured.get("plan")))
+    found = _codes.get(state)
+    if found is None:
+        found = _codes[state] = plan().code(ISAS)
+    return found
 
 
 def force_isa(name: str | None) -> None:
