@@ -40,19 +40,19 @@ def test_the_timings_are_kept_per_cpu_key_and_measured_again_for_other_paths(tmp
     def timer(path, rows):
         calls.append((path, rows))
         return {"avx2": 1.0, "avx512": 2.0}[path] * rows
-    first = measured_plan(["avx2", "avx512"], "avx512", "this cpu", tmp_path, timer)
+    first = measured_plan(["avx2", "avx512"], "avx512", "this cpu", tmp_path, lambda: timer)
     assert first.few == first.many == "avx2" and len(calls) == cpu_quant_paths.REPEATS * len(ROW_COUNTS) * 2
 
     def must_not_time(path, rows):
         raise AssertionError("measured again although kept")
-    assert measured_plan(["avx2", "avx512"], "avx512", "this cpu", tmp_path, must_not_time) == first
+    assert measured_plan(["avx2", "avx512"], "avx512", "this cpu", tmp_path, lambda: must_not_time) == first
     calls.clear()
-    measured_plan(["avx2", "avx512"], "avx512", "another cpu", tmp_path, timer)
+    measured_plan(["avx2", "avx512"], "avx512", "another cpu", tmp_path, lambda: timer)
     measured_plan(["avx2", "avx_vnni", "avx512"], "avx512", "this cpu", tmp_path,
-                  lambda path, rows: timer(path if path != "avx_vnni" else "avx512", rows))
+                  lambda: lambda path, rows: timer(path if path != "avx_vnni" else "avx512", rows))
     assert len(calls) == cpu_quant_paths.REPEATS * len(ROW_COUNTS) * 5        # both measured anew
     (tmp_path / cpu_quant_paths.CACHE_FILE).write_text("{ not json")            # a corrupt file: measured again
-    assert measured_plan(["avx2", "avx512"], "avx512", "this cpu", tmp_path, timer) == first
+    assert measured_plan(["avx2", "avx512"], "avx512", "this cpu", tmp_path, lambda: timer) == first
 
 
 def test_the_op_switches_path_at_the_planned_row_count():
@@ -90,3 +90,11 @@ def test_in_effect_names_the_paths_and_that_they_were_measured(monkeypatch):
     monkeypatch.setitem(cpu_quant._chosen, "forced", "")
     assert quantized_linear.path() == ("ours (avx2 below 4 rows, avx512 VNNI from 4, measured fastest here), "
                                        "int8 activations per 32")
+
+
+def test_the_probe_times_each_path_on_weights_the_op_takes():
+    skip_unless_runs(cpu_quant.refusal(), "our quantized CPU linear")
+    probe = cpu_quant_paths.Probe(cpu_quant.COLS, cpu_quant.ISAS, cpu_quant.KQUANT_BLOCK_BYTES[4])
+    weights = sum(w.numel() + s.numel() * s.element_size() for w, s in probe.int4)
+    assert weights >= cpu_quant_paths.PROBE_BYTES * 0.8 and sum(w.numel() for w in probe.kq4) >= cpu_quant_paths.PROBE_BYTES * 0.8
+    assert all(probe.seconds(cpu_quant.isa(), rows) > 0 for rows in (1, 16))

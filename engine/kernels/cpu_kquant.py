@@ -25,7 +25,7 @@ from engine.kernels import cpu_quant
 
 COLS, SUPER = cpu_quant.COLS, 256
 TYPES = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}                 # GGUF type -> the op's bits
-BLOCK_BYTES = {4: 144, 5: 176, 6: 210}                   # the file's bytes per super-block and row
+BLOCK_BYTES = cpu_quant.KQUANT_BLOCK_BYTES               # the file's bytes per super-block and row
 PLANES = {4: 0, 5: 1, 6: 2}                              # high bits kept as bit planes
 GROUP = {4: 32, 5: 32, 6: 16}                            # k per scale
 

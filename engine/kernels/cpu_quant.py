@@ -35,6 +35,7 @@ NEEDS = {"scalar": (), "avx2": ("avx2", "fma", "f16c"), "avx_vnni": ("avx2", "fm
          "avx512vl_vnni": ("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512_vnni"),
          "avx512": ("avx512f", "avx512bw", "avx512_vnni")}
 OFFSET8 = 128                   # an 8-bit q is stored as u = q + 128
+KQUANT_BLOCK_BYTES = {4: 144, 5: 176, 6: 210}   # Q4_K, Q5_K, Q6_K: a file's bytes per super-block and row
 _chosen: dict[str, str] = {}
 _measured: dict[str, cpu_quant_paths.Plan] = {}     # the measured plan, once per process
 _codes: dict[tuple, int] = {}                       # code() per state of the two above
@@ -97,7 +98,9 @@ def plan() -> cpu_quant_paths.Plan:
         key = (f"{cpu_features.model_name()} | {cpu_features.isa_name()} | {','.join(cpu_features.simd_flags())} | "
                f"{cpu_linear.build_tag()} | torch {torch.__version__} | {torch.get_num_threads()} threads")
         try:
-            _measured["plan"] = cpu_quant_paths.measured_plan(passed, chosen, key, cpu_linear.build_dir())
+            _measured["plan"] = cpu_quant_paths.measured_plan(
+                passed, chosen, key, cpu_linear.build_dir(),
+                lambda: cpu_quant_paths.Probe(COLS, ISAS, KQUANT_BLOCK_BYTES[4]).seconds)
         except RuntimeError as error:
             _measured["plan"] = cpu_quant_paths.Plan(chosen, chosen, why=f"the widest: timing failed ({first_line(error)})")
     return _measured["plan"]

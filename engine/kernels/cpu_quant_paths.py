@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.measured_cache import measured_once
+from engine.user_cache import measured_once
 
 ROW_COUNTS = (1, 4, 16)
 REPEATS = 5
@@ -78,20 +78,19 @@ def plan_from(times: dict[str, dict[int, float]], widest: str) -> Plan:
     return Plan(few, many, switch, f"measured on int4 and Q4_K weights ({timed})")
 
 
-def measured_plan(passed: list[str], widest: str, key: str, folder: Path, timer=None) -> Plan:
+def measured_plan(passed: list[str], widest: str, key: str, folder: Path, make_timer) -> Plan:
     """The plan for the paths that `passed` their trials, from `folder`'s cache under `key`,
-    else measured now (by `timer(path, rows) -> seconds`, default: a probe's) and kept."""
+    else measured now (by make_timer()(path, rows) -> seconds: a Probe's) and kept."""
     def complete(entry: dict) -> bool:
         return set(entry) == set(passed) and all(isinstance(entry[p], dict) and len(entry[p]) == len(ROW_COUNTS)
                                                  for p in passed)
-    entry = measured_once(folder / CACHE_FILE, key, lambda: time_paths(passed, timer), valid=complete)
+    entry = measured_once(folder / CACHE_FILE, key, lambda: time_paths(passed, make_timer()), valid=complete)
     times = {path: {int(rows): float(seconds) for rows, seconds in entry[path].items()} for path in passed}
     return plan_from(times, widest)
 
 
-def time_paths(paths: list[str], timer=None) -> dict[str, dict[str, float]]:
+def time_paths(paths: list[str], timer) -> dict[str, dict[str, float]]:
     """{path: {rows: seconds}}: the best of REPEATS, the paths interleaved."""
-    timer = timer or _Probe().seconds
     best = {path: {str(rows): float("inf") for rows in ROW_COUNTS} for path in paths}
     for _ in range(REPEATS):
         for rows in ROW_COUNTS:
@@ -100,28 +99,29 @@ def time_paths(paths: list[str], timer=None) -> dict[str, dict[str, float]]:
     return best
 
 
-class _Probe:
-    """Random weights of the two formats (their bytes only matter for speed), and rows."""
+class Probe:
+    """Random weights of the two formats in the op's layout (their bytes only matter for
+    speed: `cols` output columns a tile, a Q4_K block of `kq4_block_bytes` a row), and rows;
+    `isas`: the op's number of each path."""
 
-    def __init__(self):
-        from engine.kernels import cpu_kquant, cpu_quant
-        self.cpu_quant, self.cpu_kquant = cpu_quant, cpu_kquant
+    def __init__(self, cols: int, isas: dict[str, int], kq4_block_bytes: int):
         gen = torch.Generator().manual_seed(0)
         out, inp = PROBE_SHAPE
-        tiles = out // cpu_quant.COLS
-        int4 = (tiles, inp // 32, 32 * cpu_quant.COLS // 2)
-        kq4 = (tiles, inp // 256, cpu_kquant.BLOCK_BYTES[4] * cpu_quant.COLS)
-        each = (int4[1] * int4[2] + 2 * 2 * cpu_quant.COLS * inp // 32) * tiles
+        tiles = out // cols
+        int4 = (tiles, inp // 32, 32 * cols // 2)
+        kq4 = (tiles, inp // 256, kq4_block_bytes * cols)
+        each = (int4[1] * int4[2] + 2 * 2 * cols * inp // 32) * tiles
         self.int4 = [(torch.randint(0, 256, int4, dtype=torch.uint8, generator=gen),
-                      (torch.rand(tiles, inp // 32, 2, cpu_quant.COLS, generator=gen) / 64).half())
+                      (torch.rand(tiles, inp // 32, 2, cols, generator=gen) / 64).half())
                      for _ in range(max(1, PROBE_BYTES // each))]
         self.kq4 = [torch.randint(0, 256, kq4, dtype=torch.uint8, generator=gen)
                     for _ in range(max(1, PROBE_BYTES // (kq4[0] * kq4[1] * kq4[2])))]
         self.x = torch.randn(max(ROW_COUNTS), inp, generator=gen)
         self.no_scales = torch.empty(0)
+        self.isas = isas
 
     def seconds(self, path: str, rows: int) -> float:
-        isa, x = self.cpu_quant.ISAS[path], self.x[:rows]
+        isa, x = self.isas[path], self.x[:rows]
         op = torch.ops.workbench_cpu.linear_q
         t0 = time.perf_counter()
         for w, scales in self.int4:

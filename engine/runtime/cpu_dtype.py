@@ -40,7 +40,7 @@ from engine.config import EngineConfig, SamplingParams
 from engine.errors import first_line
 from engine.layers import packed_linear
 from engine.loading import loader
-from engine.measured_cache import measured_once, read_cache
+from engine.user_cache import measured_once, read_cache
 
 PROBE_SHAPE = (8192, 2048)          # [out, in]
 CANDIDATES = (torch.float32, torch.bfloat16)
