@@ -30,11 +30,18 @@ class LoadController(QObject):
         panel.clearResultsRequested.connect(self.clear_results)
         panel.selectionChanged.connect(self.compare)
         panel.workloadEdited.connect(controller._settings_edited)
-        worker.loadStep.connect(history.record_step)
+        worker.loadStep.connect(self._on_step)
         worker.loadArmStarted.connect(self._on_arm_started)
         worker.loadDone.connect(self._on_run_done)
         worker.loadFinished.connect(self._on_finished)
         worker.settingsChanged.connect(self._on_settings_changed)
+
+    def _on_step(self, step: dict) -> None:
+        """A load step into the history, on the GUI thread (this object's): connected to the
+        plain history, the worker's signal ran record_step on the worker's thread while the
+        panel read the history (a curve's x and y read a row apart: "X and Y arrays must be
+        the same shape--got (17,) and (18,)", seen in CI)."""
+        self.history.record_step(step)
 
     # ---- intents -----------------------------------------------------------------------
     def start(self, workload) -> None:
