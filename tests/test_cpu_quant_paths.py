@@ -85,7 +85,7 @@ def test_in_effect_names_the_paths_and_that_they_were_measured(monkeypatch):
     skip_unless_runs(cpu_quant.refusal(), "our quantized CPU linear")
     if len([p for p in cpu_quant._chosen.get("passed", "").split(",") if p != "scalar"]) < 2:
         pytest.skip("one path runs here: nothing to measure")
-    monkeypatch.setitem(cpu_quant._measured, "plan", Plan("avx2", "avx512", 4, "measured on ..."))
+    monkeypatch.setitem(cpu_quant._measured, "plan", Plan("avx2", "avx512", 4, "measured on ...", measured=True))
     monkeypatch.setitem(cpu_quant._chosen, "isa", cpu_quant._chosen["passed"].split(",")[-1])
     monkeypatch.setitem(cpu_quant._chosen, "forced", "")
     assert quantized_linear.path() == ("ours (avx2 below 4 rows, avx512 VNNI from 4, measured fastest here), "
@@ -98,3 +98,21 @@ def test_the_probe_times_each_path_on_weights_the_op_takes():
     weights = sum(w.numel() + s.numel() * s.element_size() for w, s in probe.int4)
     assert weights >= cpu_quant_paths.PROBE_BYTES * 0.8 and sum(w.numel() for w in probe.kq4) >= cpu_quant_paths.PROBE_BYTES * 0.8
     assert all(probe.seconds(cpu_quant.isa(), rows) > 0 for rows in (1, 16))
+
+
+def test_a_timing_that_fails_keeps_the_widest_path_and_says_why(monkeypatch):
+    skip_unless_runs(cpu_quant.refusal(), "our quantized CPU linear")
+    passed = [p for p in cpu_quant._chosen.get("passed", "").split(",") if p != "scalar"]
+    if len(passed) < 2:
+        pytest.skip("one path runs here: nothing to measure")
+
+    def fails(*args):
+        raise RuntimeError("linear_q: the probe's call failed")
+    monkeypatch.setattr(cpu_quant_paths, "measured_plan", fails)
+    monkeypatch.setattr(cpu_quant, "_measured", {})
+    monkeypatch.setitem(cpu_quant._chosen, "isa", passed[-1])
+    monkeypatch.setitem(cpu_quant._chosen, "forced", "")
+    plan = cpu_quant.plan()
+    assert (plan.few, plan.many, plan.measured) == (passed[-1], passed[-1], False)
+    assert plan.why == "the widest: timing failed (linear_q: the probe's call failed)"
+    assert cpu_quant.code() == cpu_quant.ISAS[passed[-1]]

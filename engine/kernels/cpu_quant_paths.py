@@ -40,6 +40,7 @@ class Plan:
     many: str
     many_from: int = 0
     why: str = ""
+    measured: bool = False          # chosen by this CPU's timings (else forced, or the only path)
 
     def path(self, rows: int) -> str:
         return self.many if self.many_from and rows >= self.many_from else self.few
@@ -49,10 +50,6 @@ class Plan:
         if not self.many_from or self.many == self.few:
             return isas[self.few]
         return isas[self.few] | isas[self.many] << 4 | self.many_from << 8
-
-    @property
-    def measured(self) -> bool:
-        return self.why.startswith("measured")
 
     def describe(self, name=lambda path: path) -> str:
         """'avx2', or 'avx2 below 4 rows, avx512 from 4'; then ', measured fastest here' where
@@ -75,7 +72,7 @@ def plan_from(times: dict[str, dict[int, float]], widest: str) -> Plan:
     many = chosen[switch] if switch else few
     timed = "; ".join(f"{rows} rows " + ", ".join(f"{path} {times[path][rows] * 1e3:.2f} ms" for path in times)
                       for rows in counts)
-    return Plan(few, many, switch, f"measured on int4 and Q4_K weights ({timed})")
+    return Plan(few, many, switch, f"measured on int4 and Q4_K weights ({timed})", measured=True)
 
 
 def measured_plan(passed: list[str], widest: str, key: str, folder: Path, make_timer) -> Plan:
