@@ -69,6 +69,7 @@ def forced_fallback(name: str | None):
         elif name == "attention-refused":
             mp.setattr(cpu_attention, "refusal", lambda: "our CPU attention refused (forced by a test)")
         elif name == "attention-scalar":
+            skip_unless_runs(cpu_attention.refusal(), "our CPU attention")    # its trials ran: undone, the choice stays
             mp.setitem(cpu_attention._chosen, "isa", "scalar")
         elif name is not None and name not in FALLBACKS:
             raise ValueError(f"no fallback {name!r}; known: {FALLBACKS}")

@@ -15,6 +15,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")          # before triton is imported (see test_kernels)
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -282,26 +283,34 @@ def test_a_tree_row_is_its_chain_under_a_window(path, dtypes, window):
         assert torch.equal(out[0], rows[r]), f"row {r} (path {tree_path})"
 
 
+def _whole(layer):
+    """A one-layer pool as the graph's attention op takes it (attention_op.graph_pass reads these)."""
+    def whole(t):
+        return None if t is None else t[None]
+    return types.SimpleNamespace(k=whole(layer.k), v=whole(layer.v), k_scale=whole(layer.k_scale),
+                                 v_scale=whole(layer.v_scale), rotated=False, dtype=layer.k.dtype)
+
+
 def test_the_compiled_steps_op_takes_the_window_and_sinks():
-    """workbench::paged_attention(q, k, v, layer, scale, window, sinks): its schema, and its
-    result (eager, and traced by torch.compile through its fake) is attention()'s."""
-    schema = str(torch.ops.workbench.paged_attention.default._schema)
-    assert "int window, Tensor? sinks" in schema
+    """workbench::paged_attention, the graph's Python op: its schema declares the pool it writes,
+    and its result (eager, and traced by torch.compile through its fake), with the pass rebuilt
+    from its rows as tensors (causal and tree rows), is attention()'s, window and sinks too, and
+    the new keys land in the same slots."""
+    schema = str(attention_op.python_op._schema)
+    assert "Tensor(a!) k_pool, Tensor(b!) v_pool" in schema and "int window, Tensor? sinks" in schema
     base = _pool(torch.float32)
-    want = run_pass(TORCH, _clone(base), ALL, torch.float32, 3, SINKS)
-
-    class Pool:                                     # the pass's pool as the op reads it: one layer
-        def __init__(self, layer):
-            self._layer = layer
-
-        def layer(self, index):
-            return self._layer
-    q, k, v, meta = pass_inputs(TORCH, ALL, torch.float32)
-    step = torch.compile(lambda q, k, v, sinks: attention_op.paged_attention(q, k, v, 0, SCALE, 3, sinks) * 1,
-                         backend="eager", fullgraph=True)
-    for run in (lambda: attention_op.paged_attention(q, k, v, 0, SCALE, 3, SINKS), lambda: step(q, k, v, SINKS)):
-        with attention_op.serving(Pool(_clone(base)), meta):
-            assert torch.equal(run(), want)
-    with attention_op.serving(Pool(_clone(base)), meta):
-        assert torch.equal(attention_op.paged_attention(q, k, v, 0, SCALE, 0, None),
-                           run_pass(TORCH, _clone(base), ALL, torch.float32))
+    for window, sinks in ((3, SINKS), (0, None)):
+        stored = _clone(base)
+        want = run_pass(TORCH, stored, ALL, torch.float32, window, sinks)
+        q, k, v, meta = pass_inputs(TORCH, ALL, torch.float32)
+        step = torch.compile(lambda q, k, v, graph, sinks: attention_op.paged_attention(q, k, v, graph, 0, SCALE,
+                                                                                        window, sinks) * 1,
+                             backend="eager", fullgraph=True)
+        for compiled in (False, True):
+            pool = _clone(base)
+            graph = attention_op.graph_pass(_whole(pool), meta)
+            assert not graph.native and graph.mode == TORCH
+            got = (step(q, k, v, graph, sinks) if compiled else
+                   attention_op.paged_attention(q, k, v, graph, 0, SCALE, window, sinks))
+            assert torch.equal(got, want)
+            assert torch.equal(pool.k, stored.k) and torch.equal(pool.v, stored.v)

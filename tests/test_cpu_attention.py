@@ -166,8 +166,8 @@ def test_the_engine_says_which_path_attends(make_tiny_engine):
                          ids=["fp32", "bf16", "bf16-into-fp32", "fp8-from-bf16", "fp8-from-fp32"])
 @pytest.mark.parametrize("window,with_sinks", [(0, False), (5, True)])
 def test_the_compiled_steps_layer_op_stores_and_attends_as_the_python_op(kv_dtype, q_dtype, window, with_sinks):
-    """workbench_cpu::attend_layer (the graph's call, the pass begun once by attention_op.serving)
-    against the Python op it stands in for: the same output bits, padding rows repeating the
+    """workbench_cpu::attend_layer (the graph's call: the whole pool, the layer and the pass's rows
+    as arguments) against the Python op it stands in for: the same output bits, padding rows repeating the
     last, and the same pool bytes and FP8 scales, in every pool dtype, a later layer of a
     two-layer pool, causal and tree rows, under a window with sinks."""
     from engine.layers import attention_op
@@ -191,10 +191,10 @@ def test_the_compiled_steps_layer_op_stores_and_attends_as_the_python_op(kv_dtyp
     k, v = (torch.randn(5, 3, 64, generator=gen).to(q_dtype) for _ in range(2))
     sinks = torch.randn(9, generator=gen) if with_sinks else None
     outs = []
-    for pool, op in zip(pools, (attention_op.python_op, torch.ops.workbench_cpu.attend_layer.default)):
-        meta = prepare(CPU, positions, slots, seqs, block_size, 3)
-        with attention_op.serving(pool, meta):
-            outs.append(op(q, k, v, 1, 0.125, window, sinks))
+    for pool, native in zip(pools, (False, True)):
+        graph = attention_op.graph_pass(pool, prepare(CPU, positions, slots, seqs, block_size, 3), native)
+        assert graph.native == native
+        outs.append(attention_op.paged_attention(q, k, v, graph, 1, 0.125, window, sinks))
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[1][4], outs[1][3])
     for got, want in ((pools[1].k, pools[0].k), (pools[1].v, pools[0].v), (pools[1].k_scale, pools[0].k_scale),

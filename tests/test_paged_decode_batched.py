@@ -17,6 +17,7 @@ the kernel's own tests) keep the interpreter's runs to seconds. Outputs and spli
 buffers start as NaN (see test_kernels).
 """
 import os
+import types
 
 os.environ.setdefault("TRITON_INTERPRET", "1")          # before triton is imported (see test_kernels)
 
@@ -110,9 +111,10 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch_of_8(pool, sinks, nu
 
 # --------------------------------------------------------------------------- the engine's kernels path
 
-def decode_pass(lengths, mode, num_queries=1, cache_dtype=torch.float32, sequences=None):
+def decode_pass(lengths, mode, num_queries=1, cache_dtype=torch.float32, sequences=None, graph_op=False):
     """A pass of `num_queries` new rows per sequence after lengths[b] - num_queries cached ones,
-    through engine.layers.attention in `mode`: (out [N, H_q, D], the pool after it)."""
+    through engine.layers.attention in `mode` (graph_op: through the compiled graph's op for a
+    uniform pass, its tables as wide as a step's buffers): (out [N, H_q, D], the pool after it)."""
     torch.manual_seed(3)
     sequences = range(len(lengths)) if sequences is None else sequences
     cache = poisoned_cache(8 * 80, 4, H_KV, D, cache_dtype)
@@ -131,6 +133,17 @@ def decode_pass(lengths, mode, num_queries=1, cache_dtype=torch.float32, sequenc
         k.append(qkv[b][1, n - num_queries:, :H_KV])
         v.append(qkv[b][2, n - num_queries:, :H_KV])
     meta = prepare(mode, torch.cat(positions), torch.cat(slots), seqs, 4, GROUP)
+    if graph_op:
+        from engine.layers import attention_op
+        whole = types.SimpleNamespace(rotated=False, dtype=cache.k.dtype, **{
+            name: None if getattr(cache, name) is None else getattr(cache, name)[None]
+            for name in ("k", "v", "k_scale", "v_scale")})
+        graph = attention_op.graph_pass(whole, meta)
+        wide = torch.zeros(len(seqs), 80, dtype=torch.int64)
+        wide[:, :graph.tables.shape[1]] = graph.tables
+        graph = graph._replace(tables=wide, uniform=num_queries)
+        return attention_op.paged_attention(torch.cat(q), torch.cat(k), torch.cat(v), graph, 0, D ** -0.5, 0,
+                                            None), cache
     out = attention(torch.cat(q), torch.cat(k), torch.cat(v), cache, meta, D ** -0.5)
     return out, cache
 
@@ -162,6 +175,21 @@ def test_a_decode_pass_of_8_sequences_is_one_launch_and_equals_the_torch_path(la
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
     for ours, theirs in zip((cache.k, cache.v), (ref_cache.k, ref_cache.v)):
         assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))      # the same bytes stored
+
+
+@pytest.mark.parametrize("num_queries,cache_dtype", [(1, FP8_DTYPE), (4, torch.float32)])
+def test_the_graphs_uniform_op_gives_the_kernels_paths_bits(launches, num_queries, cache_dtype):
+    """workbench::uniform_attention, a uniform pass in the compiled graph (its rows as tensors,
+    the split-K grid sized by the tables' width, nothing read on the host): the kernels path's
+    bits out and bytes stored, in one store and one launch."""
+    lengths = [5, 40, 1 + num_queries, 300, 17, 64, 9, 33]
+    want, want_cache = decode_pass(lengths, KERNELS, num_queries, cache_dtype)
+    launches.update(attention=0, store=0)
+    got, cache = decode_pass(lengths, KERNELS, num_queries, cache_dtype, graph_op=True)
+    assert launches == {"attention": 1, "store": 1}
+    assert torch.equal(got, want)
+    for ours, theirs in zip((cache.k, cache.v), (want_cache.k, want_cache.v)):
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
 
 
 def test_each_sequence_of_the_pass_gets_its_bits_alone(launches):

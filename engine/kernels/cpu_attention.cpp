@@ -22,7 +22,6 @@
 // 256-entry table times the per-(token, head) fp32 scale, the cache's own dequantization.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include "cpu_bf16.h"
 #include <cmath>
@@ -318,41 +317,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
-// ---- the compiled step's attention op: one call a layer, the pass set once ------------------
-// begin_pass names the whole pool (every layer: [L, blocks, BS, H_kv, D], FP8 scales [L, blocks,
-// BS, H_kv]), the pass's rows and their slots, once per pass on the thread that runs the step;
-// attend_layer then stores a layer's new K/V and attends in one C++ call (the Python op it
-// replaces took about 60 us a layer before the kernel ran). With no pass begun it hands the call
-// to the Python op, workbench::paged_attention (the torch path, a rotated cache, other pools).
-struct StepPass {
-  at::Tensor k, v, ks, vs, slots, tables, row_seq, prefix, extra_start, extra_keys;
-  int64_t kind = 0, isa = 0;
-  bool begun = false;
-};
-thread_local StepPass step_pass;
-
-void begin_pass(const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& k_scale,
-                const c10::optional<at::Tensor>& v_scale, const at::Tensor& slots, const at::Tensor& tables,
-                const at::Tensor& row_seq, const at::Tensor& prefix, const at::Tensor& extra_start,
-                const at::Tensor& extra_keys, int64_t isa) {
-  TORCH_CHECK(k.dim() == 5 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
-              k.scalar_type() == v.scalar_type(), "begin_pass: the pool's k and v, contiguous [L, blocks, BS, H_kv, D]");
-  const bool fp8 = k.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(fp8 || k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16,
-              "begin_pass: an fp32, bf16 or FP8 pool");
-  TORCH_CHECK(!fp8 || (k_scale.has_value() && v_scale.has_value() && k_scale->is_contiguous() &&
-                       v_scale->is_contiguous() && k_scale->scalar_type() == at::kFloat),
-              "begin_pass: an FP8 pool needs its fp32 scales");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "begin_pass: int64 slots");
-  check_rows(RowsIn{tables, row_seq, prefix, extra_start, extra_keys});
-  TORCH_CHECK(row_seq.numel() == slots.numel(), "begin_pass: one slot per row");
-  step_pass = StepPass{k, v, fp8 ? *k_scale : at::Tensor(), fp8 ? *v_scale : at::Tensor(), slots, tables, row_seq,
-                       prefix, extra_start, extra_keys, fp8 ? KIND_FP8 : k.scalar_type() == at::kBFloat16 ? KIND_BF16 : KIND_F32,
-                       isa, true};
-}
-
-void end_pass() { step_pass = StepPass{}; }
-
 // One row's H_kv x D values (x, in fp32 or bf16, its last two dims contiguous) into the pool
 // slot's: rounded to the pool's dtype as torch's .to() rounds (bf16: to nearest even); FP8 as
 // engine.cache.kv_cache.quantize_fp8: scale = max(amax / 448, 1e-12) per head, then
@@ -419,36 +383,59 @@ void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& k, const
   store_rows(widened(v), s.numel(), v_pool.unsqueeze(0), at::Tensor(), 0, s.data_ptr<int64_t>(), kind);
 }
 
-at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer, double scale,
-                        int64_t window, const c10::optional<at::Tensor>& sinks) {
-  if (!step_pass.begun) {
-    static auto python_op = c10::Dispatcher::singleton()
-        .findSchemaOrThrow("workbench::paged_attention", "")
-        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, int64_t,
-                          const c10::optional<at::Tensor>&)>();
-    return python_op.call(q, k, v, layer, scale, window, sinks);
-  }
-  const StepPass& p = step_pass;
-  TORCH_CHECK(layer >= 0 && layer < p.k.size(0), "attend_layer: no layer ", layer, " in the pool");
+// ---- the compiled step's attention op: one call a layer, every input an argument ----------------
+// The whole pool as bytes (every layer: [L, blocks, BS, H_kv, D * the element's bytes]; its dtype
+// is the element's width: 4 fp32, 2 bf16, 1 FP8 with fp32 scales [L, blocks, BS, H_kv], ignored
+// otherwise), which it writes (the schema says so), the pass's slots and rows, and the layer: it
+// stores the layer's new K/V and attends in one C++ call, keeping nothing between calls. The pool
+// travels as bytes so that one graph serves every KV dtype (the dtype is data, not a guard).
+at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_bytes,
+                        at::Tensor& v_bytes, const c10::optional<at::Tensor>& k_scale,
+                        const c10::optional<at::Tensor>& v_scale, const at::Tensor& slots, const at::Tensor& tables,
+                        const at::Tensor& row_seq, const at::Tensor& prefix, const at::Tensor& extra_start,
+                        const at::Tensor& extra_keys, int64_t layer, double scale, int64_t window,
+                        const c10::optional<at::Tensor>& sinks, int64_t isa) {
+  TORCH_CHECK(k_bytes.dim() == 5 && k_bytes.is_contiguous() && v_bytes.is_contiguous() && k_bytes.sizes() == v_bytes.sizes() &&
+              k_bytes.scalar_type() == at::kByte && v_bytes.scalar_type() == at::kByte,
+              "attend_layer: the pool's k and v as bytes, contiguous [L, blocks, BS, H_kv, D * element bytes]");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) > 0 && k_bytes.size(4) % q.size(2) == 0, "attend_layer: q [N, H_q, D], D the pool's");
+  const int64_t width = k_bytes.size(4) / q.size(2);
+  TORCH_CHECK(width == 1 || width == 2 || width == 4, "attend_layer: an fp32, bf16 or FP8 pool (", width,
+              " bytes an element)");
+  const bool fp8 = width == 1;
+  const at::ScalarType type = fp8 ? at::kFloat8_e4m3fn : width == 2 ? at::kBFloat16 : at::kFloat;
+  at::Tensor k_pool = k_bytes.view(type), v_pool = v_bytes.view(type);
+  TORCH_CHECK(!fp8 || (k_scale.has_value() && v_scale.has_value() && k_scale->is_contiguous() &&
+                       v_scale->is_contiguous() && k_scale->scalar_type() == at::kFloat &&
+                       v_scale->scalar_type() == at::kFloat && k_scale->numel() * q.size(2) == k_pool.numel() &&
+                       v_scale->numel() == k_scale->numel()),
+              "attend_layer: an FP8 pool needs its fp32 scales [L, blocks, BS, H_kv]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "attend_layer: int64 slots");
+  const RowsIn rows{tables, row_seq, prefix, extra_start, extra_keys};
+  check_rows(rows);
+  TORCH_CHECK(row_seq.numel() == slots.numel(), "attend_layer: one slot per row");
+  TORCH_CHECK(layer >= 0 && layer < k_pool.size(0), "attend_layer: no layer ", layer, " in the pool");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
               (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), "attend_layer: fp32 or bf16 q, k, v");
-  const int64_t n = p.slots.numel(), total = q.size(0);
+  const int64_t n = slots.numel(), total = q.size(0);
   TORCH_CHECK(n >= 1 && total >= n && k.size(0) == total && v.size(0) == total,
               "attend_layer: the pass has ", n, " rows, the graph gave ", total);
-  const int64_t* slots = p.slots.data_ptr<int64_t>();
-  store_rows(k, n, p.k, p.ks, layer, slots, p.kind);
-  store_rows(v, n, p.v, p.vs, layer, slots, p.kind);
+  const int64_t kind = fp8 ? KIND_FP8 : k_pool.scalar_type() == at::kBFloat16 ? KIND_BF16 : KIND_F32;
+  const at::Tensor ks = fp8 ? *k_scale : at::Tensor(), vs = fp8 ? *v_scale : at::Tensor();
+  const int64_t* slot_ids = slots.data_ptr<int64_t>();
+  store_rows(k, n, k_pool, ks, layer, slot_ids, kind);
+  store_rows(v, n, v_pool, vs, layer, slot_ids, kind);
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
-  const int64_t per_layer = p.k.numel() / p.k.size(0), elem = p.k.element_size(), per_scale = per_layer / p.k.size(4);
+  const int64_t per_layer = k_pool.numel() / k_pool.size(0), elem = k_pool.element_size(),
+                per_scale = per_layer / k_pool.size(4);
   const c10::optional<at::Tensor> sinks32 =
       sinks.has_value() ? c10::optional<at::Tensor>(sinks->detach().to(at::kFloat).contiguous()) : c10::nullopt;
-  attend(qc, n, static_cast<const char*>(p.k.data_ptr()) + layer * per_layer * elem,
-         static_cast<const char*>(p.v.data_ptr()) + layer * per_layer * elem,
-         p.ks.defined() ? p.ks.data_ptr<float>() + layer * per_scale : nullptr,
-         p.vs.defined() ? p.vs.data_ptr<float>() + layer * per_scale : nullptr, p.k.size(3), p.k.size(2),
-         RowsIn{p.tables, p.row_seq, p.prefix, p.extra_start, p.extra_keys}, scale, window, sinks32, p.kind, p.isa, out);
-  if (total > n) {      // the graph's padding rows repeat the last (attention_op's contract)
+  attend(qc, n, static_cast<const char*>(k_pool.data_ptr()) + layer * per_layer * elem,
+         static_cast<const char*>(v_pool.data_ptr()) + layer * per_layer * elem,
+         fp8 ? ks.data_ptr<float>() + layer * per_scale : nullptr, fp8 ? vs.data_ptr<float>() + layer * per_scale : nullptr,
+         k_pool.size(3), k_pool.size(2), rows, scale, window, sinks32, kind, isa, out);
+  if (total > n) {      // padding rows repeat the last (attention_op's contract)
     const int64_t row = out.numel() / total * out.element_size();
     char* o = static_cast<char*>(out.data_ptr());
     for (int64_t i = n; i < total; ++i) std::memcpy(o + i * row, o + (n - 1) * row, row);
@@ -463,10 +450,9 @@ TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, Tensor tables, "
         "Tensor row_seq, Tensor prefix, Tensor extra_start, Tensor extra_keys, float scale, int window, Tensor? sinks, "
         "int kind, int isa) -> Tensor");
-  m.def("begin_pass(Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, Tensor slots, Tensor tables, Tensor row_seq, "
-        "Tensor prefix, Tensor extra_start, Tensor extra_keys, int isa) -> ()");
-  m.def("end_pass() -> ()");
-  m.def("attend_layer(Tensor q, Tensor k, Tensor v, int layer, float scale, int window, Tensor? sinks) -> Tensor");
+  m.def("attend_layer(Tensor q, Tensor k, Tensor v, Tensor(a!) k_bytes, Tensor(b!) v_bytes, Tensor(c!)? k_scale, "
+        "Tensor(d!)? v_scale, Tensor slots, Tensor tables, Tensor row_seq, Tensor prefix, Tensor extra_start, "
+        "Tensor extra_keys, int layer, float scale, int window, Tensor? sinks, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
@@ -475,7 +461,3 @@ TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
   m.impl("attend_layer", &attend_layer);
 }
 
-TORCH_LIBRARY_IMPL(workbench_cpu, CatchAll, m) {     // no tensor to dispatch on
-  m.impl("begin_pass", &begin_pass);
-  m.impl("end_pass", &end_pass);
-}

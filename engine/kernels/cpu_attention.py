@@ -188,6 +188,7 @@ def _register_fake() -> None:
         return torch.empty_like(q)
     torch.library.register_fake("workbench_cpu::paged_attention", fake)
 
-    def fake_layer(q, k, v, layer, scale, window, sinks):
+    def fake_layer(q, k, v, k_pool, v_pool, k_scale, v_scale, slots, tables, row_seq, prefix, extra_start, extra_keys,
+                   layer, scale, window, sinks, isa):
         return torch.empty_like(q)
     torch.library.register_fake("workbench_cpu::attend_layer", fake_layer)

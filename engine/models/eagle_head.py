@@ -30,7 +30,6 @@ import torch
 
 from engine.cache.kv_cache import CacheShape, KVCache
 from engine.layers import packed_linear, quantized_linear
-from engine.layers.attention_metadata import AttentionMetadata
 from engine.models.llama import LlamaFamilyModel, Linear, logits_rows
 
 EAGLE_CONFIG_KEY = "workbench_eagle"      # marks an EAGLE head folder in config.json
@@ -79,13 +78,13 @@ class EagleHead(LlamaFamilyModel):
         return self.head_embed[torch.tensor(rows, device=self.head_embed.device)]
 
     def draft_pass(self, embedded: torch.Tensor, features: torch.Tensor, rope_positions: torch.Tensor,
-                   rows: torch.Tensor | None, kv: KVCache | None = None, meta: AttentionMetadata | None = None):
+                   rows: torch.Tensor | None, kv: KVCache | None, meta):
         """embedded [N, hidden] (x_{j+1}'s row, see embed), features [N, hidden] (f_j) -> (float32
         logits over the head's R tokens of `rows` [rows, R] (None: every row), predicted
         features g [N, hidden]).
         rope_positions are the target's positions j; the cache slots in meta may be offset from
-        them. kv None: inside the compiled step's graph, whose attention op reads the pass from
-        engine.layers.attention_op.serving (engine.runtime.eagle_step runs it either way)."""
+        them. kv None: inside the compiled step's graph, meta the pass as its attention op takes it
+        (engine.layers.attention_op.GraphPass; engine.runtime.eagle_step runs it either way)."""
         x = self.fc(torch.cat([embedded, features.to(self.fc.weight.dtype)], dim=-1))
         rope = self.rotary.at(rope_positions, x.dtype)
         g = self.norm(self.layers[0](x, None if kv is None else kv.layer(0), meta, rope))

@@ -150,7 +150,7 @@ class Gemma4Attention(nn.Module):
             shared_kv[self.layer_type] = (k, v)
         q = self._padded(q)
         if cache is None:
-            out = attention_op.paged_attention(q, k, v, self.cache_index, self.scale, self.window, None)
+            out = attention_op.paged_attention(q, k, v, meta, self.cache_index, self.scale, self.window, None)
         else:
             out = attention(q, k, v, cache, meta, self.scale, self.window, None)            # [N, H_q, D_cache]
         return self.o_proj(out[..., :self.head_dim].reshape(n, self.q_size))

@@ -256,7 +256,8 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.model_type == "gpt_oss" else None
 
     def forward(self, x, cache, meta: AttentionMetadata | None, rope):
-        """cache None: inside the compiled step, attention is its op (engine.layers.attention_op)."""
+        """cache None: inside the compiled step, attention is its op (engine.layers.attention_op)
+        and meta the pass as the op takes it (attention_op.GraphPass)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)              # [N, H_q, D]
@@ -266,7 +267,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is None:
-            out = attention_op.paged_attention(q, k, v, self.layer_index, self.scale, self.window, self.sinks)
+            out = attention_op.paged_attention(q, k, v, meta, self.layer_index, self.scale, self.window, self.sinks)
         else:
             out = attention(q, k, v, cache, meta, self.scale, self.window, self.sinks)      # [N, H_q, D]
         return self.o_proj(out.reshape(n, self.q_size))
@@ -394,10 +395,9 @@ class LlamaFamilyModel(nn.Module):
         """input_ids [N] -> final normed hidden states [N, hidden]."""
         return self.decode_layers(self.embed_tokens(input_ids), meta.positions, kv, meta)
 
-    def decode_layers(self, h: torch.Tensor, positions: torch.Tensor, kv: KVCache | None,
-                      meta: AttentionMetadata | None) -> torch.Tensor:
+    def decode_layers(self, h: torch.Tensor, positions: torch.Tensor, kv: KVCache | None, meta) -> torch.Tensor:
         """Embedded inputs [N, hidden] at `positions` -> final normed hidden states. kv None: the
-        compiled step's graph, whose attention op reads the pass from attention_op.serving."""
+        compiled step's graph, meta the pass as its attention op takes it (attention_op.GraphPass)."""
         rope = self.rotary.at(positions, h.dtype)
         sliding = rope if self.sliding_rotary is None else self.sliding_rotary.at(positions, h.dtype)
         for layer, kv_index in zip(self.layers, self.kv_index):

@@ -150,7 +150,7 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q, k = apply_partial_rope(self.q_norm(q), rope), apply_partial_rope(self.k_norm(k), rope)
         if cache is None:
-            out = attention_op.paged_attention(q, k, v, self.layer_index, self.scale, 0, None)
+            out = attention_op.paged_attention(q, k, v, meta, self.layer_index, self.scale, 0, None)
         else:
             out = attention(q, k, v, cache, meta, self.scale, 0, None)            # [N, H_q, D]
         out = out.reshape(n, self.q_size) * torch.sigmoid(gate.reshape(n, self.q_size))

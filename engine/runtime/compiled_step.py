@@ -12,16 +12,21 @@ pass stays the reference (tests compare within a tolerance) and is never mixed i
 
 Whatever the compiler needs is arranged outside the compiled function: the token embedding
 is looked up eagerly (a quantized table is read on the host), on CUDA rows are padded to a
-token-count bucket (the padding repeats the last row and is dropped), the
-attention metadata (masks, tiles, tables) is built on the host once per pass, and the K/V
-dtype, the pool and the block tables never enter the graph: one graph per model serves every
-KV dtype, context and batch.
+token-count bucket (the padding repeats the last row and is dropped), and the pass's rows are
+built on the host once per pass. The pool and the pass's rows are the graph's inputs
+(attention_op.GraphPass: every dimension dynamic, the pool's blocks too), written and read by
+the attention op, whose schema says it writes the pool; where our C++ attention serves, the
+pool travels as bytes, so one graph per model serves every KV dtype, context and batch. A
+uniform pass (a decode, a verify of k+1) runs over persistent buffers instead
+(engine.runtime.decode_graphs).
 
 On the CPU the linear layers call our kernels or oneDNN through custom ops that name packed
 weights by index (engine.layers.packed_linear), so inductor's FX graph cache, kept in the user
 cache folder, serves every later process. On CUDA the step records CUDA graphs of the pieces
-between attention calls (inductor's graph partitioning around the cudagraph-unsafe attention
-op), one per token-count bucket (CUDA_TOKEN_BUCKETS, vLLM's capture sizes).
+between attention calls where the Python attention op runs (inductor's graph partitioning
+around the cudagraph-unsafe op), one per token-count bucket (CUDA_TOKEN_BUCKETS, vLLM's capture
+sizes); a uniform pass's graph has no such op (attention_op.uniform_attention), so it is one
+piece.
 
 The graph is built before it is timed: the app warms it at load (ModelRunner.warm_compiled,
 with progress), and a call that compiles anyway (a recompile) is counted (`compiles`, and its
@@ -62,6 +67,8 @@ from engine.layers import attention_op, packed_linear, quantized_linear
 from engine.models.llama import logits_rows
 
 MIN_ROWS = 2
+# The pass's row tensors the graph takes (attention_op.GraphPass): every dimension varies.
+ROW_TENSORS = ("positions", "slots", "tables", "row_seq", "prefix", "extra_start", "extra_keys")
 # Token counts CUDA graphs are recorded for (vLLM's capture sizes up to 512): a pass is padded
 # to the next one; past the last it runs in the compiled graph without CUDA graphs.
 CUDA_TOKEN_BUCKETS = (2, 4, 8) + tuple(range(16, 257, 16)) + tuple(range(288, 513, 32))
@@ -179,17 +186,17 @@ def configure_compiler(cache_dir: Path) -> None:
 
 def target_pass(model):
     """A model's pass through its layers, inside the graph: (embedded rows [N, hidden], their
-    positions [N], logits rows [R]) -> (float32 logits of those rows [R, V], final hidden
-    states [N, hidden])."""
-    def run(h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
-        hidden = model.decode_layers(h, positions, None, None)
+    positions [N], logits rows [R], no pool, the pass as attention takes it (GraphPass)) ->
+    (float32 logits of those rows [R, V], final hidden states [N, hidden])."""
+    def run(h: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, kv: None, graph: attention_op.GraphPass):
+        hidden = model.decode_layers(h, positions, kv, graph)
         return model.logits(logits_rows(hidden, rows)), hidden
     return run
 
 
 def _forward_of(run):
-    """`run` (a model's pass: row-wise inputs [N, ...] and logits rows -> (logits of those rows,
-    hidden states [N, ...])) as a function with a code object of its own."""
+    """`run` (a model's pass: row-wise inputs [N, ...], logits rows, None and the GraphPass ->
+    (logits of those rows, hidden states [N, ...])) as a function with a code object of its own."""
     def forward(*inputs: torch.Tensor):
         return run(*inputs)
     return types.FunctionType(forward.__code__.replace(), forward.__globals__, "forward", None, forward.__closure__)
@@ -317,6 +324,12 @@ class CompiledStep:
     def call(self, inputs: tuple[torch.Tensor, ...], kv, meta, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The graph's outputs (logits of `rows` [R, ...], hidden states [N, ...]) for its row-wise
         inputs ([N, ...] each: the embedded tokens first); the new K/V are stored by the pass."""
+        return self.run(inputs, rows, attention_op.graph_pass(kv, meta))
+
+    def run(self, inputs: tuple[torch.Tensor, ...], rows: torch.Tensor,
+            graph: attention_op.GraphPass) -> tuple[torch.Tensor, torch.Tensor]:
+        """call's outputs for the pass as the graph takes it (engine.runtime.decode_graphs gives
+        views of its persistent buffers: they are the graph's inputs as they are)."""
         n, r = inputs[0].shape[0], rows.shape[0]
         first = self.graph.compile_s is None
         # On the CPU the row dimension is unbacked: the graph assumes nothing of its size, so a
@@ -330,8 +343,21 @@ class CompiledStep:
         if padded_r > r:
             rows = torch.cat([rows, rows.new_zeros(padded_r - r)])
         inputs, rows = tuple(map(_as_built, inputs)), _as_built(rows)
+        graph = graph._replace(**{name: _as_built(getattr(graph, name)) for name in ROW_TENSORS})
+        dynamic = torch._dynamo.decorators.mark_unbacked if self.device.type == "cpu" else torch._dynamo.mark_dynamic
         for t in (*inputs, rows):
-            (torch._dynamo.decorators.mark_unbacked if self.device.type == "cpu" else torch._dynamo.mark_dynamic)(t, 0)
+            dynamic(t, 0)
+        for name in ROW_TENSORS:
+            t = getattr(graph, name)
+            for dim in range(t.dim()):
+                dynamic(t, dim)
+        for pool in (graph.k_pool, graph.v_pool, graph.k_scale, graph.v_scale):
+            if pool is None:
+                continue
+            if self.device.type == "cuda":  # the graph writes it: CUDA graphs need its address fixed
+                torch._dynamo.mark_static_address(pool)
+            for dim in range(1, pool.dim(), 3):     # its blocks (reconfigure rebuilds it), a row's bytes (its dtype)
+                dynamic(pool, dim)
         if first:
             self.progress(f"compiling {self.what} (about a minute the first time on a small CPU; "
                           "seconds from the disk cache)…", 0.0)
@@ -339,8 +365,7 @@ class CompiledStep:
         t0 = time.perf_counter()
         packed_linear.use(self.model.packed_weights)
         quantized_linear.use(self.graph.weights_key)
-        with attention_op.serving(kv, meta):
-            logits, hidden = self._compiled(*inputs, rows)
+        logits, hidden = self._compiled(*inputs, rows, None, graph)
         self.row_counts.add(n)
         if first or compiled_graphs() != graphs_before:
             self.untaken_compile_s += time.perf_counter() - t0

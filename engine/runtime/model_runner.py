@@ -23,6 +23,7 @@ from engine.loading.loader import LoadedModel
 from engine.models.llama import rope_identity
 from engine.models.qwen3_5 import state_shape
 from engine.runtime import compiled_step
+from engine.runtime.decode_graphs import DecodeGraphs
 
 SCALE_MODE = "per_token_head_fp32"
 # What prefix caching does for a hybrid model (what "In effect" says).
@@ -70,6 +71,7 @@ class ModelRunner:
         self.compiled: compiled_step.CompiledStep | None = None    # kept across pool rebuilds
         self.compile_error: str | None = None      # why the compiled step was given up, if it was
         self.last_hidden: torch.Tensor | None = None               # the last pass's, see forward
+        self._decode_graphs: DecodeGraphs | None = None            # the compiled step's, for this pool
         self.build_cache(config, num_blocks, num_snapshots)
 
     # ---- cache ---------------------------------------------------------------
@@ -236,13 +238,41 @@ class ModelRunner:
         (logits, self.last_hidden), = self.forward_batch([PassItem(seq, list(new_tokens), rows)])
         return logits
 
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        """The compiled step's recorded uniform passes over this pool (engine.runtime.decode_graphs);
+        None where the step is eager. Made anew for a new pool or a new compiled step."""
+        if self.compiled is None:
+            return None
+        graphs = self._decode_graphs
+        if graphs is None or graphs.kv is not self.kv or graphs.compiled is not self.compiled:
+            graphs = self._decode_graphs = DecodeGraphs(self.compiled, self.kv)
+        return graphs
+
+    def uniform_rows(self, items: list[PassItem]) -> int | None:
+        """Q where the pass is one the decode graphs take: every item feeds Q rows and wants all of
+        their logits, none is a draft tree, the model keeps no linear-attention state, the step
+        is compiled. None: the pass takes forward_batch's general path."""
+        if self.compiled is None or self.states is not None or not items:
+            return None
+        q = len(items[0].tokens)
+        if all(i.tree is None and len(i.tokens) == q and i.logits_rows == q for i in items):
+            return q
+        return None
+
     @torch.inference_mode()
     def forward_batch(self, items: list[PassItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One forward pass over every item's new tokens: flattened ids and positions, each
         sequence's own block table and context, through the compiled step where it is on (else
-        the eager reference). Returns per item (float32 logits of its last logits_rows rows
-        [logits_rows, V], final hidden states of its new tokens [n, hidden]). A row's numbers
-        do not depend on the other items (layers.attention, layers.packed_linear)."""
+        the eager reference); a uniform pass (uniform_rows) through the decode graphs. Returns per
+        item (float32 logits of its last logits_rows rows [logits_rows, V], final hidden states of
+        its new tokens [n, hidden]). A row's numbers do not depend on the other items
+        (layers.attention, layers.packed_linear)."""
+        q = self.uniform_rows(items)
+        if q is not None:
+            out = self._forward_uniform(items, q)
+            if out is not None:
+                return out
         slices, positions, slots, ids, wanted, linear = [], [], [], [], [], []
         row = 0
         for item in items:
@@ -276,6 +306,25 @@ class ModelRunner:
             item.seq.num_computed += s.count
             out.append((logits[used:used + item.logits_rows], hidden[s.start:s.start + s.count]))
             used += item.logits_rows
+        return out
+
+    def _forward_uniform(self, items: list[PassItem], q: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """forward_batch's answer for a uniform pass, through the decode graphs; None where the
+        compiled step failed (it is given up, with its reason: the caller runs the pass eagerly)."""
+        for item in items:
+            self.blocks.ensure_capacity(item.seq, item.seq.num_computed + q)
+        ids = torch.tensor([t for item in items for t in item.tokens], dtype=torch.int64, device=self.device)
+        try:
+            logits, hidden = self.decode_graphs.run(self.attention_mode, self.model.embed_tokens(ids),
+                                                    [item.seq.num_computed for item in items],
+                                                    [item.seq.block_table for item in items], q)
+        except Exception as error:      # compiling, or CUDA graph capture, failed: eager from now on
+            self._compile_failed(error)
+            return None
+        out = []
+        for i, item in enumerate(items):
+            item.seq.num_computed += q
+            out.append((logits[i * q:(i + 1) * q], hidden[i * q:(i + 1) * q]))
         return out
 
     def _stage_snapshots(self, seq: RunnerSeq, start: int, n: int) -> list[tuple[int, int]]:
