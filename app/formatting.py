@@ -42,6 +42,9 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
     if "linear" in paths:       # the CPU: which kernels passed their trial here (engine.runtime.cpu_paths)
         lines.append(f"<b>CPU kernels</b> ({escape(paths['isa'])}): linears {escape(paths['linear'])}; "
                      f"quantized weights {escape(paths['quantized'])}; dtype {escape(paths['dtype'])}")
+    if "decode_graphs" in paths:
+        lines.append(f"<b>Step</b>: compiled {escape(paths['compile'])}; attention {escape(paths['attention'])}; "
+                     f"decodes and verifies: {escape(paths['decode_graphs'])}")
     if settings.get("memory_plan"):
         lines.append(describe_memory_plan(settings["memory_plan"]))
     if settings.get("chat_template") is False:

@@ -284,7 +284,7 @@ class LLMEngine:
     def paths(self) -> dict[str, str]:
         """Which kernel path serves each part of a step here, and why (engine.runtime.cpu_paths)."""
         return cpu_paths.describe(self.device, self.runner.model_dtype, self.dtype_why, self.runner.compile_state,
-                                  self.runner.attention_state)
+                                  self.runner.attention_state, self.runner.decode_graphs_state)
 
     def runners(self) -> list[ModelRunner]:
         return [r for r in (self.runner, self.draft_runner) if r is not None]

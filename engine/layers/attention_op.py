@@ -205,7 +205,8 @@ def _uniform_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool
     b = n // q_rows
     batch = DecodeBatch(rows=None, positions=(prefix - 1).view(b, q_rows), block_tables=tables,
                         max_context_len=tables.shape[1] * cache.k.shape[1])
-    out = dispatch.decode_attention(q[:n].view(b, q_rows, *q.shape[1:]), cache, batch, scale, window, sinks).flatten(0, 1)
+    out = dispatch.decode_attention(q[:n].view(b, q_rows, *q.shape[1:]), cache, batch, scale, window, sinks)
+    out = out.flatten(0, 1)
     if q.shape[0] == n:
         return out
     return torch.cat([out, out[-1:].expand(q.shape[0] - n, *out.shape[1:])])   # padding rows repeat the last

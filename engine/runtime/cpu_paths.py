@@ -27,7 +27,7 @@ from engine.runtime.cpu_dtype import dtype_name
 
 
 def describe(device: torch.device, dtype: torch.dtype, dtype_why: str, compile_state: str,
-             attention_state: str) -> dict[str, str]:
+             attention_state: str, decode_state: str) -> dict[str, str]:
     """One line per part: what runs, and why where it is a fallback."""
     paths = {"isa": cpu_features.isa_name() if device.type == "cpu" else device.type,
              "dtype": f"{dtype_name(dtype)} ({dtype_why})"}
@@ -36,6 +36,7 @@ def describe(device: torch.device, dtype: torch.dtype, dtype_why: str, compile_s
         paths["quantized"] = quantized_linear.path()
     paths["compile"] = compile_state
     paths["attention"] = attention_state
+    paths["decode_graphs"] = decode_state
     return paths
 
 

@@ -62,7 +62,8 @@ class StepBuffers:
         tables = tables + [tables[-1]] * (batch - real)
         positions = torch.tensor([s + i for s in starts for i in range(q)], dtype=torch.int64)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-        slots = table.gather(1, (positions // block_size).view(batch, q)).flatten() * block_size + positions % block_size
+        blocks = table.gather(1, (positions // block_size).view(batch, q)).flatten()
+        slots = blocks * block_size + positions % block_size
         n = batch * q
         self.h[:real * q].copy_(embedded)
         if batch > real:
@@ -133,6 +134,16 @@ class DecodeGraphs:
         self.recordings: dict[tuple[str, int, int], object] = {}
         self.refusal: str | None = None
         self.replays = 0                          # passes run here (tests read it)
+
+    @property
+    def state(self) -> str:
+        """How uniform passes run here ("In effect")."""
+        if self.device.type != "cuda":
+            return "persistent buffers, each batch size replayed by calling the graph (nothing padded)"
+        sizes = f"batches padded up to one of {len(self.sizes)} sizes, {self.sizes[0]} to {self.sizes[-1]}"
+        if self.refusal is not None:
+            return f"persistent buffers, replayed by calling the graph ({sizes}): {self.refusal}"
+        return f"a CUDA graph per batch size, recorded at first use ({sizes})"
 
     def batch_for(self, count: int) -> int:
         """The batch size a pass of `count` sequences is padded to."""

@@ -249,6 +249,15 @@ class ModelRunner:
             graphs = self._decode_graphs = DecodeGraphs(self.compiled, self.kv)
         return graphs
 
+    @property
+    def decode_graphs_state(self) -> str:
+        """How a uniform pass runs here, and why ("In effect")."""
+        if self.compiled is None:
+            return "off (the step is eager)"
+        if self.states is not None:
+            return "off (a hybrid model's linear-attention state is not in the buffers)"
+        return self.decode_graphs.state
+
     def uniform_rows(self, items: list[PassItem]) -> int | None:
         """Q where the pass is one the decode graphs take: every item feeds Q rows and wants all of
         their logits, none is a draft tree, the model keeps no linear-attention state, the step
