@@ -75,6 +75,19 @@ def test_every_pass_takes_one_graph(make_tiny_engine):
     assert len(eng.runner.compiled.row_counts) >= 5
 
 
+def test_every_kv_dtype_takes_the_same_graph(make_tiny_engine):
+    """Our C++ attention takes the pool as bytes (its width gives the dtype) and a float pool's
+    unread scales shaped, strided and kinded like an FP8 pool's: switching the KV dtype, the pool
+    rebuilt, compiles nothing."""
+    eng = make_tiny_engine(compile="on")
+    eng.warm_compiled_step()
+    before = compiled_graphs()
+    for kv in ("fp8_e4m3", "auto", "fp8_e4m3"):
+        eng.reconfigure(kv_cache_dtype=kv)
+        assert eng.generate_text([1, 2, 3, 4], GREEDY)[1]
+    assert compiled_graphs() == before and eng.runner.attention_mode == "cpu"
+
+
 def test_compiled_graphs_are_cached_in_the_user_cache_folder(make_tiny_engine, tmp_path, monkeypatch):
     """Importing torch._dynamo points inductor at torch's /tmp default; ours wins over that, in a
     folder of this version of the engine's sources (another version's graphs are never read)."""

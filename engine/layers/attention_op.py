@@ -80,9 +80,13 @@ def pool_args(kv: KVCache, mode: str, native: bool = True) -> dict:
                          and cpu_attention.ready())
     pools = (kv.k, kv.v, kv.k_scale, kv.v_scale)
     if native:          # as bytes, so that one graph serves every KV dtype (attend_layer reads the width)
-        no_scales = kv.k.new_empty((kv.k.shape[0], 0, *kv.k.shape[2:4]), dtype=torch.float32)
-        pools = (kv.k.view(torch.uint8), kv.v.view(torch.uint8),
-                 *((kv.k_scale, kv.v_scale) if kv.k_scale is not None else (no_scales, no_scales)))
+        if kv.k_scale is None:          # two unread scales, each like an FP8 pool's: dynamo guards their
+            with torch.inference_mode(kv.k.is_inference()):         # kind, strides and aliasing
+                scales = tuple(kv.k.new_empty((kv.k.shape[0], 1, *kv.k.shape[2:4]), dtype=torch.float32)
+                               for _ in range(2))
+        else:
+            scales = (kv.k_scale, kv.v_scale)
+        pools = (kv.k.view(torch.uint8), kv.v.view(torch.uint8), *scales)
     return dict(zip(("k_pool", "v_pool", "k_scale", "v_scale"), pools), mode=mode, rotated=kv.rotated,
                 native=native, isa=cpu_attention.ISAS[cpu_attention.isa()] if native else 0)
 

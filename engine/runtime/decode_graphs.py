@@ -100,18 +100,19 @@ class _Call:
 
 class _CudaGraph:
     """The step's call captured as a CUDA graph over the buffers (after one warm call), replayed
-    with torch.cuda.CUDAGraph.replay; its outputs are the recording's own tensors."""
+    with torch.cuda.CUDAGraph.replay; its outputs copied out of the recording's own tensors."""
 
     def __init__(self, call):
         call()
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = call()
+            self.recorded = call()
+        self.out = self.replay()                # a capture computes nothing: this pass's outputs
 
     def replay(self):
         self.graph.replay()
-        return self.out
+        return tuple(t.clone() for t in self.recorded)     # the next replay overwrites the recording's own
 
 
 # Batch sizes recorded per device (None: every size is its own recording, nothing padded).
