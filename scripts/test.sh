@@ -39,11 +39,21 @@ export QT_QPA_PLATFORM=offscreen
 # A crash (segfault, abort) writes every thread's stack to a file (tests/conftest.py); the
 # crashing thread's is printed last, so the tail of a CI log shows where it happened.
 export WORKBENCH_CRASH_LOG=$(mktemp)
+# and a core file, whose native stack gdb prints (where gdb is installed): the Python stack
+# alone ended in Qt's deletion of a window, twice, and could not say where inside it.
+ulimit -c unlimited 2>/dev/null || true
+rm -f core core.[0-9]*
 status=0
 .venv/bin/python -m pytest -p no:faulthandler "$@" || status=$?
 if [ -s "$WORKBENCH_CRASH_LOG" ]; then
   echo "test: the suite crashed (exit $status); every thread's stack, the crashing one last:" >&2
   awk 'BEGIN{RS=""; ORS="\n\n"} !/^Current thread/ && !/^Extension modules/' "$WORKBENCH_CRASH_LOG" >&2
   awk 'BEGIN{RS=""; ORS="\n\n"} /^Current thread/' "$WORKBENCH_CRASH_LOG" >&2
+  core=$(ls core core.[0-9]* 2>/dev/null | head -1 || true)
+  if [ -n "$core" ] && command -v gdb >/dev/null; then
+    echo "test: the crashing thread's native stack ($core):" >&2
+    gdb -q -batch -ex "bt 40" .venv/bin/python "$core" 2>&1 | grep -v "^\[New LWP" >&2 || true
+  fi
 fi
+rm -f core core.[0-9]*
 exit $status

@@ -103,6 +103,7 @@ def open_workbench(qapp, qtbot, tmp_path):
     for workbench in reversed(opened):
         workbench.window.close()
         workbench.shutdown(save_session=False)
+    for workbench in reversed(opened):
         workbench.window.deleteLater()          # now, not whenever Python's collector gets to it
     QApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
 
