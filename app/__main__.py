@@ -40,8 +40,6 @@ class Workbench:
         if save_session:
             self.controller.save_last_session()
         self.host.stop()
-        QApplication.processEvents()        # what the worker sent before it stopped, while the plots are whole
-        self.window.clear_plots()
         self.collector.stop()
 
 

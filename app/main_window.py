@@ -246,16 +246,6 @@ class MainWindow(QMainWindow):
         if ok and name:
             self.deleteProfileRequested.emit(name)
 
-    def clear_plots(self) -> None:
-        """Empty the plots' pyqtgraph scenes now, while their items' Python sides are whole: Qt
-        deleting a scene with the window calls their Python overrides (geometry, events) from
-        half-destroyed items, and PySide crashed there (QGraphicsScene::clear inside the window's
-        deletion, seen after replies stopped mid-step). At exit, before the window goes."""
-        self.load_panel.timer.stop()                  # it redraws the load plots
-        for view in (self.plots.graphics, self.load_panel.graphics):
-            if not view.closed:
-                view.close()
-
     def closeEvent(self, event) -> None:
         if self._layout_file is not None:
             save_layout(self, self._layout_file)

@@ -8,7 +8,6 @@ legend in the title row, a verdict line under it). PlotItem.setTitle keeps worki
 from __future__ import annotations
 
 import pyqtgraph as pg
-import shiboken6
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QTextOption
 
@@ -27,10 +26,6 @@ class PlotTitle(pg.LabelItem):
         self.setText(html)
 
     def resizeEvent(self, ev) -> None:
-        # Qt resizes it while deleting the scene, its text item already gone: an exception
-        # raised here, inside the deletion, crashed PySide (shiboken's error store)
-        if not shiboken6.isValid(self.item):
-            return
         width = self.rect().width()
         if width > 0 and abs(width - self.item.textWidth()) > 0.5:
             self.item.setTextWidth(width)

@@ -1,6 +1,7 @@
 import contextlib
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -232,6 +233,26 @@ def assert_dies_mid_stream(backend, kill) -> None:
         request.close()
     assert len(transcript) >= 5 and all(transcript[:5])
     assert "stopped in the middle of the reply" in str(info.value) and "kept" in str(info.value)
+
+
+# Workbenches the app tests opened, closed and shut down but never deleted (tests/test_app.py's
+# open_workbench says why); while any exists, the run ends without Python's finalization, which
+# would delete them.
+KEPT_WINDOWS: list = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config._workbench_exit_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """After pytest's summary and every other plugin's end: where app windows were kept, leave
+    with pytest's exit status and no finalization (Qt deleting them at exit could crash)."""
+    if KEPT_WINDOWS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(getattr(config, "_workbench_exit_status", 0))
 
 
 def pytest_configure(config):

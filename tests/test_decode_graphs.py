@@ -106,3 +106,13 @@ def test_a_fill_pads_with_the_last_sequence():
     assert buffers.tables[:3].tolist() == [[7, 1, 0], [4, 0, 0], [4, 0, 0]]
     assert torch.equal(buffers.h[4:6], embedded[2:4])
     assert buffers.row_seq[:6].tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_prompt_scored_whole_takes_the_general_path(make_tiny_engine):
+    """Only decode-sized passes (at most k + 1 rows a sequence) go through the buffers: a prompt
+    whose every logit is wanted makes no buffers of its length."""
+    runner = make_tiny_engine(compile="on").runner
+    prompt = list(range(5, 45))
+    logits = runner.forward(runner.start(prompt), prompt, logits_for="all")
+    assert logits.shape[0] == len(prompt) and len(prompt) not in runner.decode_graphs.buffers
+    assert runner.uniform_rows([]) is None

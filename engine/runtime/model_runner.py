@@ -13,7 +13,7 @@ from engine.cache.kv_cache import FP8_DTYPE, KVCache, is_rotated, resolve_kv_dty
 from engine.cache.memory_plan import plan_memory, state_slots
 from engine.cache.state_cache import StateCache
 from engine.cache.state_snapshots import StateSnapshots
-from engine.config import EngineConfig
+from engine.config import MAX_SPEC_TOKENS, EngineConfig
 from engine.errors import first_line
 from engine.layers import attention, gated_delta, linear_attention_op
 from engine.layers.attention import CPU, KERNELS, TORCH, AttentionMetadata
@@ -259,12 +259,15 @@ class ModelRunner:
         return self.decode_graphs.state
 
     def uniform_rows(self, items: list[PassItem]) -> int | None:
-        """Q where the pass is one the decode graphs take: every item feeds Q rows and wants all of
-        their logits, none is a draft tree, the model keeps no linear-attention state, the step
-        is compiled. None: the pass takes forward_batch's general path."""
+        """Q where the pass is one the decode graphs take: every item feeds Q rows (a decode or a
+        verify: at most MAX_SPEC_TOKENS + 1, so a whole prompt scored at once does not make buffers
+        of its length) and wants all of their logits, none is a draft tree, the model keeps no
+        linear-attention state, the step is compiled. None: forward_batch's general path."""
         if self.compiled is None or self.states is not None or not items:
             return None
         q = len(items[0].tokens)
+        if q > MAX_SPEC_TOKENS + 1:
+            return None
         if all(i.tree is None and len(i.tokens) == q and i.logits_rows == q for i in items):
             return q
         return None
