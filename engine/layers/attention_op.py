@@ -166,13 +166,23 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: 
     # path: the pass's attention_metadata mode ("mode" is taken: torch's redirect_to_mode passes its own)
     tensors = (positions, slots, tables, row_seq, prefix, extra_start, extra_keys)
     meta = _metadata(path, tensors, k_pool.shape[2], q.shape[1] // k_pool.shape[3])
-    cache = LayerCache(k_pool[layer], v_pool[layer], None if k_scale is None else k_scale[layer],
-                       None if v_scale is None else v_scale[layer], rotated)
+    cache = _layer_cache(k_pool, v_pool, k_scale, v_scale, layer, rotated)
     n = positions.shape[0]
-    if q.shape[0] == n:
-        return attention(q, k, v, cache, meta, scale, window, sinks)
-    out = attention(q[:n], k[:n], v[:n], cache, meta, scale, window, sinks)
-    return torch.cat([out, out[-1:].expand(q.shape[0] - n, *out.shape[1:])])   # padding rows repeat the last
+    return _padded(attention(q[:n], k[:n], v[:n], cache, meta, scale, window, sinks), q.shape[0])
+
+
+def _layer_cache(k_pool, v_pool, k_scale, v_scale, layer: int, rotated: bool = False) -> LayerCache:
+    """One layer of the whole pool the op was given."""
+    def at(t):
+        return None if t is None else t[layer]
+    return LayerCache(k_pool[layer], v_pool[layer], at(k_scale), at(v_scale), rotated)
+
+
+def _padded(out: torch.Tensor, total: int) -> torch.Tensor:
+    """The pass's rows of an op's output, and the graph's padding rows after them: the last repeated."""
+    if out.shape[0] == total:
+        return out
+    return torch.cat([out, out[-1:].expand(total - out.shape[0], *out.shape[1:])])
 
 
 def _paged_attention_shape(q, k, v, k_pool, v_pool, k_scale, v_scale, positions, slots, tables, row_seq, prefix,
@@ -202,18 +212,14 @@ def _uniform_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool
     a sequence's keys add exact zeros (the kernels' batch invariance), so the bits are the
     general path's."""
     from engine.kernels import dispatch
-    cache = LayerCache(k_pool[layer], v_pool[layer], None if k_scale is None else k_scale[layer],
-                       None if v_scale is None else v_scale[layer])
+    cache = _layer_cache(k_pool, v_pool, k_scale, v_scale, layer)
     n = slots.shape[0]
     dispatch.store(cache, k[:n], v[:n], slots)
     b = n // q_rows
     batch = DecodeBatch(rows=None, positions=(prefix - 1).view(b, q_rows), block_tables=tables,
                         max_context_len=tables.shape[1] * cache.k.shape[1])
     out = dispatch.decode_attention(q[:n].view(b, q_rows, *q.shape[1:]), cache, batch, scale, window, sinks)
-    out = out.flatten(0, 1)
-    if q.shape[0] == n:
-        return out
-    return torch.cat([out, out[-1:].expand(q.shape[0] - n, *out.shape[1:])])   # padding rows repeat the last
+    return _padded(out.flatten(0, 1), q.shape[0])
 
 
 def _uniform_attention_shape(q, k, v, k_pool, v_pool, k_scale, v_scale, slots, tables, prefix, layer, scale, window,

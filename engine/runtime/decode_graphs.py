@@ -55,9 +55,9 @@ class StepBuffers:
         positions and block tables) into the buffers, padded to `batch` sequences with copies of
         the last one."""
         q, real = self.q_rows, len(starts)
-        width = self.tables.shape[1]
-        if max(len(t) for t in tables) > width:
-            raise ValueError(f"a block table longer than the buffers' {width} blocks")
+        width = max(len(t) for t in tables)           # columns past it are never read: not rewritten
+        if width > self.tables.shape[1]:
+            raise ValueError(f"a block table longer than the buffers' {self.tables.shape[1]} blocks")
         starts = starts + [starts[-1]] * (batch - real)
         tables = tables + [tables[-1]] * (batch - real)
         positions = torch.tensor([s + i for s in starts for i in range(q)], dtype=torch.int64)
@@ -70,7 +70,7 @@ class StepBuffers:
             self.h[real * q:n].copy_(embedded[-q:].repeat(batch - real, 1))
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(slots)
-        self.tables[:batch].copy_(table)
+        self.tables[:batch, :width].copy_(table)
         self.prefix[:n].copy_(positions + 1)
 
     def views(self, kv, mode: str, batch: int) -> tuple:
