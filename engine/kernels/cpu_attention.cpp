@@ -389,12 +389,50 @@ void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& k, const
 // otherwise), which it writes (the schema says so), the pass's slots and rows, and the layer: it
 // stores the layer's new K/V and attends in one C++ call, keeping nothing between calls. The pool
 // travels as bytes so that one graph serves every KV dtype (the dtype is data, not a guard).
+// RoPE, rotate-half (transformers' Llama), on the first n rows of x [N, H, D] (its last dim
+// contiguous), with each row's cos and sin [N, 1, D] in x's dtype: x * cos + cat(-x2, x1) * sin,
+// each product and the sum rounded to the dtype, as the torch ops round (engine.models.llama.apply_rope).
+template <typename T>
+void rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t n, at::Tensor& out) {
+  const int64_t H = x.size(1), D = x.size(2), half = D / 2;
+  const T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  auto f = [](T v) { return static_cast<float>(v); };
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < H; ++h) {
+      const T* xr = xp + i * x.stride(0) + h * x.stride(1);
+      const T* c = cp + i * cos.stride(0);
+      const T* s = sp + i * sin.stride(0);
+      T* o = op + (i * H + h) * D;
+      for (int64_t d = 0; d < half; ++d) {
+        const T a = static_cast<T>(f(xr[d]) * f(c[d])), b = static_cast<T>(-f(xr[d + half]) * f(s[d]));
+        o[d] = static_cast<T>(f(a) + f(b));
+        const T a2 = static_cast<T>(f(xr[d + half]) * f(c[d + half])), b2 = static_cast<T>(f(xr[d]) * f(s[d + half]));
+        o[d + half] = static_cast<T>(f(a2) + f(b2));
+      }
+    }
+}
+
+at::Tensor rotated(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t n) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "attend_layer: q and k [N, H, D], D even");
+  TORCH_CHECK(cos.dim() == 3 && cos.size(0) >= n && cos.size(2) == x.size(2) && cos.stride(2) == 1 &&
+              sin.sizes() == cos.sizes() && sin.strides() == cos.strides() && cos.scalar_type() == x.scalar_type() &&
+              sin.scalar_type() == x.scalar_type(), "attend_layer: cos and sin [N, 1, D] in q's dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  if (x.scalar_type() == at::kBFloat16) rope_rows<at::BFloat16>(x, cos, sin, n, out);
+  else rope_rows<float>(x, cos, sin, n, out);
+  return out;
+}
+
 at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_bytes,
                         at::Tensor& v_bytes, const c10::optional<at::Tensor>& k_scale,
                         const c10::optional<at::Tensor>& v_scale, const at::Tensor& slots, const at::Tensor& tables,
                         const at::Tensor& row_seq, const at::Tensor& prefix, const at::Tensor& extra_start,
                         const at::Tensor& extra_keys, int64_t layer, double scale, int64_t window,
-                        const c10::optional<at::Tensor>& sinks, int64_t isa) {
+                        const c10::optional<at::Tensor>& sinks, int64_t isa, const c10::optional<at::Tensor>& cos,
+                        const c10::optional<at::Tensor>& sin) {
   TORCH_CHECK(k_bytes.dim() == 5 && k_bytes.is_contiguous() && v_bytes.is_contiguous() && k_bytes.sizes() == v_bytes.sizes() &&
               k_bytes.scalar_type() == at::kByte && v_bytes.scalar_type() == at::kByte,
               "attend_layer: the pool's k and v as bytes, contiguous [L, blocks, BS, H_kv, D * element bytes]");
@@ -423,9 +461,12 @@ at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const int64_t kind = fp8 ? KIND_FP8 : k_pool.scalar_type() == at::kBFloat16 ? KIND_BF16 : KIND_F32;
   const at::Tensor ks = fp8 ? *k_scale : at::Tensor(), vs = fp8 ? *v_scale : at::Tensor();
   const int64_t* slot_ids = slots.data_ptr<int64_t>();
-  store_rows(k, n, k_pool, ks, layer, slot_ids, kind);
+  // cos and sin: q and k are rotated here (RoPE), as they are stored and read
+  const bool rope = cos.has_value() && cos->defined();
+  TORCH_CHECK(rope == (sin.has_value() && sin->defined()), "attend_layer: cos and sin, or neither");
+  store_rows(rope ? rotated(k, *cos, *sin, n) : k, n, k_pool, ks, layer, slot_ids, kind);
   store_rows(v, n, v_pool, vs, layer, slot_ids, kind);
-  const at::Tensor qc = q.contiguous();
+  const at::Tensor qc = rope ? rotated(q, *cos, *sin, n) : q.contiguous();
   at::Tensor out = at::empty_like(qc);
   const int64_t per_layer = k_pool.numel() / k_pool.size(0), elem = k_pool.element_size(),
                 per_scale = per_layer / k_pool.size(4);
@@ -452,7 +493,8 @@ TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
         "int kind, int isa) -> Tensor");
   m.def("attend_layer(Tensor q, Tensor k, Tensor v, Tensor(a!) k_bytes, Tensor(b!) v_bytes, Tensor(c!)? k_scale, "
         "Tensor(d!)? v_scale, Tensor slots, Tensor tables, Tensor row_seq, Tensor prefix, Tensor extra_start, "
-        "Tensor extra_keys, int layer, float scale, int window, Tensor? sinks, int isa) -> Tensor");
+        "Tensor extra_keys, int layer, float scale, int window, Tensor? sinks, int isa, Tensor? cos=None, "
+        "Tensor? sin=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {

@@ -189,6 +189,6 @@ def _register_fake() -> None:
     torch.library.register_fake("workbench_cpu::paged_attention", fake)
 
     def fake_layer(q, k, v, k_pool, v_pool, k_scale, v_scale, slots, tables, row_seq, prefix, extra_start, extra_keys,
-                   layer, scale, window, sinks, isa):
-        return torch.empty_like(q)
+                   layer, scale, window, sinks, isa, cos=None, sin=None):
+        return q.new_empty(q.shape)
     torch.library.register_fake("workbench_cpu::attend_layer", fake_layer)

@@ -27,11 +27,11 @@ from engine.errors import first_line
 from engine.kernels.build_lock import build_lock
 
 # one library: this op, the quantized one (cpu_quant_linear.cpp, engine.kernels.cpu_quant), the
-# FP8 cache read (cpu_fp8.cpp, engine.kernels.cpu_fp8) and paged attention (cpu_attention.cpp,
-# engine.kernels.cpu_attention)
+# FP8 cache read (cpu_fp8.cpp, engine.kernels.cpu_fp8), paged attention (cpu_attention.cpp,
+# engine.kernels.cpu_attention) and a decoder's layers in one call (cpu_decoder.cpp)
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_linear.cpp", "cpu_quant_linear.cpp", "cpu_fp8.cpp", "cpu_attention.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("cpu_bf16.h", "cpu_quant_tile256.h")]   # in the hash, not compiled alone
+           for name in ("cpu_linear.cpp", "cpu_quant_linear.cpp", "cpu_fp8.cpp", "cpu_attention.cpp", "cpu_decoder.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_bf16.h", "cpu_quant_tile256.h", "cpu_fused.h")]   # in the hash, not compiled alone
 BLOCK = 32                          # output columns per packed block (NB in the source)
 # narrowest first: the last one a CPU passes runs. avx_vnni and avx512vl_vnni are the quantized
 # linear's only (the same 256-bit code with AVX-VNNI's VEX or AVX-512 VL's EVEX vpdpbusd).

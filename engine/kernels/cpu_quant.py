@@ -21,6 +21,7 @@ in fp32: exact either way, and fp16 saves a sixth of a 4-bit weight's bytes.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -37,6 +38,18 @@ NEEDS = {"scalar": (), "avx2": ("avx2", "fma", "f16c"), "avx_vnni": ("avx2", "fm
 OFFSET8 = 128                   # an 8-bit q is stored as u = q + 128
 KQUANT_BLOCK_BYTES = {4: 144, 5: 176, 6: 210}   # Q4_K, Q5_K, Q6_K: a file's bytes per super-block and row
 _chosen: dict[str, str] = {}
+
+
+class Fused(NamedTuple):
+    """What the op folds around its product (cpu_fused.h), in its schema's order: an RMSNorm's
+    weight and eps before it, or a SwiGLU gate (the input is [gate | up]); a residual added after."""
+    norm: torch.Tensor | None = None
+    eps: float = 0.0
+    glu: bool = False
+    residual: torch.Tensor | None = None
+
+
+NOTHING_FUSED = Fused()
 _measured: dict[str, cpu_quant_paths.Plan] = {}     # the measured plan, once per process
 _codes: dict[tuple, int] = {}                       # code() per state of the two above
 
@@ -51,9 +64,11 @@ def refusal() -> str | None:
 def _register_fake() -> None:
     """The op's output shape for the compiler (torch.compile traces with fake tensors)."""
     torch.library.register_fake("workbench_cpu::linear_q")(
-        lambda x, w, scales, bias, bits, group, isa: x.new_empty(x.shape[0], w.shape[0] * COLS))
+        lambda x, w, scales, bias, bits, group, isa, norm=None, eps=0.0, glu=False, residual=None:
+        x.new_empty(x.shape[0], w.shape[0] * COLS))
     torch.library.register_fake("workbench_cpu::linear_at")(
-        lambda x, index, out_features, bias: x.new_empty(x.shape[0], out_features))
+        lambda x, index, out_features, bias, norm=None, eps=0.0, glu=False, residual=None:
+        x.new_empty(x.shape[0], out_features))
 
 
 def _trial(isa: str) -> str | None:
@@ -76,6 +91,26 @@ def _trial(isa: str) -> str | None:
         want = x @ unpack(w, scales, bits).t()
         if not torch.allclose(got, want, rtol=5e-2, atol=5e-2 * want.abs().max().item()):
             return f"{isa} {bits}-bit gave wrong results"
+    return _fused_trial(isa, w, scales, bits, group, gen)
+
+
+def _fused_trial(isa: str, w: torch.Tensor, scales: torch.Tensor, bits: int, group: int,
+                 gen: torch.Generator) -> str | None:
+    """What the op folds around its product (a norm; a gate; a residual), in fp32 and bf16, must
+    give the scalar path's bits on this path too."""
+    k, n = w.shape[1] * group, w.shape[0] * COLS
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, 2 * k, generator=gen).mul(4).to(dtype)
+        res = torch.randn(5, n, generator=gen).to(dtype)
+        norm = torch.rand(k, generator=gen).add(0.5).to(dtype)
+        for args in ((x[:, :k], Fused(norm, 1e-5)), (x, Fused(glu=True, residual=res))):
+            try:
+                got, scalar = (torch.ops.workbench_cpu.linear_q(args[0], w, scales, None, bits, group, ISAS[path], *args[1])
+                               for path in (isa, "scalar"))
+            except RuntimeError as error:
+                return f"{isa} with a norm or gate failed ({first_line(error)})"
+            if not torch.equal(got, scalar):
+                return f"{isa} rounds a norm, gate or residual unlike the scalar path ({dtype})"
     return None
 
 
@@ -193,9 +228,11 @@ def rows(w: torch.Tensor, scales: torch.Tensor, bits: int, ids: torch.Tensor) ->
     return values.reshape(len(ids), groups * group).float()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x's dtype."""
-    return torch.ops.workbench_cpu.linear_q(x, w, scales, bias, bits, group_of(w, bits), code())
+def linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, bits: int,
+           fused: Fused = NOTHING_FUSED) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype (with `fused`'s norm, gate or residual around the product:
+    x [M, 2K] with a gate)."""
+    return torch.ops.workbench_cpu.linear_q(x, w, scales, bias, bits, group_of(w, bits), code(), *fused)
 
 
 def group_of(w: torch.Tensor, bits: int) -> int:
@@ -226,6 +263,7 @@ def use(key: int) -> None:
     torch.ops.workbench_cpu.use_weights(key, code())
 
 
-def linear_at(x: torch.Tensor, index: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] -> [M, out_features] through weight `index` of those in use."""
-    return torch.ops.workbench_cpu.linear_at(x, index, out_features, bias)
+def linear_at(x: torch.Tensor, index: int, out_features: int, bias: torch.Tensor | None,
+              fused: Fused = NOTHING_FUSED) -> torch.Tensor:
+    """x [M, K] -> [M, out_features] through weight `index` of those in use (`fused`: as `linear`)."""
+    return torch.ops.workbench_cpu.linear_at(x, index, out_features, bias, *fused)

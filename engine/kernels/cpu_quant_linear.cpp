@@ -48,6 +48,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include "cpu_bf16.h"
+#include "cpu_fused.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -180,10 +181,15 @@ void widen_bf16_avx2(const uint16_t* h, float* out, int64_t n) {
   for (; k < n; ++k) out[k] = bf16_to_float(h[k]);
 }
 
-// 8 values of y (+ bias) -> their bf16 bits in the low half of each 32-bit lane
-__attribute__((target("avx2"))) inline __m256i narrow8_bf16(const float* y, const float* bias) {
+// 8 values of y (+ bias) (+ a bf16 residual, after y + bias is rounded to bf16) -> their bf16
+// bits in the low half of each 32-bit lane
+__attribute__((target("avx2"))) inline __m256i narrow8_bf16(const float* y, const float* bias, const uint16_t* res) {
   __m256 v = _mm256_loadu_ps(y);
   if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+  if (res) {
+    const __m256i r = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(res))), 16);
+    v = _mm256_add_ps(workbench_fused::round8_bf16(v), _mm256_castsi256_ps(r));
+  }
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -192,16 +198,23 @@ __attribute__((target("avx2"))) inline __m256i narrow8_bf16(const float* y, cons
   return _mm256_blendv_epi8(rounded, kept, nan);
 }
 
-// out[n] = bf16(y[n] (+ bias[n])): the sum in fp32, then rounded once to nearest even
+// out[n] = bf16(y[n] (+ bias[n])): the sum in fp32, then rounded once to nearest even; with a
+// residual, bf16(res[n] + that)
+inline uint16_t finish_bf16(float y, const float* bias, const uint16_t* res, int64_t n) {
+  const float v = bias ? y + bias[n] : y;
+  return res ? float_to_bf16(bf16_to_float(res[n]) + bf16_to_float(float_to_bf16(v))) : float_to_bf16(v);
+}
+
 __attribute__((target("avx2")))
-void narrow_bf16_avx2(const float* y, const float* bias, uint16_t* out, int64_t n) {
+void narrow_bf16_avx2(const float* y, const float* bias, const uint16_t* res, uint16_t* out, int64_t n) {
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
-    const __m256i packed = _mm256_packus_epi32(narrow8_bf16(y + k, bias ? bias + k : nullptr),
-                                               narrow8_bf16(y + k + 8, bias ? bias + k + 8 : nullptr));   // per 128-bit lane
+    const __m256i packed = _mm256_packus_epi32(narrow8_bf16(y + k, bias ? bias + k : nullptr, res ? res + k : nullptr),
+                                               narrow8_bf16(y + k + 8, bias ? bias + k + 8 : nullptr,
+                                                            res ? res + k + 8 : nullptr));   // per 128-bit lane
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm256_permute4x64_epi64(packed, 0xD8));
   }
-  for (; k < n; ++k) out[k] = float_to_bf16(bias ? y[k] + bias[k] : y[k]);
+  for (; k < n; ++k) out[k] = finish_bf16(y[k], bias, res, k);
 }
 
 // ---- scales --------------------------------------------------------------------------------
@@ -614,9 +627,13 @@ void run_tiles(Isa isa, const Rows& rows, int64_t M, int64_t t0, int64_t t1, con
 }
 
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
-                    const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group, int64_t isa) {
+                    const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group, int64_t isa,
+                    const c10::optional<at::Tensor>& norm, double eps, bool glu,
+                    const c10::optional<at::Tensor>& residual) {
   // isa: a path, or a plan (engine.kernels.cpu_quant_paths): few | many << 4 | from << 8, the
-  // path `many` from `from` rows (every path gives the same bits: only the speed differs)
+  // path `many` from `from` rows (every path gives the same bits: only the speed differs).
+  // norm (the weight of an RMSNorm with `eps`) or glu (x is [gate | up], SwiGLU) prepare each
+  // row first; residual [M, N] is added last (cpu_fused.h)
   if (isa > 15) isa = x.dim() == 2 && x.size(0) >= (isa >> 8) ? (isa >> 4) & 15 : isa & 15;
   const bool kq = group == 256;         // a K-quant's super-blocks, read as stored
   TORCH_CHECK(kq ? (bits >= 4 && bits <= 6) : (bits == 4 || bits == 8),
@@ -629,7 +646,10 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == unit,
               "linear_q: x [M, K] and w [N / 16, K / group, ", unit, "] uint8 expected",
               kq ? " (K-quant super-blocks: 16 x the file's bytes a block)" : "");
-  TORCH_CHECK(x.size(1) == w.size(1) * group && x.size(1) % XB == 0, "linear_q: x's K does not match the weight's");
+  const bool normed = norm.has_value() && norm->defined(), added = residual.has_value() && residual->defined();
+  TORCH_CHECK(!(normed && glu), "linear_q: a norm or a gated activation before the product, not both");
+  TORCH_CHECK(x.size(1) == w.size(1) * group * (glu ? 2 : 1) && w.size(1) * group % XB == 0,
+              "linear_q: x's K does not match the weight's", glu ? " (twice it: [gate | up])" : "");
   TORCH_CHECK(kq ? scales.numel() == 0 :
               scales.dim() == 4 && scales.size(0) == w.size(0) && scales.size(1) == w.size(1) && scales.size(2) == 2 &&
               scales.size(3) == COLS, "linear_q: scales [N / 16, K / group, 2, 16] expected (none for a K-quant)");
@@ -637,29 +657,57 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   TORCH_CHECK(isa >= SCALAR && isa <= AVX512VL_VNNI, "linear_q: isa 0 scalar, 1 avx2, 2 avx512 (VNNI), 3 avx_vnni, 4 avx512vl_vnni");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_q: fp32 or bf16 activations");
   if (kq) group = bits == 6 ? 16 : 32;  // the activations' sums go by the scales' groups
-  const int64_t M = x.size(0), K = x.size(1), tiles = w.size(0), N = tiles * COLS, groups = K / group;
+  const int64_t M = x.size(0), Kin = x.size(1), K = glu ? Kin / 2 : Kin, tiles = w.size(0), N = tiles * COLS,
+                groups = K / group;
   // bf16 in and out without a torch conversion per call (a decode step makes 121 of these calls)
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = scales.contiguous();
+  TORCH_CHECK(!normed || (norm->dim() == 1 && norm->size(0) == K), "linear_q: the norm's weight is [K]");
+  TORCH_CHECK(!added || (residual->dim() == 2 && residual->size(0) == M && residual->size(1) == N &&
+                         residual->scalar_type() == x.scalar_type()),
+              "linear_q: the residual is [M, N] in x's dtype");
+  TORCH_CHECK(!normed || norm->scalar_type() == x.scalar_type(), "linear_q: the norm's weight is in x's dtype");
+  const at::Tensor rc = added ? residual->contiguous() : at::Tensor();
   // per-call buffers, kept by the calling thread: a decode step makes 121 calls
   static thread_local std::vector<int8_t> xq, xq4;
-  static thread_local std::vector<float> sx, sxs, widened, accumulated;
+  static thread_local std::vector<float> sx, sxs, widened, prepared, accumulated;
   static thread_local std::vector<int32_t> xsum;
   xq.resize(M * K);
   sx.resize(M * (K / XB));
   sxs.resize(M * groups);
   xsum.resize(M * groups);
-  widened.resize(bf16 ? K : 0);
-  accumulated.resize(bf16 ? M * N : 0);
+  widened.resize(bf16 ? Kin : 0);
+  prepared.resize(normed || glu ? K : 0);
+  static thread_local std::vector<float> norm_weight;
+  if (normed) {                     // the norm's weight as floats, once a call
+    const at::Tensor nc = norm->contiguous();
+    norm_weight.resize(K);
+    if (bf16) {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(nc.data_ptr<at::BFloat16>());
+      if (isa == SCALAR) for (int64_t k = 0; k < K; ++k) norm_weight[k] = bf16_to_float(h[k]);
+      else widen_bf16_avx2(h, norm_weight.data(), K);
+    } else {
+      std::memcpy(norm_weight.data(), nc.data_ptr<float>(), K * sizeof(float));
+    }
+  }
+  accumulated.resize(bf16 || added ? M * N : 0);
   for (int64_t i = 0; i < M; ++i) {
     const float* xr;
     if (bf16) {
-      const uint16_t* h = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) + i * K;
-      if (isa == SCALAR) for (int64_t k = 0; k < K; ++k) widened[k] = bf16_to_float(h[k]);     // exact
-      else widen_bf16_avx2(h, widened.data(), K);       // every other path runs on an AVX2 CPU
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) + i * Kin;
+      if (isa == SCALAR) for (int64_t k = 0; k < Kin; ++k) widened[k] = bf16_to_float(h[k]);     // exact
+      else widen_bf16_avx2(h, widened.data(), Kin);       // every other path runs on an AVX2 CPU
       xr = widened.data();
     } else {
-      xr = xc.data_ptr<float>() + i * K;
+      xr = xc.data_ptr<float>() + i * Kin;
+    }
+    if (normed) {
+      (isa == SCALAR ? workbench_fused::rms_norm_row_scalar : workbench_fused::rms_norm_row_avx2)(xr, norm_weight.data(), K, static_cast<float>(eps), bf16, prepared.data());
+      xr = prepared.data();
+    } else if (glu) {
+      (isa == SCALAR ? workbench_fused::silu_mul_row_scalar : workbench_fused::silu_mul_row_avx2)(
+          xr, xr + K, K, bf16, prepared.data());
+      xr = prepared.data();
     }
     (isa == AVX512 ? quantize_row_avx512 : isa == SCALAR ? quantize_row_scalar : quantize_row_avx2)(
         xr, K, group, xq.data() + i * K, sx.data() + i * (K / XB), sxs.data() + i * groups, xsum.data() + i * groups);
@@ -669,7 +717,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   if (by4) interleave4(xq.data(), M, K, xq4.data());
   const Rows rows{xq.data(), sx.data(), sxs.data(), xsum.data(), K, group, xq4.data()};
   at::Tensor out = at::empty({M, N}, x.options());
-  float* yp = bf16 ? accumulated.data() : out.data_ptr<float>();
+  float* yp = bf16 || added ? accumulated.data() : out.data_ptr<float>();
   const Weight base{wc.data_ptr<uint8_t>(), kq ? nullptr : sc.data_ptr(), w.size(1) * unit, kq ? 0 : groups * 2 * COLS};
   // the bias is added in fp32, then the sum is rounded once to bf16 (to nearest even); each
   // thread finishes its own columns as soon as its tiles are done (no second parallel region)
@@ -677,6 +725,9 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   const at::Tensor b = biased ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = biased ? b.data_ptr<float>() : nullptr;
   uint16_t* op = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+  float* of = bf16 ? nullptr : out.data_ptr<float>();
+  const uint16_t* rb = added && bf16 ? reinterpret_cast<const uint16_t*>(rc.data_ptr<at::BFloat16>()) : nullptr;
+  const float* rf = added && !bf16 ? rc.data_ptr<float>() : nullptr;
   if (M > 0) {
     // grain: two tiles, so the AVX-512 path keeps its 32-column pairs
     at::parallel_for(0, tiles, 2, [&](int64_t t0, int64_t t1) {
@@ -692,17 +743,21 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
         half ? run_tiles<8, at::Half>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N)
              : run_tiles<8, float>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N);
       }
-      if (!biased && !bf16) return;
+      if (!biased && !bf16 && !added) return;
       const int64_t n0 = t0 * COLS, n1 = t1 * COLS;
       for (int64_t i = 0; i < M; ++i) {
         if (bf16 && isa != SCALAR) {
-          narrow_bf16_avx2(yp + i * N + n0, biased ? bp + n0 : nullptr, op + i * N + n0, n1 - n0);
+          narrow_bf16_avx2(yp + i * N + n0, biased ? bp + n0 : nullptr, rb ? rb + i * N + n0 : nullptr,
+                           op + i * N + n0, n1 - n0);
           continue;
         }
         for (int64_t n = n0; n < n1; ++n) {
-          const float v = biased ? yp[i * N + n] + bp[n] : yp[i * N + n];
-          if (bf16) op[i * N + n] = float_to_bf16(v);
-          else yp[i * N + n] = v;
+          if (bf16) {
+            op[i * N + n] = finish_bf16(yp[i * N + n], bp, rb ? rb + i * N : nullptr, n);
+          } else {
+            const float v = biased ? yp[i * N + n] + bp[n] : yp[i * N + n];
+            of[i * N + n] = rf ? rf[i * N + n] + v : v;
+          }
         }
       }
     });
@@ -760,22 +815,26 @@ void use_weights(int64_t key, int64_t isa) {
   in_use = InUse{found->second, key, isa};
 }
 
-at::Tensor linear_at(const at::Tensor& x, int64_t index, int64_t out_features, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear_at(const at::Tensor& x, int64_t index, int64_t out_features, const c10::optional<at::Tensor>& bias,
+                     const c10::optional<at::Tensor>& norm, double eps, bool glu,
+                     const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(in_use.weights != nullptr, "linear_at: no model's weights in use on this thread (use_weights)");
   TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(in_use.weights->size()), "linear_at: no weight ", index);
   const Registered& r = (*in_use.weights)[index];
   TORCH_CHECK(r.w.size(0) * COLS == out_features, "linear_at: weight ", index, " has another width");
-  return linear_q(x, r.w, r.scales, bias, r.bits, r.group, in_use.isa);
+  return linear_q(x, r.w, r.scales, bias, r.bits, r.group, in_use.isa, norm, eps, glu, residual);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
-  m.def("linear_q(Tensor x, Tensor w, Tensor scales, Tensor? bias, int bits, int group, int isa) -> Tensor");
+  m.def("linear_q(Tensor x, Tensor w, Tensor scales, Tensor? bias, int bits, int group, int isa, Tensor? norm=None, "
+        "float eps=0., bool glu=False, Tensor? residual=None) -> Tensor");
   m.def("register_weights(Tensor[] w, Tensor[] scales, int[] bits, int[] groups) -> int");
   m.def("forget_weights(int key) -> ()");
   m.def("use_weights(int key, int isa) -> ()");
-  m.def("linear_at(Tensor x, int index, int out_features, Tensor? bias) -> Tensor");
+  m.def("linear_at(Tensor x, int index, int out_features, Tensor? bias, Tensor? norm=None, float eps=0., "
+        "bool glu=False, Tensor? residual=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {

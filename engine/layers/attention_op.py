@@ -102,19 +102,29 @@ def graph_pass(kv: KVCache, meta: AttentionMetadata, native: bool = True) -> Gra
                      extra_start=extra_start, extra_keys=extra_keys, **pool_args(kv, meta.mode, native))
 
 
+def rotates(graph: GraphPass) -> bool:
+    """Whether the graph's attention applies RoPE itself (`paged_attention`'s rope): our C++ op
+    rotates q and k as it stores and reads them (no kernel of the graph's between the linears)."""
+    return graph.native and not graph.uniform
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, graph: GraphPass, layer: int, scale: float,
-                    window: int, sinks: torch.Tensor | None) -> torch.Tensor:
+                    window: int, sinks: torch.Tensor | None,
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The graph's attention call for `layer` (0-based in the pool; window 0: none; sinks [H_q]
     or None): q, k, v [N, H, D] -> [N, H_q, D], the new K/V stored. The Triton kernels' op for a
-    uniform pass, our C++ op where it serves, else the Python op (picked when the graph is traced)."""
+    uniform pass, our C++ op where it serves, else the Python op (picked when the graph is traced).
+    `rope` (each row's cos and sin [N, 1, D], only where `rotates`): q and k are rotated first."""
     g = graph
+    if rope is not None and not rotates(g):
+        raise ValueError("paged_attention: only our C++ op rotates q and k (attention_op.rotates)")
     if g.uniform:
         return kernels_op(q, k, v, g.k_pool, g.v_pool, g.k_scale, g.v_scale, g.slots, g.tables, g.prefix, layer, scale,
                           window, sinks, g.uniform)
     if g.native:
         return torch.ops.workbench_cpu.attend_layer.default(
             q, k, v, g.k_pool, g.v_pool, g.k_scale, g.v_scale, g.slots, g.tables, g.row_seq, g.prefix, g.extra_start,
-            g.extra_keys, layer, scale, window, sinks, g.isa)
+            g.extra_keys, layer, scale, window, sinks, g.isa, *(rope or (None, None)))
     return python_op(q, k, v, g.k_pool, g.v_pool, g.k_scale, g.v_scale, *g.tensors(), layer, scale, window, sinks,
                      g.mode, g.rotated)
 

@@ -295,8 +295,16 @@ def _torch_weight(kind: str, w: torch.Tensor, dtype: torch.dtype) -> QuantizedWe
     return QuantizedWeight(INT8, q.contiguous(), scale.to(dtype), tuple(w.shape), 0, TORCH, dtype)
 
 
-def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, in] -> [M, out]."""
+def fuses(qw) -> bool:
+    """Whether `linear` and `graph_linear` take a cpu_quant.Fused for `qw` (our kernel, whole)."""
+    return getattr(qw, "kernel", None) == OURS
+
+
+def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
+           fused: cpu_quant.Fused = cpu_quant.NOTHING_FUSED) -> torch.Tensor:
+    """x [M, in] -> [M, out] (`fused`: what our kernel folds around the product, where `fuses`)."""
+    if fused is not cpu_quant.NOTHING_FUSED:
+        return cpu_quant.linear(x, qw.data, qw.scales, bias, BITS[qw.kind], fused)
     if isinstance(qw, StackedWeight):
         y = torch.cat([linear(x, part, None) for part in qw.parts], dim=-1)
         return y if bias is None else y + bias
@@ -309,9 +317,12 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> t
     return y if bias is None else y + bias
 
 
-def graph_linear(x: torch.Tensor, qw, indices: tuple[int, ...], bias: torch.Tensor | None) -> torch.Tensor:
+def graph_linear(x: torch.Tensor, qw, indices: tuple[int, ...], bias: torch.Tensor | None,
+                 fused: cpu_quant.Fused = cpu_quant.NOTHING_FUSED) -> torch.Tensor:
     """`linear` inside a compiled graph, for a weight registered by register_graph_weights (its
     parts' `indices`): the graph names each part by index, never reads its tensors."""
+    if fused is not cpu_quant.NOTHING_FUSED:
+        return cpu_quant.linear_at(x, indices[0], qw.shape[0], bias, fused)
     parts = getattr(qw, "parts", [qw])
     ys = [cpu_quant.linear_at(x, index, part.shape[0], None if len(parts) > 1 else bias)
           for part, index in zip(parts, indices)]

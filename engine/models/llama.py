@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.cache.kv_cache import CacheShape, KVCache
 from engine.errors import UnsupportedModelError
+from engine.kernels import cpu_decoder, cpu_quant
 from engine.layers import attention_op, packed_linear, quantized_linear
 from engine.layers.attention import AttentionMetadata, attention
 from engine.models.gemma import (GEMMA_MODEL_TYPES, check_supported, embedding_scale, is_gemma, sandwich_norms,
@@ -25,6 +26,7 @@ from engine.models.moe import MOE_MODEL_TYPES, SparseMoE, is_sparse_layer
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + GEMMA_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES
+FUSED_DTYPES = (torch.float32, torch.bfloat16)      # activations our kernel folds a norm, gate or residual for
 
 
 class Linear(nn.Module):
@@ -49,19 +51,47 @@ class Linear(nn.Module):
         self.quant: quantized_linear.QuantizedWeight | None = None
         self.quant_indices: tuple[int, ...] = ()   # its parts' indices for compiled graphs (register_graph_weights)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: "RMSNorm | None" = None, gate: Callable | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`norm` applied to x first, or `gate` (an activation: x is [gate | up], the product's input
+        gate(gate) * up); `residual` added to the product. Our quantized kernel folds them into
+        its call where it can (cpu_fused.h: a decode step's layer is then its linears and its
+        attention, no kernel between them); elsewhere they run as the modules they are."""
+        fused = self._fused(x, norm, gate, residual)
+        if fused is None:
+            if norm is not None:
+                x = norm(x)
+            if gate is not None:
+                g, up = x.chunk(2, dim=-1)
+                x = gate(g) * up
+            y = self._product(x, cpu_quant.NOTHING_FUSED)
+            return y if residual is None else residual + y
+        return self._product(x, fused)
+
+    def _fused(self, x, norm, gate, residual) -> "cpu_quant.Fused | None":
+        """What our kernel folds around this product (None: it cannot, the modules run)."""
+        if norm is None and gate is None and residual is None:
+            return cpu_quant.NOTHING_FUSED
+        if (not quantized_linear.fuses(self.quant) or x.device.type != "cpu" or x.dtype not in FUSED_DTYPES
+                or (norm is not None and not norm.foldable(x.dtype)) or (gate is not None and gate is not F.silu)
+                or (residual is not None and residual.dtype != x.dtype)):
+            return None
+        return cpu_quant.Fused(None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
+                               gate is not None, None if residual is None else residual.reshape(-1, self.weight.shape[0]))
+
+    def _product(self, x: torch.Tensor, fused: "cpu_quant.Fused") -> torch.Tensor:
         if torch.compiler.is_compiling() and (self.quant_indices or (self.quant is None and self.pack_index >= 0)):
             # a graph names its weight by index, tested first: a graph that looked at the weight's
             # tensors would guard each at every call (121 tensor guards, 0.5-0.7 ms a step)
             x2 = x.reshape(-1, x.shape[-1])
-            y = (quantized_linear.graph_linear(x2, self.quant, self.quant_indices, self.bias) if self.quant_indices
-                 else packed_linear.packed_linear(x2, self.pack_index, self.weight.shape[0], self.bias))
+            y = (quantized_linear.graph_linear(x2, self.quant, self.quant_indices, self.bias, fused)
+                 if self.quant_indices else packed_linear.packed_linear(x2, self.pack_index, self.weight.shape[0], self.bias))
             return y.view(*x.shape[:-1], y.shape[-1])
         if self.quant is None and self.packed is None and not self._cpu_inference(x):
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, x.shape[-1])
         if self.quant is not None:
-            y = quantized_linear.linear(x2, self.quant, self.bias)
+            y = quantized_linear.linear(x2, self.quant, self.bias, fused)
         elif self.packed is None:       # oneDNN re-lays the weight out (or torch's matmul, see there)
             y = packed_linear.linear(x2, self.weight, self.bias)
         else:
@@ -128,6 +158,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight_in_fp32 = weight_in_fp32      # gpt-oss, Gemma: the weight multiplies before the cast back
         self.unit_offset = unit_offset            # Gemma: by (1 + w), in fp32
+
+    def foldable(self, dtype: torch.dtype) -> bool:
+        """Whether our quantized kernel can apply this norm to its input rows (Llama's, in x's dtype)."""
+        return not self.unit_offset and not self.weight_in_fp32 and self.weight.dtype == dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same order of operations as transformers (fp32 variance, cast back before the weight).
@@ -255,22 +289,28 @@ class Attention(nn.Module):
         # gpt-oss: one learned logit per query head in every softmax's denominator
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.model_type == "gpt_oss" else None
 
-    def forward(self, x, cache, meta: AttentionMetadata | None, rope):
+    def forward(self, x, cache, meta: AttentionMetadata | None, rope, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None):
         """cache None: inside the compiled step, attention is its op (engine.layers.attention_op)
-        and meta the pass as the op takes it (attention_op.GraphPass)."""
+        and meta the pass as the op takes it (attention_op.GraphPass). `norm` is applied to x
+        first and `residual` added to the output (Linear.forward folds them where it can)."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, norm=norm).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)              # [N, H_q, D]
         k = k.view(n, self.num_kv_heads, self.head_dim)           # [N, H_kv, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if cache is None and attention_op.rotates(meta) and rope[0].shape[-1] == self.head_dim:
+            # our C++ op rotates q and k itself (no kernel of the graph's between the linears)
+            out = attention_op.paged_attention(q, k, v, meta, self.layer_index, self.scale, self.window, self.sinks, rope)
+            return self.o_proj(out.reshape(n, self.q_size), residual=residual)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is None:
             out = attention_op.paged_attention(q, k, v, meta, self.layer_index, self.scale, self.window, self.sinks)
         else:
             out = attention(q, k, v, cache, meta, self.scale, self.window, self.sinks)      # [N, H_q, D]
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.o_proj(out.reshape(n, self.q_size), residual=residual)
 
 
 # a dense MLP's activation (transformers' names: config.hidden_act, Gemma's hidden_activation)
@@ -295,9 +335,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
         self.act = activation_of(config)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+    def forward(self, x, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
+        """`norm` applied to x first, `residual` added to the output (folded where Linear can)."""
+        return self.down_proj(self.gate_up_proj(x, norm=norm), gate=self.act, residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -320,7 +360,9 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cache, meta, rope))
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        h = h + self.self_attn(self.input_layernorm(h), cache, meta, rope)
+        h = self.self_attn(h, cache, meta, rope, norm=self.input_layernorm, residual=h)
+        if isinstance(self.mlp, MLP):
+            return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -399,12 +441,44 @@ class LlamaFamilyModel(nn.Module):
         """Embedded inputs [N, hidden] at `positions` -> final normed hidden states. kv None: the
         compiled step's graph, meta the pass as its attention op takes it (attention_op.GraphPass)."""
         rope = self.rotary.at(positions, h.dtype)
+        if kv is None and (stack := self.stack_plan(h.dtype, meta, rope)) is not None:
+            return self.norm(cpu_decoder.run(h, stack, meta, rope))       # one op call for every layer
         sliding = rope if self.sliding_rotary is None else self.sliding_rotary.at(positions, h.dtype)
         for layer, kv_index in zip(self.layers, self.kv_index):
             window = getattr(attention_of(layer), "window", 0)
             layer_rope = sliding if window else rope      # a sliding layer's window > 0
             h = layer(h, None if kv is None or kv_index is None else kv.layer(kv_index), meta, layer_rope)
         return self.norm(h)
+
+    def stack_plan(self, dtype: torch.dtype, graph, rope) -> "cpu_decoder.Stack | None":
+        """The decoder_stack op's constants (engine.kernels.cpu_decoder) where a compiled pass can
+        run every layer in one call: plain Llama layers (SwiGLU, no q/k norm, biases, sinks or
+        per-layer RoPE) whose linears our quantized kernel serves whole, and our C++ attention
+        (None: the graph calls each layer's ops)."""
+        if not attention_op.rotates(graph) or self.sliding_rotary is not None or dtype not in FUSED_DTYPES:
+            return None
+        weights, norms, windows = [], [], []
+        for i, layer in enumerate(self.layers):
+            if type(layer) is not DecoderLayer or layer.sandwich or type(layer.mlp) is not MLP or layer.mlp.act is not F.silu:
+                return None
+            a, mlp = layer.self_attn, layer.mlp
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if (a.qk_norm or a.sinks is not None or a.layer_index != i or rope[0].shape[-1] != a.head_dim
+                    or any(len(m.quant_indices) != 1 or m.bias is not None or not quantized_linear.fuses(m.quant)
+                           for m in linears)
+                    or not all(n.foldable(dtype) and n.eps == self.layers[0].input_layernorm.eps
+                               for n in (layer.input_layernorm, layer.post_attention_layernorm))):
+                return None
+            weights += [m.quant_indices[0] for m in linears]
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            windows.append(a.window)
+        if not self.layers:
+            return None
+        a = self.layers[0].self_attn
+        if any(layer.self_attn.scale != a.scale for layer in self.layers):
+            return None
+        return cpu_decoder.Stack(tuple(weights), tuple(norms), self.layers[0].input_layernorm.eps, a.num_heads,
+                                 a.num_kv_heads, a.head_dim, self.layers[0].mlp.inter, tuple(windows), a.scale)
 
     def forward(self, input_ids, kv: KVCache, meta: AttentionMetadata, logits_for: str | int = "last"):
         """Logits for the last token ("last"), all tokens ("all"), or the last n tokens (int)."""

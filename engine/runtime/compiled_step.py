@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import first_line
-from engine.kernels import cpu_quant
+from engine.kernels import cpu_decoder, cpu_quant
 from engine.layers import attention_op, packed_linear, quantized_linear
 from engine.models.llama import logits_rows
 
@@ -225,6 +225,7 @@ class _ModelGraph:
             [m for m in model.modules() if getattr(m, "quant", None) is not None and hasattr(m, "quant_indices")]) if self.on_cpu else None
         if self.weights_key is not None:
             weakref.finalize(model, cpu_quant.forget, self.weights_key)
+            cpu_decoder.register_fake()         # a Llama model's layers may run as one op (LlamaFamilyModel.stack_plan)
         forward = _forward_of(run)
         if not self.on_cpu:
             self.compiled = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
