@@ -149,8 +149,7 @@ def test_the_layers_as_one_op_are_the_per_layer_ops_bit_for_bit(tiny_int4, monke
                 meta = prepare(CPU, positions, slots, [SeqSlice(0, len(rows), table, start + len(rows))], block_size,
                                model.config.num_attention_heads // model.config.num_key_value_heads)
                 graph = attention_op.graph_pass(pool, meta, True)
-                assert isinstance(plan(model, dtype, graph, model.rotary.at(positions, dtype)),
-                                  cpu_decoder.Stack)
+                assert attention_op.rotates(graph) and isinstance(plan(model, dtype), cpu_decoder.Stack)
                 hidden.append(model.decode_layers(model.embed_tokens(torch.tensor(rows)), positions, None, graph))
     finally:
         cpu_quant.forget(key)

@@ -441,7 +441,7 @@ class LlamaFamilyModel(nn.Module):
         """Embedded inputs [N, hidden] at `positions` -> final normed hidden states. kv None: the
         compiled step's graph, meta the pass as its attention op takes it (attention_op.GraphPass)."""
         rope = self.rotary.at(positions, h.dtype)
-        if kv is None and (stack := self.stack_plan(h.dtype, meta, rope)) is not None:
+        if kv is None and attention_op.rotates(meta) and (stack := self.stack_plan(h.dtype)) is not None:
             return self.norm(cpu_decoder.run(h, stack, meta, rope))       # one op call for every layer
         sliding = rope if self.sliding_rotary is None else self.sliding_rotary.at(positions, h.dtype)
         for layer, kv_index in zip(self.layers, self.kv_index):
@@ -450,12 +450,12 @@ class LlamaFamilyModel(nn.Module):
             h = layer(h, None if kv is None or kv_index is None else kv.layer(kv_index), meta, layer_rope)
         return self.norm(h)
 
-    def stack_plan(self, dtype: torch.dtype, graph, rope) -> "cpu_decoder.Stack | None":
-        """The decoder_stack op's constants (engine.kernels.cpu_decoder) where a compiled pass can
-        run every layer in one call: plain Llama layers (SwiGLU, no q/k norm, biases, sinks or
-        per-layer RoPE) whose linears our quantized kernel serves whole, and our C++ attention
-        (None: the graph calls each layer's ops)."""
-        if not attention_op.rotates(graph) or self.sliding_rotary is not None or dtype not in FUSED_DTYPES:
+    def stack_plan(self, dtype: torch.dtype) -> "cpu_decoder.Stack | None":
+        """The decoder_stack op's constants (engine.kernels.cpu_decoder) where a compiled pass whose
+        attention is our C++ op (attention_op.rotates) can run every layer in one call: plain
+        Llama layers (SwiGLU, no q/k norm, biases, sinks or per-layer RoPE) whose linears our
+        quantized kernel serves whole (None: the graph calls each layer's ops)."""
+        if self.sliding_rotary is not None or dtype not in FUSED_DTYPES:
             return None
         weights, norms, windows = [], [], []
         for i, layer in enumerate(self.layers):
@@ -463,7 +463,7 @@ class LlamaFamilyModel(nn.Module):
                 return None
             a, mlp = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if (a.qk_norm or a.sinks is not None or a.layer_index != i or rope[0].shape[-1] != a.head_dim
+            if (a.qk_norm or a.sinks is not None or a.layer_index != i or self.rotary.cos.shape[-1] != a.head_dim
                     or any(len(m.quant_indices) != 1 or m.bias is not None or not quantized_linear.fuses(m.quant)
                            for m in linears)
                     or not all(n.foldable(dtype) and n.eps == self.layers[0].input_layernorm.eps

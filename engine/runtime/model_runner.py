@@ -128,7 +128,9 @@ class ModelRunner:
         refused = cpu_attention.refusal()
         if refused:
             return TORCH, f"torch ({refused})"
-        return CPU, f"ours ({cpu_attention.isa()}), reads the paged cache as stored"
+        stacked = getattr(self.model, "stack_plan", lambda dtype: None)(self.model_dtype) is not None
+        return CPU, (f"ours ({cpu_attention.isa()}), reads the paged cache as stored; "
+                     + ("every layer in one op call (decoder_stack)" if stacked else "one op call a layer"))
 
     def warm_compiled(self) -> float:
         """Run the compiled step once on a scratch one-token sequence, so that it compiles now
