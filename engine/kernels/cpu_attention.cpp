@@ -383,12 +383,6 @@ void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& k, const
   store_rows(widened(v), s.numel(), v_pool.unsqueeze(0), at::Tensor(), 0, s.data_ptr<int64_t>(), kind);
 }
 
-// ---- the compiled step's attention op: one call a layer, every input an argument ----------------
-// The whole pool as bytes (every layer: [L, blocks, BS, H_kv, D * the element's bytes]; its dtype
-// is the element's width: 4 fp32, 2 bf16, 1 FP8 with fp32 scales [L, blocks, BS, H_kv], ignored
-// otherwise), which it writes (the schema says so), the pass's slots and rows, and the layer: it
-// stores the layer's new K/V and attends in one C++ call, keeping nothing between calls. The pool
-// travels as bytes so that one graph serves every KV dtype (the dtype is data, not a guard).
 // RoPE, rotate-half (transformers' Llama), on the first n rows of x [N, H, D] (its last dim
 // contiguous), with each row's cos and sin [N, 1, D] in x's dtype: x * cos + cat(-x2, x1) * sin,
 // each product and the sum rounded to the dtype, as the torch ops round (engine.models.llama.apply_rope).
@@ -426,6 +420,12 @@ at::Tensor rotated(const at::Tensor& x, const at::Tensor& cos, const at::Tensor&
   return out;
 }
 
+// ---- the compiled step's attention op: one call a layer, every input an argument ----------------
+// The whole pool as bytes (every layer: [L, blocks, BS, H_kv, D * the element's bytes]; its dtype
+// is the element's width: 4 fp32, 2 bf16, 1 FP8 with fp32 scales [L, blocks, BS, H_kv], ignored
+// otherwise), which it writes (the schema says so), the pass's slots and rows, and the layer: it
+// stores the layer's new K/V and attends in one C++ call, keeping nothing between calls. The pool
+// travels as bytes so that one graph serves every KV dtype (the dtype is data, not a guard).
 at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_bytes,
                         at::Tensor& v_bytes, const c10::optional<at::Tensor>& k_scale,
                         const c10::optional<at::Tensor>& v_scale, const at::Tensor& slots, const at::Tensor& tables,

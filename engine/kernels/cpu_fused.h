@@ -39,7 +39,16 @@ inline void rms_norm_row_scalar(const float* x, const float* w, int64_t K, float
   for (int64_t k = 0; k < K; ++k) out[k] = round_to(w[k] * round_to(x[k] * r, bf16), bf16);
 }
 
-__attribute__((target("avx2"))) inline __m256 round8_bf16(__m256 v);
+// bf16 rounding of 8 floats, as float_to_bf16 (nearest even, NaN kept), back to float
+__attribute__((target("avx2"))) inline __m256 round8_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  const __m256i kept = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+  const __m256i top = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_blendv_epi8(rounded, kept, nan), top));
+}
 
 __attribute__((target("avx2")))
 inline void rms_norm_row_avx2(const float* x, const float* w, int64_t K, float eps, bool bf16, float* out) {
@@ -102,17 +111,6 @@ inline void silu_mul_row_scalar(const float* gate, const float* up, int64_t K, b
     const float s = round_to(gate[k] / (1.0f + exp_scalar(-gate[k])), bf16);
     out[k] = round_to(s * up[k], bf16);
   }
-}
-
-// bf16 rounding of 8 floats, as float_to_bf16 (nearest even, NaN kept), back to float
-__attribute__((target("avx2"))) inline __m256 round8_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-  const __m256i kept = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
-  const __m256i top = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
-  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_blendv_epi8(rounded, kept, nan), top));
 }
 
 __attribute__((target("avx2,fma")))

@@ -38,6 +38,8 @@ NEEDS = {"scalar": (), "avx2": ("avx2", "fma", "f16c"), "avx_vnni": ("avx2", "fm
 OFFSET8 = 128                   # an 8-bit q is stored as u = q + 128
 KQUANT_BLOCK_BYTES = {4: 144, 5: 176, 6: 210}   # Q4_K, Q5_K, Q6_K: a file's bytes per super-block and row
 _chosen: dict[str, str] = {}
+_measured: dict[str, cpu_quant_paths.Plan] = {}     # the measured plan, once per process
+_codes: dict[tuple, int] = {}                       # code() per state of the two above
 
 
 class Fused(NamedTuple):
@@ -50,8 +52,6 @@ class Fused(NamedTuple):
 
 
 NOTHING_FUSED = Fused()
-_measured: dict[str, cpu_quant_paths.Plan] = {}     # the measured plan, once per process
-_codes: dict[tuple, int] = {}                       # code() per state of the two above
 
 
 @functools.cache

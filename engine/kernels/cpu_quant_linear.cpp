@@ -190,12 +190,7 @@ __attribute__((target("avx2"))) inline __m256i narrow8_bf16(const float* y, cons
     const __m256i r = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(res))), 16);
     v = _mm256_add_ps(workbench_fused::round8_bf16(v), _mm256_castsi256_ps(r));
   }
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-  const __m256i kept = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));      // NaN stays NaN
-  return _mm256_blendv_epi8(rounded, kept, nan);
+  return _mm256_srli_epi32(_mm256_castps_si256(workbench_fused::round8_bf16(v)), 16);
 }
 
 // out[n] = bf16(y[n] (+ bias[n])): the sum in fp32, then rounded once to nearest even; with a
@@ -670,7 +665,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   const at::Tensor rc = added ? residual->contiguous() : at::Tensor();
   // per-call buffers, kept by the calling thread: a decode step makes 121 calls
   static thread_local std::vector<int8_t> xq, xq4;
-  static thread_local std::vector<float> sx, sxs, widened, prepared, accumulated;
+  static thread_local std::vector<float> sx, sxs, widened, prepared, norm_weight, accumulated;
   static thread_local std::vector<int32_t> xsum;
   xq.resize(M * K);
   sx.resize(M * (K / XB));
@@ -678,7 +673,6 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   xsum.resize(M * groups);
   widened.resize(bf16 ? Kin : 0);
   prepared.resize(normed || glu ? K : 0);
-  static thread_local std::vector<float> norm_weight;
   if (normed) {                     // the norm's weight as floats, once a call
     const at::Tensor nc = norm->contiguous();
     norm_weight.resize(K);
@@ -690,7 +684,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
       std::memcpy(norm_weight.data(), nc.data_ptr<float>(), K * sizeof(float));
     }
   }
-  accumulated.resize(bf16 || added ? M * N : 0);
+  accumulated.resize(bf16 ? M * N : 0);
   for (int64_t i = 0; i < M; ++i) {
     const float* xr;
     if (bf16) {
@@ -717,7 +711,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   if (by4) interleave4(xq.data(), M, K, xq4.data());
   const Rows rows{xq.data(), sx.data(), sxs.data(), xsum.data(), K, group, xq4.data()};
   at::Tensor out = at::empty({M, N}, x.options());
-  float* yp = bf16 || added ? accumulated.data() : out.data_ptr<float>();
+  float* yp = bf16 ? accumulated.data() : out.data_ptr<float>();
   const Weight base{wc.data_ptr<uint8_t>(), kq ? nullptr : sc.data_ptr(), w.size(1) * unit, kq ? 0 : groups * 2 * COLS};
   // the bias is added in fp32, then the sum is rounded once to bf16 (to nearest even); each
   // thread finishes its own columns as soon as its tiles are done (no second parallel region)
@@ -725,7 +719,6 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   const at::Tensor b = biased ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = biased ? b.data_ptr<float>() : nullptr;
   uint16_t* op = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
-  float* of = bf16 ? nullptr : out.data_ptr<float>();
   const uint16_t* rb = added && bf16 ? reinterpret_cast<const uint16_t*>(rc.data_ptr<at::BFloat16>()) : nullptr;
   const float* rf = added && !bf16 ? rc.data_ptr<float>() : nullptr;
   if (M > 0) {
@@ -756,7 +749,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
             op[i * N + n] = finish_bf16(yp[i * N + n], bp, rb ? rb + i * N : nullptr, n);
           } else {
             const float v = biased ? yp[i * N + n] + bp[n] : yp[i * N + n];
-            of[i * N + n] = rf ? rf[i * N + n] + v : v;
+            yp[i * N + n] = rf ? rf[i * N + n] + v : v;       // fp32: y is the output already
           }
         }
       }

@@ -27,6 +27,7 @@ from engine.models.moe import MOE_MODEL_TYPES, SparseMoE, is_sparse_layer
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + GEMMA_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES
 FUSED_DTYPES = (torch.float32, torch.bfloat16)      # activations our kernel folds a norm, gate or residual for
+FUSED_GATE = F.silu                                 # the gate's activation it folds (SwiGLU)
 
 
 class Linear(nn.Module):
@@ -73,7 +74,7 @@ class Linear(nn.Module):
         if norm is None and gate is None and residual is None:
             return cpu_quant.NOTHING_FUSED
         if (not quantized_linear.fuses(self.quant) or x.device.type != "cpu" or x.dtype not in FUSED_DTYPES
-                or (norm is not None and not norm.foldable(x.dtype)) or (gate is not None and gate is not F.silu)
+                or (norm is not None and not norm.foldable(x.dtype)) or (gate is not None and gate is not FUSED_GATE)
                 or (residual is not None and residual.dtype != x.dtype)):
             return None
         return cpu_quant.Fused(None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
@@ -301,13 +302,13 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cache is None and attention_op.rotates(meta) and rope[0].shape[-1] == self.head_dim:
-            # our C++ op rotates q and k itself (no kernel of the graph's between the linears)
-            out = attention_op.paged_attention(q, k, v, meta, self.layer_index, self.scale, self.window, self.sinks, rope)
-            return self.o_proj(out.reshape(n, self.q_size), residual=residual)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        # our C++ op rotates q and k itself (no kernel of the graph's between the linears)
+        folded = cache is None and attention_op.rotates(meta) and rope[0].shape[-1] == self.head_dim
+        if not folded:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is None:
-            out = attention_op.paged_attention(q, k, v, meta, self.layer_index, self.scale, self.window, self.sinks)
+            out = attention_op.paged_attention(q, k, v, meta, self.layer_index, self.scale, self.window, self.sinks,
+                                               rope if folded else None)
         else:
             out = attention(q, k, v, cache, meta, self.scale, self.window, self.sinks)      # [N, H_q, D]
         return self.o_proj(out.reshape(n, self.q_size), residual=residual)
@@ -459,7 +460,7 @@ class LlamaFamilyModel(nn.Module):
             return None
         weights, norms, windows = [], [], []
         for i, layer in enumerate(self.layers):
-            if type(layer) is not DecoderLayer or layer.sandwich or type(layer.mlp) is not MLP or layer.mlp.act is not F.silu:
+            if type(layer) is not DecoderLayer or layer.sandwich or type(layer.mlp) is not MLP or layer.mlp.act is not FUSED_GATE:
                 return None
             a, mlp = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
