@@ -24,7 +24,8 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
     draft = settings.get("draft_model")
     lines = [
         f"<b>KV cache</b>: {escape(str(settings.get('kv_cache_dtype')))}, block {settings.get('block_size')}, "
-        f"{settings.get('kv_pool_blocks')} blocks",
+        f"{settings.get('kv_pool_blocks')} blocks"
+        + (f" <i>({escape(settings['kv_cache_why'])})</i>" if settings.get("kv_cache_why") else ""),
         f"<b>Prefix cache</b>: {'on' if settings.get('enable_prefix_caching') else 'off'}",
         f"<b>Speculation</b>: {speculation}",
         f"<b>Draft model</b>: {escape(_short(draft)) if draft else 'none'}",

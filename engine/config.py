@@ -181,9 +181,12 @@ SETTINGS: tuple[Setting, ...] = (
             "dropped first (0: only the request's own text)"),
     # ---- KV cache ----
     Setting("kv_cache_dtype", str, "auto", ENGINE, NEXT_REQUEST, "Cache dtype",
-            choices={"auto": "Model dtype (auto)", "fp8_e4m3": "FP8 E4M3",
+            choices={"auto": "Model dtype (auto)", "fp8_when_short": "FP8 E4M3 when the pool runs short",
+                     "fp8_e4m3": "FP8 E4M3",
                      "fp8_e4m3_hadamard": "FP8 E4M3, Hadamard-rotated", "bfloat16": "bfloat16",
-                     "float16": "float16", "float32": "float32"}, group=CACHE_GROUP, rebuilds_pool=True),
+                     "float16": "float16", "float32": "float32"}, group=CACHE_GROUP, rebuilds_pool=True,
+            help="FP8 when short: the model's dtype until the pool in it holds less than one full context, "
+            "or a request is preempted for want of blocks; then FP8 (half the bytes or less), rebuilt when idle"),
     Setting("block_size", int, 16, ENGINE, NEXT_REQUEST, "Block size", choices={b: str(b) for b in BLOCK_SIZES},
             help="tokens per KV block; prefix caching reuses whole blocks", group=CACHE_GROUP, rebuilds_pool=True),
     Setting("enable_prefix_caching", bool, True, ENGINE, LIVE, "Prefix caching", group=CACHE_GROUP),

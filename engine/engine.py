@@ -25,6 +25,7 @@ from typing import Iterator
 import torch
 
 from engine.backend import ReconfigureResult, run_to_end
+from engine.cache.kv_cache import FP8_WHEN_SHORT
 from engine.cache.memory_plan import MemoryPlan, expert_bytes, moe_blocks, plan_memory
 from engine.config import (BY_KEY, ENGINE, LIVE, NEXT_REQUEST, SCHEDULER_DEFAULTS, SETTINGS, EngineConfig,
                            SamplingParams, keys, parse_tree)
@@ -33,7 +34,7 @@ from engine.loading import loader
 from engine.metrics import EngineStep, RequestStats, StepEvent, pass_figures
 from engine.models.gemma4 import is_gemma4
 from engine.models.gemma4_assistant import Gemma4Assistant, is_assistant_folder, load_assistant
-from engine.request import Request
+from engine.request import HiddenSink, Request
 from engine.runtime import cpu_paths
 from engine.runtime.cpu_dtype import STEP_DTYPE_CACHE, DtypeTrial, fastest, fastest_step
 from engine.runtime.model_runner import ModelRunner, PassItem, prepare_model
@@ -87,8 +88,11 @@ class LLMEngine:
         # what one decode step reads (an MoE model: its dense part and each layer's top_k experts)
         self.weight_bytes_per_token = weight_bytes_per_token(target.model)
         self._moe_blocks = moe_blocks(target.model)
-        self.plan: MemoryPlan = plan_memory(config, device, target.model)
-        self.runner = ModelRunner(target, config, device, num_blocks=self.plan.num_blocks, progress=progress,
+        self.pool_short: str | None = None      # why the pool counts as short (kv_cache_dtype fp8_when_short)
+        self._short_rebuild = False             # it ran short mid-run: rebuild it in FP8 when idle
+        pool_config = self.pool_config(None)
+        self.plan: MemoryPlan = plan_memory(pool_config, device, target.model)
+        self.runner = ModelRunner(target, pool_config, device, num_blocks=self.plan.num_blocks, progress=progress,
                                   on_settings_changed=self._settings_changed,
                                   num_snapshots=self.plan.prefix_snapshots)
         self.draft_runner: ModelRunner | None = None
@@ -99,6 +103,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.step_count = 0
         self.last_step: EngineStep | None = None
+        # Every pass's final hidden states, as the proposers get them (engine.request.HiddenSink):
+        # the EAGLE head's training data is the engine's own features (engine.training.served_data).
+        self.hidden_sink: HiddenSink | None = None
         self.settings_version = 0      # bumped whenever settings() may answer differently
         self._pending: dict = {}
         self.eos_ids = _eos_ids(target)
@@ -164,17 +171,49 @@ class LLMEngine:
             runner.release_cache()
         if draft is not None:
             prepare_model(draft.model, self.device)
-        plan = plan_memory(self.config, self.device, self.target_model.model, draft.model if draft else None)
-        self.runner.build_cache(self.config, plan.num_blocks, plan.prefix_snapshots)
+        config = self.pool_config(draft)
+        plan = plan_memory(config, self.device, self.target_model.model, draft.model if draft else None)
+        self.runner.build_cache(config, plan.num_blocks, plan.prefix_snapshots)
         self.settings_version += 1
         if draft is None:
             self.draft_runner = None
         elif self.draft_runner is not None and self.draft_runner.loaded is draft:
-            self.draft_runner.build_cache(self.config, plan.num_blocks)
+            self.draft_runner.build_cache(config, plan.num_blocks)
         else:
-            self.draft_runner = ModelRunner(draft, self.config, self.device, num_blocks=plan.num_blocks,
+            self.draft_runner = ModelRunner(draft, config, self.device, num_blocks=plan.num_blocks,
                                             progress=self.progress, on_settings_changed=self._settings_changed)
         self.plan = plan
+
+    def pool_config(self, draft: loader.LoadedModel | None) -> EngineConfig:
+        """The config the pools are built with: kv_cache_dtype fp8_when_short is the model's dtype
+        until the pool runs short (pool_short says why: the pool in that dtype holds less than
+        one full context, or a request was preempted for want of blocks), then fp8_e4m3."""
+        c = self.config
+        if c.kv_cache_dtype != FP8_WHEN_SHORT:
+            return c
+        if self.pool_short is None:
+            plan = plan_memory(c, self.device, self.target_model.model, draft.model if draft else None)
+            tokens = plan.num_blocks * c.block_size
+            if tokens < self.max_model_len:
+                self.pool_short = (f"the pool in the model's dtype holds {tokens} tokens, less than one full "
+                                   f"context ({self.max_model_len})")
+        return c.with_changes(kv_cache_dtype="fp8_e4m3") if self.pool_short else c
+
+    def _note_preemptions(self, plan: StepPlan) -> None:
+        """Under fp8_when_short, a step that preempted a request for want of blocks makes the pool
+        short: it is rebuilt in FP8 once nothing runs."""
+        if plan.preempted and self.config.kv_cache_dtype == FP8_WHEN_SHORT and self.pool_short is None:
+            self.pool_short = (f"{len(plan.preempted)} request{'s' if len(plan.preempted) > 1 else ''} preempted "
+                               f"for want of blocks at step {self.step_count}")
+            self._short_rebuild = True
+
+    def kv_cache_why(self) -> str | None:
+        """Why the cache is in the dtype it is, where that was the engine's choice (fp8_when_short)."""
+        if self.config.kv_cache_dtype != FP8_WHEN_SHORT:
+            return None
+        if self.pool_short is None:
+            return "the model's dtype: the pool has not run short"
+        return f"FP8 since {self.pool_short}" + (" (rebuilt when nothing runs)" if self._short_rebuild else "")
 
     def _draft(self) -> loader.LoadedModel | None:
         return self.draft_runner.loaded if self.draft_runner is not None else None
@@ -237,12 +276,16 @@ class LLMEngine:
         now = {k: v for k, v in self._pending.items() if not live_only or BY_KEY[k].applies == LIVE}
         for k in now:
             del self._pending[k]
-        if not now:
+        short = self._short_rebuild and not live_only
+        if not now and not short:
             return
         self.settings_version += 1
         draft = now.pop("draft_model", self.draft_name)
         old, self.config = self.config, self.config.with_changes(**now)
-        if any(getattr(old, k) != getattr(self.config, k) for k in POOL_SETTINGS):
+        if old.kv_cache_dtype != self.config.kv_cache_dtype:
+            self.pool_short = None                  # fp8_when_short chosen again starts in the model's dtype
+        self._short_rebuild = False
+        if short or any(getattr(old, k) != getattr(self.config, k) for k in POOL_SETTINGS):
             self._rebuild_pools_or_revert(old)
         for runner in self.runners():
             runner.set_prefix_caching(self.config.enable_prefix_caching)
@@ -265,7 +308,7 @@ class LLMEngine:
     def settings(self) -> dict:
         """The settings in effect (what the UI shows)."""
         c, auto, spec = self.config, self.config.proposer == "auto", self.speculator
-        return {"kv_cache_dtype": self.runner.kv_dtype_name, "block_size": c.block_size,
+        return {"kv_cache_dtype": self.runner.kv_dtype_name, "kv_cache_why": self.kv_cache_why(), "block_size": c.block_size,
                 "enable_prefix_caching": c.enable_prefix_caching, "prefix_caching": self.runner.prefix_state,
                 "proposer": "auto" if auto else spec.proposer_in_effect(),
                 "proposer_choice": spec.describe_choice() if auto else None,
@@ -391,6 +434,7 @@ class LLMEngine:
         if not self.scheduler.has_work:
             return events
         plan = self._schedule()
+        self._note_preemptions(plan)
         work = self._prepare_pass(plan)
         done = self._forward(work)
         settled = self._settle(work, done)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -33,6 +33,11 @@ from engine.speculative.tree import TreeShape, Verdict, greedy_verify, sample_ve
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
+HiddenSink = Callable[[int, int, torch.Tensor], None]
+"""(request id, first position, final hidden states [N, hidden] of positions start..): what a
+pass hands the proposers, handed to an observer as well (the draft head's training data)."""
+
+
 class RequestHost(Protocol):
     """What a request uses of its engine (LLMEngine), and nothing more."""
     config: EngineConfig
@@ -41,6 +46,7 @@ class RequestHost(Protocol):
     eos_ids: set[int]
     settings_version: int          # changes whenever settings() may answer differently
     speculator: Speculator         # the proposer in effect, new proposers, the plain step's time
+    hidden_sink: HiddenSink | None  # sees every pass's final hidden states (LLMEngine.hidden_sink)
 
     def kv_bytes(self) -> tuple[int, int]: ...
     def settings(self) -> dict: ...
@@ -180,6 +186,8 @@ class Request:
             runner.compact(self.seq, start, verdict.rows)
             hidden = hidden[verdict.rows]             # the kept rows, as a chain would have them
         self.last_pass = (start, hidden)
+        if self.engine.hidden_sink is not None:
+            self.engine.hidden_sink(self.request_id, start, hidden)
         for p in self.proposers.values():
             p.target_pass(start, hidden)
         if verdict is None:

@@ -98,6 +98,15 @@ def engine_factory(loaded, pool_bytes: int):
     return make
 
 
+def serving_engine(loaded):
+    """An engine as the draft head's recipe serves its data (engine.training.served_data): no
+    prefix caching, no speculation; eager, to keep the tests short."""
+    from engine import EngineConfig
+    from engine.engine import LLMEngine
+    return LLMEngine(loaded, EngineConfig(enable_prefix_caching=False, proposer="off", compile="off",
+                                          kv_cache_bytes=8 * 2**20), torch.device("cpu"))
+
+
 @pytest.fixture
 def make_engine(default_model):
     """A fresh engine around the shared default model."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.metrics import PositionCounts, attempted_positions, ratio
+from tests.conftest import serving_engine
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -18,17 +19,19 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_model):
-    """The whole recipe on the tiny model with a 96-token head (so some of the target's
-    tokens fall outside it), and the answers it trained and was evaluated on."""
+    """The whole recipe on the tiny model with a head of its pinned tokens and 96 more (so some
+    of the target's tokens fall outside it), and the answers it trained and was evaluated on."""
     from engine.loading.loader import load_eagle_head
-    from engine.training.distill import Recipe, run
-    from engine.training.distill_data import dataset
+    from engine.training.distill import Recipe, pinned_tokens, run
+    from engine.training.served_data import dataset
     out, cache = tmp_path_factory.mktemp("eagle") / "tiny-eagle", tmp_path_factory.mktemp("data")
-    recipe = Recipe(conversations=12, max_new_tokens=24, gen_batch_size=12, head_vocab=96, steps=20,
+    recipe = Recipe(conversations=12, max_new_tokens=24, concurrency=12,
+                    head_vocab=len(pinned_tokens(tiny_model.tokenizer)) + 96, steps=20,
                     batch_size=6, lr=3e-3, eval_every=10, depth=3)
-    report = run(recipe, out, threads=1, data_cache=cache, log=lambda m: None, target=tiny_model)
-    train, held, _ = dataset(tiny_model, recipe.conversations, recipe.seed, recipe.max_new_tokens,
-                             recipe.gen_batch_size, cache, log=lambda m: None)
+    eng = serving_engine(tiny_model)
+    report = run(recipe, out, threads=1, data_cache=cache, log=lambda m: None, engine=eng)
+    train, held, _ = dataset(eng, recipe.conversations, recipe.seed, recipe.max_new_tokens,
+                             recipe.concurrency, cache, log=lambda m: None)
     head, _ = load_eagle_head(str(out), tiny_model)
     return out, report, head, train, held
 

@@ -7,7 +7,7 @@ import torch
 
 from engine import SamplingParams
 from engine.errors import ModelNotFoundError, UnsupportedModelError
-from tests.conftest import assert_second_token_follows_the_target, chat
+from tests.conftest import assert_second_token_follows_the_target, chat, serving_engine
 
 GREEDY = SamplingParams(max_tokens=40, stop_on_eos=False)
 
@@ -26,10 +26,10 @@ def tiny_head(tmp_path_factory, tiny_model):
     vocabulary, train with training-time test, evaluate, save."""
     from engine.training.distill import Recipe, run
     out = tmp_path_factory.mktemp("eagle") / "tiny-eagle"
-    recipe = Recipe(conversations=12, max_new_tokens=24, gen_batch_size=12, head_vocab=512, steps=40,
+    recipe = Recipe(conversations=12, max_new_tokens=24, concurrency=12, head_vocab=512, steps=40,
                     batch_size=6, lr=3e-3, eval_every=20, depth=3)
     report = run(recipe, out, threads=1, data_cache=tmp_path_factory.mktemp("data"), log=lambda m: None,
-                 target=tiny_model)
+                 engine=serving_engine(tiny_model))
     return out, report
 
 

@@ -128,7 +128,7 @@ def test_builtin_profiles_hold_the_baseline_and_all_optimizations():
     assert (baseline.proposer, baseline.kv_cache_dtype, baseline.enable_prefix_caching) == ("off", "auto", False)
     best = read_profile(builtins["all_optimizations"])
     assert best.proposer == "auto" and best.num_speculative_tokens == 4     # the proposer that pays, measured
-    assert (best.kv_cache_dtype, best.enable_prefix_caching) == ("fp8_e4m3", True)
+    assert (best.kv_cache_dtype, best.enable_prefix_caching) == ("fp8_when_short", True)   # FP8 where it pays
 
 
 def test_builtins_load_by_name_unless_the_user_saved_one_with_that_name(store):

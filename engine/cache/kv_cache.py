@@ -27,8 +27,13 @@ _NAMED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
                  "fp8_e4m3": FP8_DTYPE, FP8_HADAMARD: FP8_DTYPE}
 
 
+# The model's dtype until the pool runs short, then FP8 E4M3: the engine resolves it to one of
+# the two when it builds the pool (LLMEngine.pool_config); on its own it reads as the model's.
+FP8_WHEN_SHORT = "fp8_when_short"
+
+
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    return model_dtype if name == "auto" else _NAMED_DTYPES[name]
+    return model_dtype if name in ("auto", FP8_WHEN_SHORT) else _NAMED_DTYPES[name]
 
 
 def is_rotated(name: str) -> bool:

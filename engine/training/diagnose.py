@@ -1,8 +1,8 @@
 """Why the EAGLE head accepts what it does: `python -m engine.training.diagnose [--head FOLDER]`.
 
-For a head and its target, on the target's greedy answers to the first N training
-conversations of the recipe and to the held-out prompts (engine.training.distill_data; made
-once in bf16 and cached, a few minutes for N = 150):
+For a head and its target, on the engine's greedy answers and served features for the first N
+training conversations of the recipe and for the held-out prompts (engine.training.served_data;
+the recipe's own files when it made them, else served once and cached, a minute for N = 256):
   a. greedy acceptance per position at k (distill.evaluate's replay), training beside
      held-out: a wide gap is memorisation (more data helps); both low and close is capacity,
      vocabulary or a bug;
@@ -32,7 +32,7 @@ import torch
 
 from engine.metrics import ratio
 from engine.training.distill import Recipe, _batch, evaluate, unrolled
-from engine.training.distill_data import HELD_OUT_PROMPTS, Sequence, answers, training_conversations, user
+from engine.training.distill_data import HELD_OUT_PROMPTS, Sequence, user
 
 DEPTH = 4
 KS = (1, 2, 4, 8)
@@ -218,26 +218,23 @@ def format_report(report: dict) -> str:
 
 
 # ---- the command ------------------------------------------------------------------------------------
-def load_data(target, recipe: Recipe, n_train: int, cache: Path, log=print) -> tuple[list[Sequence], list[Sequence]]:
-    """The target's answers to the first n_train training conversations and to the held-out prompts."""
-    from engine.loading.loader import load_model
-    model = load_model(target.folder, dtype=torch.bfloat16, max_positions=target.model.max_positions).model
-    convs = training_conversations(recipe.conversations, recipe.seed)[:n_train]
-    held, _ = answers(target, [user(p) for p in HELD_OUT_PROMPTS], recipe.max_new_tokens, recipe.gen_batch_size,
-                      cache, log, model)
-    train, _ = answers(target, convs, recipe.max_new_tokens, recipe.gen_batch_size, cache, log, model)
+def load_data(eng, recipe: Recipe, n_train: int, cache: Path, log=print) -> tuple[list[Sequence], list[Sequence]]:
+    """The engine's answers (served_data) to the first n_train of the recipe's conversations and
+    to the held-out prompts; the recipe's own files where it made them already."""
+    from engine.training.served_data import dataset
+    train, held, _ = dataset(eng, n_train, recipe.seed, recipe.max_new_tokens, recipe.concurrency, cache, log)
     return train, held
 
 
 def main(argv=None) -> int:
-    from engine.loading.loader import SHIPPED_EAGLE_FOLDER, cache_dir, load_eagle_head, load_model
+    from engine.loading.loader import SHIPPED_EAGLE_FOLDER, cache_dir, load_eagle_head
+    from engine.training.served_data import served_engine
     d = Recipe()
     ap = argparse.ArgumentParser(prog="python -m engine.training.diagnose", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", type=Path, default=None, help="an EAGLE head folder (default: the shipped head)")
-    ap.add_argument("--train-conversations", type=int, default=150,
-                    help="the first N of the recipe's training conversations (default 150)")
-    ap.add_argument("--conversations", type=int, default=d.conversations, help="the recipe's training conversations")
+    ap.add_argument("--train-conversations", type=int, default=256,
+                    help="the first N of the recipe's training conversations (default 256: its first file)")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--k", type=int, default=d.k)
     ap.add_argument("--engine", action="store_true", help="also run the real engine on the first 8 held-out prompts")
@@ -247,10 +244,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     log = lambda m: print(m, file=sys.stderr, flush=True)         # noqa: E731
-    recipe = Recipe(seed=a.seed, conversations=a.conversations, k=a.k)
-    target = load_model("default")
+    recipe = Recipe(seed=a.seed, k=a.k)
+    eng = served_engine("default", recipe.serve_dtype)
+    target = eng.target_model
     head, _ = load_eagle_head(str(a.head) if a.head else None, target)
-    train, held = load_data(target, recipe, a.train_conversations, a.data_cache or cache_dir() / "distill", log)
+    train, held = load_data(eng, recipe, a.train_conversations, a.data_cache or cache_dir() / "distill", log)
     report = diagnose(target, head, train, held, a.k, log)
     report["head"] = str(a.head or SHIPPED_EAGLE_FOLDER)
     if a.engine:

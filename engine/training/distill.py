@@ -26,6 +26,7 @@ The recipe, offline and on the CPU, from the target alone:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import platform
@@ -41,19 +42,23 @@ import torch.nn.functional as F
 from engine.loading.loader import SHIPPED_EAGLE_FOLDER, cache_dir
 from engine.metrics import PositionCounts, attempted_positions, ratio
 from engine.models.eagle_head import EagleHead, eagle_config, save_eagle, weights_fingerprint
-from engine.models.llama import Linear
-from engine.training.distill_data import Sequence, batched_qkv, dataset
+from engine.models.llama import Linear, apply_rope
+from engine.training.distill_data import HELD_OUT_PROMPTS, Sequence
+from engine.workload import CHAT_PROMPTS
+
+BENCH_PROMPTS = set(CHAT_PROMPTS)      # a bench's prompts: never used to pick the kept checkpoint
 
 
 @dataclass
 class Recipe:
     seed: int = 0
-    conversations: int = 1600       # training conversations (engine.training.distill_data)
-    max_new_tokens: int = 192
-    gen_batch_size: int = 64
+    conversations: int = 6400       # training conversations (distill_data.served_conversations)
+    max_new_tokens: int = 256
+    concurrency: int = 32           # requests the engine serves at once while making the data
+    serve_dtype: str = "float32"    # the engine's dtype for the data ("auto": its own timing's pick)
     head_vocab: int = 8192
     depth: int = 3                  # training-time test: draft steps unrolled per position
-    steps: int = 500
+    steps: int = 1200
     batch_size: int = 16            # sequences per step
     lr: float = 2e-3
     reg_weight: float = 0.2         # smooth-L1 on the next hidden state (EAGLE-1: 1.0)
@@ -87,19 +92,40 @@ def build_head(target, head_token_ids: torch.Tensor) -> EagleHead:
     return head
 
 
-def choose_head_vocab(train: list[Sequence], vocab_size: int, size: int, special_ids) -> torch.Tensor:
-    """FR-Spec: the `size` most frequent tokens of the target's answers (ties by id), plus the
-    special tokens; sorted."""
+def choose_head_vocab(train: list[Sequence], vocab_size: int, size: int, pinned_ids) -> torch.Tensor:
+    """FR-Spec: the `size` most frequent tokens of the target's answers (ties by id), the pinned
+    ones (special and byte tokens, pinned_tokens) first; sorted."""
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     for s in train:
         counts.index_add_(0, torch.tensor(s.answer_ids), torch.ones(len(s.answer_ids), dtype=torch.float64))
-    for tid in special_ids:
+    for tid in pinned_ids:
         counts[tid] = float("inf")
     order = sorted(range(vocab_size), key=lambda i: (-float(counts[i]), i))
     return torch.tensor(sorted(order[:min(size, vocab_size)]), dtype=torch.int64)
 
 
+def pinned_tokens(tokenizer) -> list[int]:
+    """Tokens the head always holds: the special tokens, and the byte-level tokens a text can
+    always fall back on (those whose token string is one character)."""
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for tok, i in tokenizer.get_vocab().items() if len(tok) == 1)
+    return sorted(ids)
+
+
 # ---- the unrolled forward (training and evaluation) ------------------------------------------------
+def batched_qkv(layer, h: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer's q, k, v for [B, N, hidden] inputs, normed and rotated: [B, N, H, D]."""
+    a = layer.self_attn
+    b, n, _ = h.shape
+    q, k, v = a.qkv_proj(layer.input_layernorm(h)).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+    q = q.view(b, n, a.num_heads, a.head_dim)
+    k = k.view(b, n, a.num_kv_heads, a.head_dim)
+    v = v.view(b, n, a.num_kv_heads, a.head_dim)
+    if a.qk_norm:
+        q, k = a.q_norm(q), a.k_norm(k)
+    return apply_rope(q, rope), apply_rope(k, rope), v
+
+
 def unrolled(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, depth: int, detach: bool = True) -> list[torch.Tensor]:
     """tokens [B, T+depth] (x_1.. : tokens[:, j] = x_{j+1}), feats [B, T, H] (f_0..f_{T-1}).
     Returns g^(1..depth), each [B, T, H]: g^(d)[:, j] is the head's guess at f_{j+d} after
@@ -223,11 +249,16 @@ def evaluate(head: EagleHead, held: list[Sequence], k: int) -> dict:
 
 
 # ---- training ---------------------------------------------------------------------------------------
-def train(head: EagleHead, train_set: list[Sequence], held: list[Sequence], recipe: Recipe, log=print) -> dict:
+def train(head: EagleHead, train_set: list[Sequence], held: list[Sequence], recipe: Recipe, log=print,
+          checkpoint: Path | None = None, select: list[Sequence] | None = None) -> dict:
     """Returns the training time, the evaluation curve (at every eval: greedy acceptance per
     position on the held-out answers and on a fixed sample of the training answers, side by
-    side; a wide gap is memorisation) and the final loss."""
+    side; a wide gap is memorisation) and the final loss. The head keeps the weights of the
+    eval with the best tau on `select` (held-out answers no bench of ours uses; default all
+    of `held`). `checkpoint`: a file the state is saved to at every eval and resumed from."""
     probe = training_probe(train_set, max(len(held), 64))
+    select = held if select is None else select
+    names = [n for n, _ in head.named_parameters() if not n.startswith("embed_tokens.")]
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens.")]
     for p in head.parameters():
         p.requires_grad_(False)
@@ -238,10 +269,22 @@ def train(head: EagleHead, train_set: list[Sequence], held: list[Sequence], reci
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, recipe.steps) / recipe.steps)))
     rng = random.Random(recipe.seed)
-    batches: list[list[int]] = []
-    curve, history, t0 = [], [], time.perf_counter()
+    state = {"step": 0, "batches": [], "curve": [], "history": [], "seconds": 0.0, "best": None}
+    if checkpoint is not None and checkpoint.is_file():
+        saved = torch.load(checkpoint, weights_only=True)
+        if saved["recipe"] == asdict(recipe):
+            with torch.no_grad():
+                for n, p in zip(names, params):
+                    p.copy_(saved["params"][n])
+            opt.load_state_dict(saved["opt"])
+            sched.load_state_dict(saved["sched"])
+            rng.setstate(_rng_state(saved["rng"]))
+            state = saved["state"]
+            log(f"  resumed at step {state['step']} from {checkpoint}")
+    t0 = time.perf_counter() - state["seconds"]
+    history, curve, batches = state["history"], state["curve"], state["batches"]
     head.train()
-    for step in range(1, recipe.steps + 1):
+    for step in range(state["step"] + 1, recipe.steps + 1):
         if not batches:
             batches = epoch_batches(train_set, recipe.batch_size, rng)
         loss, agree = loss_fn(head, *_batch([train_set[i] for i in batches.pop()], recipe.depth),
@@ -258,21 +301,47 @@ def train(head: EagleHead, train_set: list[Sequence], held: list[Sequence], reci
                 f"train step-1 agreement {sum(h[1] for h in recent) / 25:.3f}  {time.perf_counter() - t0:.0f} s")
         if step % recipe.eval_every == 0 or step == recipe.steps:
             head.eval()
-            ev, ev_train = evaluate(head, held, recipe.k), evaluate(head, probe, recipe.k)
+            ev, ev_train, ev_sel = evaluate(head, held, recipe.k), evaluate(head, probe, recipe.k), evaluate(head, select, recipe.k)
             head.train()
             curve.append({"step": step, "seconds": round(time.perf_counter() - t0, 1),
                           "per_position": [round(x, 4) for x in ev["per_position"]],
                           "mean_accepted_len": round(ev["mean_accepted_len"] or 0.0, 4),
                           "train_per_position": [round(x, 4) for x in ev_train["per_position"]],
-                          "train_mean_accepted_len": round(ev_train["mean_accepted_len"] or 0.0, 4)})
+                          "train_mean_accepted_len": round(ev_train["mean_accepted_len"] or 0.0, 4),
+                          "select_mean_accepted_len": round(ev_sel["mean_accepted_len"] or 0.0, 4)})
             c = curve[-1]
             log(f"  step {step}: per-position acceptance  train {c['train_per_position']} tau {c['train_mean_accepted_len']}"
                 f"  |  held-out {c['per_position']} tau {c['mean_accepted_len']}")
+            if state["best"] is None or c["select_mean_accepted_len"] > state["best"]["tau"]:
+                state["best"] = {"step": step, "tau": c["select_mean_accepted_len"],
+                                 "params": {n: p.detach().clone() for n, p in zip(names, params)}}
+            state.update(step=step, batches=batches, curve=curve, history=history,
+                         seconds=time.perf_counter() - t0)
+            if checkpoint is not None:
+                _save_checkpoint(checkpoint, recipe, names, params, opt, sched, rng, state)
+    best = state["best"]
+    with torch.no_grad():
+        for n, p in zip(names, params):
+            p.copy_(best["params"][n])
     head.eval()
     for p in head.parameters():
         p.requires_grad_(False)
-    return {"train_seconds": time.perf_counter() - t0, "heldout_curve": curve,
+    return {"train_seconds": time.perf_counter() - t0, "heldout_curve": curve, "best_step": best["step"],
             "final_train_loss": sum(h[0] for h in history[-50:]) / max(len(history[-50:]), 1)}
+
+
+def _save_checkpoint(path: Path, recipe: Recipe, names, params, opt, sched, rng: random.Random, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    torch.save({"recipe": asdict(recipe), "params": {n: p.detach().clone() for n, p in zip(names, params)},
+                "opt": opt.state_dict(), "sched": sched.state_dict(), "rng": list(rng.getstate()[1]) + [rng.getstate()[0]],
+                "state": state}, tmp)
+    tmp.replace(path)
+
+
+def _rng_state(saved: list) -> tuple:
+    """random.Random's state from _save_checkpoint's list (version last)."""
+    return (saved[-1], tuple(saved[:-1]), None)
 
 
 def training_probe(train_set: list[Sequence], n: int) -> list[Sequence]:
@@ -294,29 +363,36 @@ def epoch_batches(seqs: list[Sequence], batch_size: int, rng: random.Random) -> 
 
 
 # ---- the command --------------------------------------------------------------------------------
-def run(recipe: Recipe, out: Path, threads: int = 2, data_cache: Path | None = None, log=print, target=None) -> dict:
-    from engine.loading.loader import load_model
+def run(recipe: Recipe, out: Path, threads: int = 2, data_cache: Path | None = None, log=print, engine=None) -> dict:
+    """The recipe end to end. engine: the engine whose served features are the data (default:
+    served_data.served_engine on the default model in recipe.serve_dtype)."""
+    from engine.training import served_data
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         torch.manual_seed(recipe.seed)
         t_start = time.perf_counter()
-        target = target or load_model("default")
+        cache = data_cache or cache_dir() / "distill"
         log(f"recipe: {json.dumps(asdict(recipe))}")
-        train_set, held, data_info = dataset(target, recipe.conversations, recipe.seed, recipe.max_new_tokens,
-                                             recipe.gen_batch_size, data_cache or cache_dir() / "distill", log, threads)
+        eng = engine or served_data.served_engine("default", recipe.serve_dtype)
+        target = eng.target_model
+        train_set, held, data_info = served_data.dataset(eng, recipe.conversations, recipe.seed, recipe.max_new_tokens,
+                                                         recipe.concurrency, cache, log)
+        data_minutes = (time.perf_counter() - t_start) / 60
         head_ids = choose_head_vocab(train_set, target.hf_config.vocab_size, recipe.head_vocab,
-                                     target.tokenizer.all_special_ids)
+                                     pinned_tokens(target.tokenizer))
         head = build_head(target, head_ids)
         log(f"training the EAGLE head: {len(head_ids)}-token head, depth {recipe.depth}, {recipe.steps} steps "
             f"of {recipe.batch_size} sequences, {sum(len(s.answer_ids) for s in train_set)} answer tokens")
         coverage = _coverage(train_set, held, head_ids)
         log(f"target tokens outside the head's vocabulary: train {1 - coverage['head_coverage_train']:.4f}, "
             f"held-out {1 - coverage['head_coverage_heldout']:.4f}")
-        training = train(head, train_set, held, recipe, log)
+        select = [s for p, s in zip(HELD_OUT_PROMPTS, held) if p not in BENCH_PROMPTS]
+        key = hashlib.sha256(json.dumps([asdict(recipe), target.identity]).encode()).hexdigest()[:16]
+        training = train(head, train_set, held, recipe, log, cache / f"checkpoint-{key}.pt", select)
         report = {"recipe": asdict(recipe), "command": "python -m engine.training.distill " + " ".join(sys.argv[1:]),
-                  "threads": threads, "data": {**data_info, **coverage}, **training,
-                  "heldout": training["heldout_curve"][-1], "torch": torch.__version__,
+                  "threads": threads, "data": {**data_info, **coverage, "minutes": round(data_minutes, 1)},
+                  **training, "heldout": training["heldout_curve"][-1], "torch": torch.__version__,
                   "python": platform.python_version()}
         save_eagle(head, out, report)
         report["total_seconds"] = time.perf_counter() - t_start

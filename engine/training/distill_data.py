@@ -1,24 +1,15 @@
-"""Training data for the draft head: the target's own greedy answers, with its final hidden
-state at every position, generated many sequences per forward pass.
+"""The draft head's training conversations and its data on disk: what the engine is asked
+(engine.training.served_data serves them), and a sequence's tokens with the target's final
+hidden state at every position.
 
 Used only by the recipe (`engine.training.distill`); inference never imports it.
-
-The generator runs the target's own modules (engine.models.llama) over a contiguous,
-left-padded KV cache [B, H_kv, T, D]: one forward pass advances every unfinished sequence
-by one token. The final normed hidden state of each position comes out of the same pass
-that picks the token, so the features cost no second pass. In bf16 on a CPU with AMX the
-batched matmuls run several times faster per token than one sequence at a time.
 """
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-
-from engine.models.llama import LlamaFamilyModel, apply_rope
 
 
 @dataclass
@@ -31,105 +22,6 @@ class Sequence:
     @property
     def ids(self) -> list[int]:
         return self.prompt_ids + self.answer_ids
-
-
-@torch.inference_mode()
-def generate_batch(model: LlamaFamilyModel, prompts: list[list[int]], max_new_tokens: int,
-                   eos_ids: set[int]) -> list[Sequence]:
-    """Greedy answers for a batch of token-id prompts, left-padded. The model's dtype is used."""
-    b = len(prompts)
-    width = max(len(p) for p in prompts)
-    total = width + max_new_tokens
-    dtype = next(model.parameters()).dtype
-    pad = [width - len(p) for p in prompts]
-    ids = torch.zeros(b, width, dtype=torch.int64)
-    for i, p in enumerate(prompts):
-        ids[i, pad[i]:] = torch.tensor(p)
-    pad_t = torch.tensor(pad)
-    cols = torch.arange(total)
-    valid_key = cols[None, :] >= pad_t[:, None]                               # [B, T]
-    positions = (cols[None, :] - pad_t[:, None]).clamp(min=0)                 # [B, T]
-    attn = model.layers[0].self_attn
-    caches = [(torch.zeros(b, attn.num_kv_heads, total, attn.head_dim, dtype=dtype),
-               torch.zeros(b, attn.num_kv_heads, total, attn.head_dim, dtype=dtype)) for _ in model.layers]
-    feats = torch.zeros(b, total, model.config.hidden_size, dtype=dtype)
-    answers: list[list[int]] = [[] for _ in range(b)]
-    done = torch.zeros(b, dtype=torch.bool)
-    start, new = 0, ids
-    for _ in range(max_new_tokens):
-        n = new.shape[1]
-        h = _forward(model, new, caches, start, positions[:, start:start + n], valid_key[:, :start + n])
-        feats[:, start:start + n] = h
-        token = model.logits(h[:, -1]).argmax(-1)                              # [B]
-        for i, t in enumerate(token.tolist()):                                # one copy, not B reads
-            if not done[i]:
-                answers[i].append(t)
-                done[i] = t in eos_ids
-        start += n
-        if bool(done.all()):
-            break
-        new = token[:, None]
-    out = []
-    for i, p in enumerate(prompts):
-        n = len(p) + len(answers[i]) - 1
-        out.append(Sequence(list(p), answers[i], feats[i, pad[i]:pad[i] + n].clone()))
-    return out
-
-
-def batched_qkv(layer, h: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A decoder layer's q, k, v for [B, N, hidden] inputs, normed and rotated: [B, N, H, D]."""
-    a = layer.self_attn
-    b, n, _ = h.shape
-    q, k, v = a.qkv_proj(layer.input_layernorm(h)).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-    q = q.view(b, n, a.num_heads, a.head_dim)
-    k = k.view(b, n, a.num_kv_heads, a.head_dim)
-    v = v.view(b, n, a.num_kv_heads, a.head_dim)
-    if a.qk_norm:
-        q, k = a.q_norm(q), a.k_norm(k)
-    return apply_rope(q, rope), apply_rope(k, rope), v
-
-
-def _forward(model, ids, caches, start, positions, valid_key):
-    """ids [B, N] at columns start.. -> final normed hidden states [B, N, hidden]."""
-    b, n = ids.shape
-    h = model.embed_tokens(ids)
-    cos = model.rotary.cos[positions].to(h.dtype).unsqueeze(2)                # [B, N, 1, D]
-    sin = model.rotary.sin[positions].to(h.dtype).unsqueeze(2)
-    q_cols = torch.arange(start, start + n)
-    mask = valid_key[:, None, None, :] & (torch.arange(start + n)[None, :] <= q_cols[:, None])[None, None]
-    for layer, (kc, vc) in zip(model.layers, caches):
-        a = layer.self_attn
-        q, k, v = batched_qkv(layer, h, (cos, sin))
-        kc[:, :, start:start + n] = k.transpose(1, 2)
-        vc[:, :, start:start + n] = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :, :start + n], vc[:, :, :start + n],
-                                             attn_mask=mask, scale=a.scale, enable_gqa=True)
-        h = h + a.o_proj(out.transpose(1, 2).reshape(b, n, a.q_size))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return model.norm(h)
-
-
-def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, batch_size: int,
-             log=print) -> tuple[list[Sequence], dict]:
-    """Answers to chat conversations, in batches of similar prompt length. Returns the
-    sequences (in the input order) and the throughput."""
-    eos_ids = {tokenizer.eos_token_id}
-    prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
-    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
-    result: list[Sequence | None] = [None] * len(prompts)
-    t0, answer_tokens = time.perf_counter(), 0
-    for s in range(0, len(order), batch_size):
-        chunk = order[s:s + batch_size]
-        for i, seq in zip(chunk, generate_batch(model, [prompts[i] for i in chunk], max_new_tokens, eos_ids)):
-            result[i] = seq
-            answer_tokens += len(seq.answer_ids)
-        elapsed = time.perf_counter() - t0
-        log(f"  generated {min(s + batch_size, len(order))}/{len(order)} answers, {answer_tokens} tokens, "
-            f"{answer_tokens / elapsed:.0f} tok/s")
-    elapsed = time.perf_counter() - t0
-    return result, {"answer_tokens": answer_tokens, "seconds": elapsed, "tok_s": answer_tokens / elapsed,
-                    "batch_size": batch_size, "dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
 
 
 # ---- prompts ------------------------------------------------------------------------------------
@@ -161,6 +53,14 @@ TASKS = [
     "What are common misconceptions about {s}?", "Describe {s} in one paragraph.",
     "List five key terms related to {s}, with a one-line definition each.",
     "Write a numbered list of steps to get started with {s}.",
+    "Tell me something surprising about {s}.", "How has {s} changed over time?",
+    "Compare {s} with something similar, and say how they differ.", "What questions do people often ask about {s}?",
+    "Write a short dialogue between two friends talking about {s}.", "What would the world be like without {s}?",
+    "Give me a fun quiz with three questions about {s}, and the answers.", "Describe {s} using an analogy.",
+    "What should a beginner know about {s}?", "Write a tweet-length summary of {s}.",
+    "What are the main parts of {s}?", "Write a short persuasive paragraph about {s}.",
+    "Explain {s} in three bullet points.", "What is the future of {s}?",
+    "Write a short news headline and lead paragraph about {s}.", "How does {s} affect everyday life?",
 ]
 CODE_TASKS = [
     "Write a Python function that {c}.", "Show me how to {c} in Python, with a short example.",
@@ -175,6 +75,18 @@ CODE_SUBJECTS = [
     "counts how often each letter appears", "validates an email address", "returns the n-th triangle number",
     "implements binary search", "parses a date string", "sums the digits of a number",
     "generates a random password", "checks whether two words are anagrams", "rotates a list by k places",
+    "counts the lines in a file", "capitalizes every word in a sentence", "finds the second largest number",
+    "converts a number to binary", "checks whether a year is a leap year", "computes the greatest common divisor",
+    "transposes a matrix", "groups words by their first letter", "finds the longest word in a sentence",
+    "computes the median of a list", "reverses the words of a sentence", "checks whether brackets are balanced",
+    "converts a dictionary to JSON", "downloads a web page", "computes compound interest",
+    "shuffles a deck of cards", "counts the vowels in a string", "finds common elements of two lists",
+    "splits a list into chunks", "formats a number with thousands separators", "draws a triangle of stars",
+    "implements a stack", "implements a queue", "computes the distance between two points",
+]
+CODE_TASKS_MORE = [
+    "How do I write a function that {c}? Please explain the code.", "Write a short program that {c}, with comments.",
+    "Write a Java method that {c}.", "What is the simplest way to write code that {c}?",
 ]
 FOLLOW_UPS = ["Can you give me an example?", "Can you explain that more simply?", "Why is that?",
               "Can you summarize that in one sentence?", "What else should I know?",
@@ -204,11 +116,11 @@ def training_conversations(n: int, seed: int) -> list[list[dict]]:
     import pydoc_data.topics as topics
     rng = random.Random(seed)
     chat = [t.format(s=s) for s in SUBJECTS for t in TASKS]
-    code = [t.format(c=c) for c in CODE_SUBJECTS for t in CODE_TASKS]
+    code = [t.format(c=c) for c in CODE_SUBJECTS for t in CODE_TASKS + CODE_TASKS_MORE]
     excerpts = []
     for key in sorted(topics.topics):
         text = " ".join(topics.topics[key].split())
-        for start in range(0, min(len(text), 1200), 400):
+        for start in range(0, len(text), 400):
             excerpts.append(text[start:start + 300])
     doc_tasks = ["Explain this passage from the Python documentation in plain words:\n\n{x}",
                  "Summarize the following text:\n\n{x}", "What does this mean?\n\n{x}"]
@@ -217,10 +129,12 @@ def training_conversations(n: int, seed: int) -> list[list[dict]]:
         rng.shuffle(pool)
     multi = []
     for i, s in enumerate(SUBJECTS):
-        first = TASKS[i % len(TASKS)].format(s=s)
-        multi.append([*user(first), {"role": "assistant", "content": f"Here is a short answer about {s}: "
-                      f"it is a topic many people find interesting, and there is a lot to say about it."},
-                      *user(FOLLOW_UPS[i % len(FOLLOW_UPS)])])
+        for j, follow in enumerate(FOLLOW_UPS):
+            first = TASKS[(i + 5 * j) % len(TASKS)].format(s=s)
+            multi.append([*user(first), {"role": "assistant", "content": f"Here is a short answer about {s}: "
+                          f"it is a topic many people find interesting, and there is a lot to say about it."},
+                          *user(follow)])
+    rng.shuffle(multi)
     held = set(HELD_OUT_PROMPTS)
     n_code, n_multi = min(n // 6, len(code)), min(n // 8, len(multi))
     n_docs = min(n // 6, len(docs))
@@ -230,15 +144,27 @@ def training_conversations(n: int, seed: int) -> list[list[dict]]:
     return convs
 
 
+def served_conversations(n: int, seed: int, system_prompt: str) -> list[list[dict]]:
+    """n conversations for data served by the engine: every training conversation twice, once
+    as the bench sends it (the chat template's own default system prompt) and once with the
+    app's system prompt, in a seeded order; the first n."""
+    pool = training_conversations(1 << 30, seed)
+    variants = pool + [[{"role": "system", "content": system_prompt}, *c] for c in pool]
+    random.Random(seed + 1).shuffle(variants)
+    if n > len(variants):
+        raise ValueError(f"{n} conversations asked for; the recipe's prompts make {len(variants)}")
+    return variants[:n]
+
+
 # ---- the data set on disk -----------------------------------------------------------------------
-def save_sequences(seqs: list[Sequence], path, info: dict) -> None:
+def save_sequences(seqs: list[Sequence], path, info: dict, dtype: torch.dtype = torch.bfloat16) -> None:
     import json
     from safetensors.torch import save_file
     tensors = {}
     for i, s in enumerate(seqs):
         tensors[f"{i}.prompt"] = torch.tensor(s.prompt_ids, dtype=torch.int32)
         tensors[f"{i}.answer"] = torch.tensor(s.answer_ids, dtype=torch.int32)
-        tensors[f"{i}.features"] = s.features.to(torch.bfloat16).contiguous()
+        tensors[f"{i}.features"] = s.features.to(dtype).contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".partial")
     save_file(tensors, str(tmp), metadata={"info": json.dumps(info)})
@@ -254,53 +180,3 @@ def load_sequences(path) -> tuple[list[Sequence], dict]:
         seqs = [Sequence(f.get_tensor(f"{i}.prompt").tolist(), f.get_tensor(f"{i}.answer").tolist(),
                          f.get_tensor(f"{i}.features")) for i in range(n)]
     return seqs, info
-
-
-def answers(target, conversations: list[list[dict]], max_new_tokens: int, batch_size: int, cache, log=print,
-            model=None) -> tuple[list[Sequence], dict]:
-    """The target's greedy answers to `conversations` (bf16, as `dataset` makes them), kept in
-    `cache` keyed by the conversations and everything else that changes them. For a part of
-    the data (engine.training.diagnose) without generating all of it."""
-    import hashlib
-    import json
-    key = hashlib.sha256(json.dumps([conversations, max_new_tokens, batch_size, target.identity,
-                                     torch.__version__]).encode()).hexdigest()[:16]
-    path = cache / f"answers-{key}.safetensors"
-    if path.is_file():
-        log(f"reusing {len(conversations)} generated answers in {path}")
-        return load_sequences(path)
-    if model is None:
-        from engine.loading.loader import load_model
-        model = load_model(target.folder, dtype=torch.bfloat16, max_positions=target.model.max_positions).model
-    log(f"generating answers for {len(conversations)} conversations, {batch_size} per pass")
-    seqs, info = generate(model, target.tokenizer, conversations, max_new_tokens, batch_size, log)
-    info.update(conversations=len(conversations), key=key)
-    save_sequences(seqs, path, info)
-    return seqs, info
-
-
-def dataset(target, n_train: int, seed: int, max_new_tokens: int, batch_size: int, cache, log=print,
-            threads: int | None = None) -> tuple[list[Sequence], list[Sequence], dict]:
-    """(train, held-out, info): generated once in bf16 and kept in `cache` (a folder), keyed by
-    everything that changes it."""
-    import hashlib
-    import json
-    key = hashlib.sha256(json.dumps([n_train, seed, max_new_tokens, batch_size, target.identity,
-                                     torch.__version__]).encode()).hexdigest()[:16]
-    train_path, held_path = cache / f"{key}.train.safetensors", cache / f"{key}.heldout.safetensors"
-    if train_path.is_file() and held_path.is_file():
-        log(f"reusing the generated data in {cache} ({key})")
-        train, info = load_sequences(train_path)
-        held, _ = load_sequences(held_path)
-        return train, held, info
-    from engine.loading.loader import load_model
-    model = load_model(target.folder, dtype=torch.bfloat16, max_positions=target.model.max_positions).model
-    log(f"generating held-out answers for {len(HELD_OUT_PROMPTS)} prompts")
-    held, _ = generate(model, target.tokenizer, [user(p) for p in HELD_OUT_PROMPTS], max_new_tokens, batch_size, log)
-    convs = training_conversations(n_train, seed)
-    log(f"generating training answers for {len(convs)} conversations, {batch_size} per pass")
-    train, info = generate(model, target.tokenizer, convs, max_new_tokens, batch_size, log)
-    info.update(threads=threads or torch.get_num_threads(), conversations=len(convs), key=key)
-    save_sequences(held, held_path, info)
-    save_sequences(train, train_path, info)
-    return train, held, info
