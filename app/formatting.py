@@ -144,6 +144,9 @@ def message_stats(summary: dict | None, finish_reason: str | None, settings: dic
     if summary.get("acceptance_rate") is not None:
         parts.append(f"acceptance {summary['acceptance_rate'] * 100:.0f}% "
                      f"({summary['accepted']}/{summary['proposed']}{_tau(summary.get('mean_accepted_len'))})")
+        if summary.get("drafted_by"):                  # which proposer drafted how many steps (auto's choices)
+            parts.append("drafted by " + ", ".join(f"{escape(name)} ×{steps}" for name, steps
+                                                   in sorted(summary["drafted_by"].items(), key=lambda kv: -kv[1])))
     else:
         parts.append("acceptance — (speculation off)")
     if speculation:

@@ -304,6 +304,7 @@ class RequestStats:
     tree_time_s: float = 0.0          # drafting and verify-pass seconds of those steps
     compile_tokens: int = 0           # tokens those steps emitted
     compile_steps: int = 0            # its steps whose pass compiled, prefill included (0 once the step is warm)
+    drafted_by: dict[str, int] = field(default_factory=dict)   # decode steps each proposer drafted (proposer auto's choices)
 
     def record_step(self, event: StepEvent) -> None:
         self.generated_tokens = event.generated_tokens
@@ -321,6 +322,8 @@ class RequestStats:
             self.compile_tokens += event.num_tokens
         self.proposed += event.proposed
         self.accepted += event.accepted
+        if event.proposer and event.proposed:
+            self.drafted_by[event.proposer] = self.drafted_by.get(event.proposer, 0) + 1
         if event.tree_nodes:
             self.tree_steps += 1
             self.tree_nodes += event.tree_nodes
@@ -375,7 +378,7 @@ class RequestStats:
                 "preemptions": self.preemptions, "compile_s": self.compile_s, "compile_tokens": self.compile_tokens,
                 "compile_steps": self.compile_steps, "tree_steps": self.tree_steps, "tree_nodes": self.tree_nodes,
                 "tree_predicted": self.tree_predicted,
-                "tree_time_s": self.tree_time_s}
+                "tree_time_s": self.tree_time_s, "drafted_by": dict(self.drafted_by)}
 
 
 # RequestStats' additive counters (its positions add up apart, by PositionCounts.merge).
@@ -392,6 +395,8 @@ def combined(stats: list[RequestStats]) -> RequestStats:
         for name in COUNTERS:
             setattr(total, name, plus(getattr(total, name), getattr(s, name)))
         total.positions.merge(s.positions)
+        for proposer, steps in s.drafted_by.items():
+            total.drafted_by[proposer] = total.drafted_by.get(proposer, 0) + steps
     return total
 
 

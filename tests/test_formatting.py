@@ -9,6 +9,14 @@ def test_a_reply_stats_line_without_tau_leaves_it_out():
     line = message_stats(SUMMARY, "stop")
     assert "acceptance 50% (2/4)" in line and "τ" not in line
     assert "τ=2.00" in message_stats(SUMMARY | {"mean_accepted_len": 2.0}, "stop")
+    auto = message_stats(SUMMARY | {"drafted_by": {"eagle": 3, "suffix": 9}}, "stop")
+    assert "acceptance 50% (2/4) · drafted by suffix ×9, eagle ×3" in auto     # proposer auto's choices
+
+
+def test_the_cache_line_says_why_the_engine_chose_its_dtype():
+    html = describe_settings({"kv_cache_dtype": "fp8_e4m3", "block_size": 16, "kv_pool_blocks": 9,
+                     "kv_cache_why": "FP8 since 1 request preempted for want of blocks at step 7"})
+    assert "fp8_e4m3, block 16, 9 blocks <i>(FP8 since 1 request preempted for want of blocks at step 7)</i>" in html
 
 
 def test_a_kv_dtype_a_server_does_not_report_is_said_to_be_missing():

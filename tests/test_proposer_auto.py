@@ -147,8 +147,11 @@ def test_greedy_with_auto_is_token_identical_alone_and_batched(make_tiny_engine)
     drafted_by, outs = [], []
     for p in prompts + prompts:                                       # every prompt twice: the choice moves on
         events = list(eng.generate(p, GREEDY))
-        drafted_by += [e.proposer for e in events if e.proposed]
+        steps = [e.proposer for e in events if e.proposed]
+        drafted_by += steps
         outs.append([t for e in events for t in e.token_ids])
+        named = events[-1].summary.drafted_by                          # the reply's stats name each choice
+        assert named == {name: steps.count(name) for name in set(steps)}
     assert outs == expected + expected
     assert together(eng, prompts, GREEDY) == expected                        # all four in the same steps
     totals = eng.speculator.proposer_choice.total

@@ -437,7 +437,7 @@ def bench_speculative(args) -> dict:
             "draft_target_cost_ratio": report.get("draft_cost"), "verify_vs_decode_step": report.get("verify_cost"),
             "proposal_ms_per_step": 1e3 * spec.draft_time_s / spec.target_passes if spec.target_passes else None,
             "dtype": _dtype(eng), "compile": eng.settings()["compile"], "threads": torch.get_num_threads(),
-            "greedy_identical": spec_out == base_out, **_tree_figures(spec, plain_step_s, eng),
+            "greedy_identical": spec_out == base_out, "drafted_by": spec.drafted_by, **_tree_figures(spec, plain_step_s, eng),
             **_suffix_figures(eng, args.proposer), **_auto_figures(eng, args.proposer),
             "ceiling": _ceiling_figures(encoded, base_out, args.k, spec, plain_step_s, report.get("verify_cost"))}
 
