@@ -110,3 +110,35 @@ def test_greedy_speculation_replayed_from_the_ranks_is_evaluate(trained):
     assert positions.rates() == pytest.approx(ev["per_position"])
     assert tokens_out / passes == pytest.approx(ev["mean_accepted_len"])
     assert ev["mean_accepted_len"] > 1.0               # some drafts were accepted
+
+
+def test_training_stopped_at_a_checkpoint_resumes_to_the_same_head(trained, tiny_model, tmp_path):
+    """A run stopped after its first evaluation and started again ends with the weights of a
+    run that never stopped (the optimizer, schedule, data order and RNG are all saved)."""
+    from engine.training.distill import Recipe, build_head, train
+    *_, head, train_set, held = trained
+    recipe = Recipe(conversations=12, max_new_tokens=24, concurrency=12, head_vocab=len(head.head_token_ids),
+                    steps=12, batch_size=4, lr=3e-3, eval_every=6, depth=2)
+
+    def fresh():
+        torch.manual_seed(0)
+        return build_head(tiny_model, head.head_token_ids.clone())
+
+    whole = fresh()
+    train(whole, train_set, held, recipe, log=lambda m: None)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first_eval(message):
+        if "step 6:" in message:
+            raise Stop
+    checkpoint = tmp_path / "run.pt"
+    with pytest.raises(Stop):
+        train(fresh(), train_set, held, recipe, stop_after_first_eval, checkpoint)
+    assert checkpoint.is_file()
+    resumed, lines = fresh(), []
+    train(resumed, train_set, held, recipe, lines.append, checkpoint)
+    assert lines[0].startswith("  resumed at step 6")
+    for (name, a), (_, b) in zip(whole.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(a, b), name

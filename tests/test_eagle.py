@@ -47,6 +47,12 @@ def test_recipe_writes_a_small_head_with_its_report(tiny_head, tiny_model):
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     assert not any("embed" in name or "lm_head" in name for name in header)
     assert len(head.head_token_ids) == 512
+    from engine.training.distill import pinned_tokens
+    pinned = pinned_tokens(tiny_model.tokenizer)           # special and byte tokens: always draftable
+    assert set(tiny_model.tokenizer.all_special_ids) <= set(pinned) and len(pinned) > 200
+    assert set(pinned) <= set(head.head_token_ids.tolist())
+    best = saved["best_step"]                               # the kept weights: the best evaluation's
+    assert best in (20, 40)
 
 
 def test_unrolled_training_forward_is_what_the_proposer_computes(tiny_head, tiny_model):

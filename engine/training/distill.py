@@ -1,24 +1,29 @@
 """Train the EAGLE draft head for a target: `python -m engine.training.distill`.
 
 The recipe, offline and on the CPU, from the target alone:
-  1. data (engine.training.distill_data): the target's own greedy answers to a fixed, varied set of
-     conversations (subject x task chat, code requests, Python documentation excerpts from
-     pydoc_data.topics, two-turn chats), generated many sequences per forward pass in bf16,
-     with the target's final hidden state at every position from the same passes;
+  1. data (engine.training.served_data): the engine's own greedy answers to a fixed, varied set
+     of conversations (distill_data: subject x task chat, code requests, Python documentation
+     excerpts from pydoc_data.topics, two-turn chats; each with and without the app's system
+     prompt), served as a user's engine serves them (the target as loaded, int4 where it is
+     stored so, compiled), 32 at a time, with the final hidden state of every position
+     exactly as the proposer is handed it; kept in resumable files of 256 conversations;
   2. shape (engine.models.eagle_head): fc([embed(x_{j+1}) ; f_j]) -> one decoder layer
      initialised from the target's last layer -> the target's final norm -> the target's
-     head rows for a frequency-ranked reduced vocabulary (FR-Spec: the HEAD_VOCAB tokens the
-     target emits most often in the data);
+     head rows for a frequency-ranked reduced vocabulary (FR-Spec: the special and byte
+     tokens, then the tokens the target emits most often in the data);
   3. training, as EAGLE: smooth-L1 regression of the next hidden state plus cross-entropy to
-     the target's next-token distribution (over the reduced vocabulary), with training-time
-     test (EAGLE-3, HASS): the head is unrolled for `depth` steps on its own predicted
-     features, attending exactly as it will at inference (true-feature keys up to the last
-     accepted position, then its own guesses), so later draft positions are trained as they
-     are used. Fixed seed, data order and step count;
-  4. held-out evaluation at every checkpoint: the target's answers to conversations training
+     the target's next-token distribution (soft labels, over the reduced vocabulary: the
+     target's head rows applied to its feature, so an epoch never runs the target again),
+     with training-time test (EAGLE-3, HASS): the head is unrolled for `depth` steps on its
+     own predicted features, attending exactly as it will at inference (true-feature keys up
+     to the last accepted position, then its own guesses), so later draft positions are
+     trained as they are used. The embedding is frozen. Fixed seed, data order and step
+     count; the state is saved at every evaluation and a run that stops resumes there;
+  4. held-out evaluation at every checkpoint: the engine's answers to conversations training
      never saw (the bench's chat prompts among them), greedy speculation at k replayed
      exactly with the unrolled head: per-position acceptance and tau, beside the same on a
-     fixed sample of the training answers (their gap tells memorisation from capacity);
+     fixed sample of the training answers (their gap tells memorisation from capacity). The
+     head kept is the evaluation's best on the held-out prompts no bench uses;
      `python -m engine.training.diagnose` measures a finished head further (top-k recall by
      depth, vocabulary, alignment with the proposer and the engine);
   5. the folder: config.json, model.safetensors (fp16, a few MB) and distill_report.json.
@@ -310,8 +315,6 @@ def train(head: EagleHead, train_set: list[Sequence], held: list[Sequence], reci
                           "train_mean_accepted_len": round(ev_train["mean_accepted_len"] or 0.0, 4),
                           "select_mean_accepted_len": round(ev_sel["mean_accepted_len"] or 0.0, 4)})
             c = curve[-1]
-            log(f"  step {step}: per-position acceptance  train {c['train_per_position']} tau {c['train_mean_accepted_len']}"
-                f"  |  held-out {c['per_position']} tau {c['mean_accepted_len']}")
             if state["best"] is None or c["select_mean_accepted_len"] > state["best"]["tau"]:
                 state["best"] = {"step": step, "tau": c["select_mean_accepted_len"],
                                  "params": {n: p.detach().clone() for n, p in zip(names, params)}}
@@ -319,6 +322,8 @@ def train(head: EagleHead, train_set: list[Sequence], held: list[Sequence], reci
                          seconds=time.perf_counter() - t0)
             if checkpoint is not None:
                 _save_checkpoint(checkpoint, recipe, names, params, opt, sched, rng, state)
+            log(f"  step {step}: per-position acceptance  train {c['train_per_position']} tau {c['train_mean_accepted_len']}"
+                f"  |  held-out {c['per_position']} tau {c['mean_accepted_len']}  (saved)")
     best = state["best"]
     with torch.no_grad():
         for n, p in zip(names, params):

@@ -91,7 +91,7 @@ CODE_TASKS_MORE = [
 FOLLOW_UPS = ["Can you give me an example?", "Can you explain that more simply?", "Why is that?",
               "Can you summarize that in one sentence?", "What else should I know?",
               "Can you make it shorter?"]
-HELD_OUT_PROMPTS = [   # never trained on; the first ten are engine.bench.scenarios' CHAT_PROMPTS
+HELD_OUT_PROMPTS = [   # never trained on; the first ten are engine.workload's CHAT_PROMPTS (the benches')
     "What is the capital of France?", "Explain what a hash table is in two sentences.",
     "Write a haiku about the sea.", "Give me three tips for learning to cook.",
     "What causes the seasons on Earth?", "Describe a cat to someone who has never seen one.",
@@ -102,6 +102,18 @@ HELD_OUT_PROMPTS = [   # never trained on; the first ten are engine.bench.scenar
     "Suggest a name for a bakery.", "How can I improve my memory?", "What is the largest ocean?",
     "Write a thank-you note to a teacher.", "Why do leaves change colour in autumn?",
     "What is an API?", "Describe the taste of an orange.",
+    "How do airplanes stay in the air?", "Write a short bedtime story about a brave mouse.",
+    "What are the benefits of drinking water?", "Explain the difference between a virus and a bacterium.",
+    "Give me five ideas for a rainy afternoon.", "How do I write a good cover letter?",
+    "What is the Pythagorean theorem used for in real life?", "Translate 'good morning' into three languages.",
+    "Write a Python function that checks whether a list is sorted.", "What is a black hole made of?",
+    "How should I prepare for a job interview?", "Summarize the plot of Romeo and Juliet.",
+    "What is the difference between RAM and storage?", "Why do cats purr?",
+    "Write an email asking my manager for a day off.", "What are three good habits for studying?",
+    "How does a compass work?", "Explain what inflation means for savings.",
+    "Write a short poem about autumn leaves.", "What is the tallest mountain in the world?",
+    "How can I reduce stress at work?", "Explain recursion with a simple example.",
+    "What should I pack for a weekend camping trip?", "Describe how bread rises.",
 ]
 
 
