@@ -53,6 +53,9 @@ def test_recipe_writes_a_small_head_with_its_report(tiny_head, tiny_model):
     assert set(pinned) <= set(head.head_token_ids.tolist())
     best = saved["best_step"]                               # the kept weights: the best evaluation's
     assert best in (20, 40)
+    parity = saved["parity"]            # a held-out prompt served again with the head drafting
+    assert parity["answer_identical"] and parity["proposed"] > 0
+    assert parity["max_abs_feature_diff"] == 0.0 and parity["positions_differing"] == 0
 
 
 def test_unrolled_training_forward_is_what_the_proposer_computes(tiny_head, tiny_model):

@@ -57,7 +57,7 @@ BENCH_PROMPTS = set(CHAT_PROMPTS)      # a bench's prompts: never used to pick t
 @dataclass
 class Recipe:
     seed: int = 0
-    conversations: int = 6400       # training conversations (distill_data.served_conversations)
+    conversations: int = 5632       # training conversations (distill_data.served_conversations)
     max_new_tokens: int = 256
     concurrency: int = 32           # requests the engine serves at once while making the data
     serve_dtype: str = "float32"    # the engine's dtype for the data ("auto": its own timing's pick)
@@ -400,6 +400,8 @@ def run(recipe: Recipe, out: Path, threads: int = 2, data_cache: Path | None = N
                   **training, "heldout": training["heldout_curve"][-1], "torch": torch.__version__,
                   "python": platform.python_version()}
         save_eagle(head, out, report)
+        report["parity"] = served_data.parity(eng, held[0], out, recipe.k)
+        log(f"parity on the first held-out prompt: {report['parity']}")
         report["total_seconds"] = time.perf_counter() - t_start
         (out / "distill_report.json").write_text(json.dumps(report, indent=2) + "\n")
         log(f"wrote {out} in {report['total_seconds'] / 60:.1f} min")

@@ -99,6 +99,35 @@ def serve(eng, conversations: list[list[dict]], max_new_tokens: int, concurrency
     return out, {"answer_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "concurrency": concurrency}
 
 
+def parity(eng, seq: Sequence, head_folder: Path, k: int = 4) -> dict:
+    """The parity check of a finished head: `seq`'s prompt served again, alone, with the head
+    drafting k tokens a step (verify passes keep the accepted rows): the features handed to
+    its proposer against those `seq` (the data) holds, and the greedy answers. Training and
+    serving agree when the answer is the same and the features differ by 0."""
+    before = {key: getattr(eng.config, key) for key in ("proposer", "eagle_head", "num_speculative_tokens",
+                                                         "speculation_policy")}
+    eng.reconfigure(proposer="eagle", eagle_head=str(head_folder), num_speculative_tokens=k, speculation_policy="fixed")
+    recorder = FeatureRecorder(seq.features.shape[1])
+    eng.hidden_sink = recorder
+    try:
+        rid = eng.submit(seq.prompt_ids, SamplingParams(max_tokens=len(seq.answer_ids), temperature=0.0))
+        answer, proposed, accepted = [], 0, 0
+        while eng.has_work:
+            for event in eng.step():
+                answer += event.token_ids
+                proposed, accepted = proposed + event.proposed, accepted + event.accepted
+        n = min(len(answer), len(seq.answer_ids))
+        positions = len(seq.prompt_ids) + n - 1
+        served = recorder.take(rid, positions)
+    finally:
+        eng.hidden_sink = None
+        eng.reconfigure(**before)
+    diff = (served.float() - seq.features[:positions].float()).abs()
+    return {"positions": positions, "answer_identical": answer == seq.answer_ids, "proposed": proposed,
+            "accepted": accepted, "max_abs_feature_diff": float(diff.max()),
+            "positions_differing": int((diff.amax(dim=-1) > 0).sum())}
+
+
 def served_engine(target_reference: str = "default", dtype: str = "auto"):
     """The engine as the app serves `target_reference` by default, prefix caching off and no
     speculation (the features of every position, from plain passes); its compiled step warm."""
