@@ -72,7 +72,7 @@ def test_fp8_cache_keeps_the_answer(make_engine):
     assert "Paris" in text
 
 
-def test_reconfigure_while_running_defers_pool_changes(make_engine):
+def test_reconfigure_while_running_defers_pool_changes(make_engine, still_governor):
     eng = make_engine()
     gen = eng.generate(chat("Write a long poem."), SamplingParams(max_tokens=6, stop_on_eos=False))
     first = next(gen)

@@ -61,7 +61,7 @@ def test_compare_profile_takes_built_in_names_and_profile_files(profile_file):
     assert a.path == builtin_profiles()["baseline"]
     assert (a.profile.proposer, a.profile.kv_cache_dtype, a.profile.enable_prefix_caching) == ("off", "auto", False)
     assert (b.profile.proposer, b.profile.kv_cache_dtype, b.profile.enable_prefix_caching) == \
-        ("auto", "fp8_e4m3", True)
+        ("auto", "fp8_when_short", True)
 
     mine = profile_file("mine", kv_cache_dtype="fp8_e4m3", num_speculative_tokens=2)
     _, (a, b) = parse_compare(f"profile=baseline,{mine}")
