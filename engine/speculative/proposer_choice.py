@@ -20,6 +20,8 @@ verification keeps the output the target's: greedy identical, sampled from its
 distribution). A candidate with fewer than MIN_STEPS measured steps is chosen first, in
 order; after that, one that has not drafted for EXPLORE_EVERY engine steps drafts for the
 next EXPLORE_STEPS steps, so a proposer that lost is measured again as the text changes.
+Each re-measurement that loses again doubles that candidate's wait (up to MAX_EXPLORE_EVERY),
+and a win resets it: where nothing pays, measuring costs less and less of the run.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ OFF = "off"
 MIN_STEPS = 4          # measured steps before a candidate's payoff is trusted
 EXPLORE_EVERY = 64     # engine steps without drafting before a candidate is measured again
 EXPLORE_STEPS = 4      # steps such a re-measurement lasts
+MAX_EXPLORE_EVERY = 1024   # the longest wait of a candidate that lost every re-measurement
 KEEP = 16              # recent steps per candidate its payoff is measured over
 
 
@@ -43,6 +46,8 @@ class ProposerChoice:
         self.chosen, self.why = OFF, "nothing measured yet"
         self.exploring: tuple[str, int] | None = None         # (candidate, steps left) of a re-measurement
         self.rates: dict[str, float | None] = {}              # the last choice's payoffs (tokens per second)
+        self.losses: dict[str, int] = {}                      # per candidate: re-measurements lost in a row
+        self.remeasured: str | None = None                    # the candidate the last re-measurement was of
 
     def clear(self) -> None:
         self.__init__()
@@ -79,9 +84,13 @@ class ProposerChoice:
         """The candidate that drafts at engine step `step` (see the module doc); sets chosen
         and why. pass_s(rows): the predicted seconds of a pass that wide (None: unmeasured)."""
         self.rates = {name: self.rate(name, pass_s, batch, other_rows) for name in candidates}
+        best = max(candidates, key=lambda c: (self.rates[c] or 0.0, c == OFF))    # on a tie, no drafting
+        if self.remeasured is not None and self.exploring is None:     # a re-measurement ended: did it win?
+            self.losses[self.remeasured] = self.losses.get(self.remeasured, 0) + 1 if best != self.remeasured else 0
+            self.remeasured = None
         name, why = self._measuring(candidates, step)
         if name is None:
-            name = max(candidates, key=lambda c: (self.rates[c] or 0.0, c == OFF))    # on a tie, no drafting
+            name = best
             counts = self.counts(name)
             others = ", ".join(f"{c} {_tok_s(self.rates[c])}" for c in candidates if c != name)
             why = (f"{name} has the highest expected rate, {_tok_s(self.rates[name])} (tau {counts.tokens_per_step:.2f}, "
@@ -95,16 +104,21 @@ class ProposerChoice:
             name, left = self.exploring
             self.exploring = (name, left - 1) if left > 1 else None
             if name in candidates:
-                return name, f"measuring {name} again ({EXPLORE_STEPS} steps every {EXPLORE_EVERY})"
+                return name, f"measuring {name} again ({EXPLORE_STEPS} steps after {self.wait(name)} without)"
         for name in candidates:
             if len(self.recent.get(name, ())) < MIN_STEPS:
                 return name, f"measuring {name} (step {len(self.recent.get(name, ())) + 1} of {MIN_STEPS})"
-        stale = [c for c in candidates if step - self.last_step.get(c, step) >= EXPLORE_EVERY]
+        stale = [c for c in candidates if step - self.last_step.get(c, step) >= self.wait(c)]
         if not stale:
             return None, ""
         name = min(stale, key=lambda c: self.last_step[c])                 # the longest unmeasured
         self.exploring = (name, EXPLORE_STEPS - 1) if EXPLORE_STEPS > 1 else None
-        return name, f"measuring {name} again ({EXPLORE_STEPS} steps every {EXPLORE_EVERY})"
+        self.remeasured = name
+        return name, f"measuring {name} again ({EXPLORE_STEPS} steps after {self.wait(name)} without)"
+
+    def wait(self, name: str) -> int:
+        """Engine steps a measured candidate waits before it is measured again."""
+        return min(EXPLORE_EVERY << self.losses.get(name, 0), MAX_EXPLORE_EVERY)
 
     @property
     def is_measuring(self) -> bool:
