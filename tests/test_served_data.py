@@ -31,19 +31,23 @@ def test_served_features_are_what_the_eagle_proposer_is_handed(default_model, ma
     that prompt alone (verify passes of k+1 rows among them)."""
     from engine import SamplingParams
     from engine.training.served_data import FEATURE_DTYPE, serve
-    data, info = serve(serving_engine(default_model), [chat(p) for p in PROMPTS], 24, concurrency=4)
+    data, info = serve(serving_engine(default_model), [chat(p) for p in PROMPTS], 32, concurrency=4)
     assert info["answer_tokens"] == sum(len(s.answer_ids) for s in data)
     seen = _proposer_features(monkeypatch)
     eng = make_engine(proposer="eagle", num_speculative_tokens=4, enable_prefix_caching=False, compile="off")
-    s = data[0]
-    _, out, stats = eng.generate_text(s.prompt_ids, SamplingParams(max_tokens=24))
-    assert out == s.answer_ids                                   # the same greedy answer
-    assert stats.proposed > 0 and stats.accepted > 0             # drafts were verified, some kept
-    positions = len(s.prompt_ids) + len(s.answer_ids) - 1
-    assert sorted(seen)[:positions] == list(range(positions))
-    served = torch.stack([seen[j] for j in range(positions)])
-    assert s.features.shape == served.shape
-    assert torch.equal(s.features, served.to(FEATURE_DTYPE))     # bit for bit, as stored
+    accepted = 0
+    for s in data:
+        seen.clear()
+        _, out, stats = eng.generate_text(s.prompt_ids, SamplingParams(max_tokens=32))
+        assert out == s.answer_ids                               # the same greedy answer
+        assert stats.proposed > 0
+        accepted += stats.accepted
+        positions = len(s.prompt_ids) + len(s.answer_ids) - 1
+        assert sorted(seen)[:positions] == list(range(positions))
+        served = torch.stack([seen[j] for j in range(positions)])
+        assert s.features.shape == served.shape
+        assert torch.equal(s.features, served.to(FEATURE_DTYPE))     # bit for bit, as stored
+    assert accepted > 0                          # verify passes kept drafted rows among them
 
 
 def test_a_request_in_a_batch_gets_its_own_answer_and_features(tiny_model):
