@@ -7,6 +7,7 @@ import torch
 
 from engine import SamplingParams
 from engine.metrics import ProposerCounts, decode_step_rate
+from engine.speculative import proposer_choice
 from engine.speculative.proposer_choice import (EXPLORE_EVERY, EXPLORE_STEPS, MAX_EXPLORE_EVERY, MIN_STEPS, OFF,
                                                ProposerChoice)
 from tests.conftest import assert_second_token_follows_the_target, chat, together
@@ -179,10 +180,13 @@ def test_auto_replies_join_the_suffix_index_even_when_it_did_not_draft(make_tiny
     assert eng.speculator.suffix_cache.index.num_tokens == 6
 
 
-def test_sampled_output_with_auto_keeps_the_target_distribution(make_tiny_engine):
+def test_sampled_output_with_auto_keeps_the_target_distribution(make_tiny_engine, monkeypatch):
     """Temperature 1: the second token is verified from whichever proposer auto chose for that
     step (suffix trees of earlier replies' second tokens, n-gram chains, or none); its
-    frequencies match the target's own probabilities (chi-square)."""
+    frequencies match the target's own probabilities (chi-square). Every candidate is measured
+    again every EXPLORE_EVERY steps here (no backoff: which one loses depends on the timings),
+    so each keeps drafting some of the second tokens."""
+    monkeypatch.setattr(proposer_choice, "MAX_EXPLORE_EVERY", EXPLORE_EVERY)
     eng = make_tiny_engine()
     eng.reconfigure(proposer="auto", num_speculative_tokens=4)
     seen = []
