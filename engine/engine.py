@@ -90,8 +90,7 @@ class LLMEngine:
         self._moe_blocks = moe_blocks(target.model)
         self.pool_short: str | None = None      # why the pool counts as short (kv_cache_dtype fp8_when_short)
         self._short_rebuild = False             # it ran short mid-run: rebuild it in FP8 when idle
-        pool_config = self.pool_config(None)
-        self.plan: MemoryPlan = plan_memory(pool_config, device, target.model)
+        pool_config, self.plan = self.pool_plan(None)
         self.runner = ModelRunner(target, pool_config, device, num_blocks=self.plan.num_blocks, progress=progress,
                                   on_settings_changed=self._settings_changed,
                                   num_snapshots=self.plan.prefix_snapshots)
@@ -171,8 +170,7 @@ class LLMEngine:
             runner.release_cache()
         if draft is not None:
             prepare_model(draft.model, self.device)
-        config = self.pool_config(draft)
-        plan = plan_memory(config, self.device, self.target_model.model, draft.model if draft else None)
+        config, plan = self.pool_plan(draft)
         self.runner.build_cache(config, plan.num_blocks, plan.prefix_snapshots)
         self.settings_version += 1
         if draft is None:
@@ -184,20 +182,24 @@ class LLMEngine:
                                             progress=self.progress, on_settings_changed=self._settings_changed)
         self.plan = plan
 
-    def pool_config(self, draft: loader.LoadedModel | None) -> EngineConfig:
-        """The config the pools are built with: kv_cache_dtype fp8_when_short is the model's dtype
-        until the pool runs short (pool_short says why: the pool in that dtype holds less than
-        one full context, or a request was preempted for want of blocks), then fp8_e4m3."""
-        c = self.config
+    def pool_plan(self, draft: loader.LoadedModel | None) -> tuple[EngineConfig, MemoryPlan]:
+        """(the config the pools are built with, their memory plan): kv_cache_dtype fp8_when_short
+        is the model's dtype until the pool runs short (pool_short says why: the pool in that
+        dtype holds less than one full context, or a request was preempted for want of blocks),
+        then fp8_e4m3. Planned once unless the model dtype's plan turns out short."""
+        c, model = self.config, self.target_model.model
+        draft_model = draft.model if draft else None
         if c.kv_cache_dtype != FP8_WHEN_SHORT:
-            return c
+            return c, plan_memory(c, self.device, model, draft_model)
         if self.pool_short is None:
-            plan = plan_memory(c, self.device, self.target_model.model, draft.model if draft else None)
+            plan = plan_memory(c, self.device, model, draft_model)
             tokens = plan.num_blocks * c.block_size
-            if tokens < self.max_model_len:
-                self.pool_short = (f"the pool in the model's dtype holds {tokens} tokens, less than one full "
-                                   f"context ({self.max_model_len})")
-        return c.with_changes(kv_cache_dtype="fp8_e4m3") if self.pool_short else c
+            if tokens >= self.max_model_len:
+                return c, plan
+            self.pool_short = (f"the pool in the model's dtype holds {tokens} tokens, less than one full "
+                               f"context ({self.max_model_len})")
+        fp8 = c.with_changes(kv_cache_dtype="fp8_e4m3")
+        return fp8, plan_memory(fp8, self.device, model, draft_model)
 
     def _note_preemptions(self, plan: StepPlan) -> None:
         """Under fp8_when_short, a step that preempted a request for want of blocks makes the pool

@@ -28,7 +28,7 @@ _NAMED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 # The model's dtype until the pool runs short, then FP8 E4M3: the engine resolves it to one of
-# the two when it builds the pool (LLMEngine.pool_config); on its own it reads as the model's.
+# the two when it builds the pool (LLMEngine.pool_plan); on its own it reads as the model's.
 FP8_WHEN_SHORT = "fp8_when_short"
 
 
