@@ -15,7 +15,8 @@
 // steps. Vectors run across
 // output columns, never across k, so a row's bits depend neither on the row count nor on the
 // instruction set nor on the thread count (threads split column tiles, never K). Each weight
-// tile is decoded once per call for every group of rows that uses it (up to 4 rows on AVX-512, 8
+// tile is decoded once per call for every group of rows that uses it (up to 4 rows on AVX-512, or
+// all of 5 to 8 rows on one tile, 8
 // on the 256-bit paths: cpu_quant_tile256.h) (llama.cpp's
 // CPU method, written for this project); AVX-512 keeps a 4-bit tile read by more than 4 rows
 // decoded for the later groups, where the 256-bit paths re-decode it from L1 (faster there).
@@ -571,6 +572,16 @@ void vnni_rows(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t 
   if (M - i == 1) group_of(std::integral_constant<int, 1>{});
 }
 
+// 5 to 8 rows on one tile (16 columns) at once: R accumulators and R integer sums fit the 32
+// registers where two tiles' would not (Q6_K's two sums a row would not: it keeps groups of 4)
+template <int BITS, typename S>
+void vnni_one_pass(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t ldy) {
+  if (M == 5) tile_vnni<BITS, 5, 1, S>(rows, 0, wt, y, ldy, true);
+  else if (M == 6) tile_vnni<BITS, 6, 1, S>(rows, 0, wt, y, ldy, true);
+  else if (M == 7) tile_vnni<BITS, 7, 1, S>(rows, 0, wt, y, ldy, true);
+  else tile_vnni<BITS, 8, 1, S>(rows, 0, wt, y, ldy, true);
+}
+
 // 256-bit: rows eight at a time, then the rest in one group, each group of rows in one pass over
 // the tile (a verify pass of 4 drafts is 5 rows: one pass); the first streams the tile from
 // memory (prefetching the tiles ahead), the others re-read it from L1 (re-decoding costs less
@@ -604,6 +615,14 @@ void run_tiles(Isa isa, const Rows& rows, int64_t M, int64_t t0, int64_t t1, con
     return Weight{base.w + t * base.wstride, s0 ? s0 + t * base.sstride : nullptr, base.wstride, base.sstride};
   };
   int64_t t = t0;
+  if constexpr (BITS != KQ6) {
+    if (isa == AVX512 && M >= 5 && M <= 8) {
+      // a verify pass (k + 1 rows) or a few users: every row in one pass over each tile, so the
+      // tile is read and decoded once (in groups of 4, the fifth row cost 0.65 of a step more)
+      for (; t < t1; ++t) vnni_one_pass<BITS, S>(rows, M, at(t), y + t * COLS, N);
+      return;
+    }
+  }
   if (isa == AVX512) {
     static thread_local std::vector<uint8_t> scratch;       // each worker thread's decoded tiles
     scratch.resize(BITS == 4 && M > 4 ? 2 * (rows.K / 32) * 32 * COLS : 0);
