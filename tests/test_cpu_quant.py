@@ -151,3 +151,20 @@ def test_a_graph_names_registered_weights_by_index_and_gets_their_bits():
         cpu_quant.linear_at(x, 0, 96, None)
     with pytest.raises(RuntimeError, match="no weights registered"):
         cpu_quant.use(key)
+
+
+@pytest.mark.parametrize("bits,group", FORMATS, ids=["4bit", "8bit-g32", "8bit-g16"])
+def test_an_embedding_row_looked_up_in_packed_bytes_is_the_dequantized_row(bits, group):
+    """A tied embedding is read from its head's packed bytes once a step (our op, embed_rows):
+    the same fp32 bits as the torch expression and as unpack's whole table, fp16 and fp32 scales."""
+    u, d, m = _weight(bits, group)
+    for scales_dtype in (torch.float16, torch.float32):
+        d_s = d if scales_dtype == torch.float16 else d * (1 + 2**-20)      # not an fp16 number: fp32 scales
+        w, scales = cpu_quant.pack(u, d_s, m, bits)
+        assert scales.dtype == scales_dtype
+        ids = torch.tensor([0, 5, 17, u.shape[0] - 1, 31, 16])
+        got = cpu_quant.rows(w, scales, bits, ids)
+        assert torch.equal(got, cpu_quant.rows_reference(w, scales, bits, ids))
+        assert torch.equal(got, cpu_quant.unpack(w, scales, bits)[ids])
+    with pytest.raises(RuntimeError, match="outside the table"):
+        cpu_quant.rows(w, scales, bits, torch.tensor([u.shape[0]]))

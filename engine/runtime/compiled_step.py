@@ -58,6 +58,7 @@ import time
 import types
 import weakref
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -297,6 +298,23 @@ def model_graph(model: torch.nn.Module, device: torch.device, run=None) -> _Mode
     return graph
 
 
+class Prepared(NamedTuple):
+    """A pass's arguments as the graph takes them (CompiledStep.prepare); n and r: its real
+    rows and logits rows (the rest is padding)."""
+    inputs: tuple
+    rows: torch.Tensor
+    graph: attention_op.GraphPass
+    n: int
+    r: int
+
+    def holds(self, inputs: tuple, rows: torch.Tensor, graph: attention_op.GraphPass) -> bool:
+        """Whether these are the given tensors themselves (nothing padded or copied), so that
+        refilling those refills these."""
+        given = (*inputs, rows, *(getattr(graph, name) for name in ROW_TENSORS))
+        mine = (*self.inputs, self.rows, *(getattr(self.graph, name) for name in ROW_TENSORS))
+        return len(given) == len(mine) and all(a is b for a, b in zip(given, mine))
+
+
 class CompiledStep:
     """Runs a pass (ModelRunner.forward_batch's ids, metadata and logits rows) through the model's
     graph; `run` and `what` name another pass of the model (an EAGLE head's draft pass, whose
@@ -331,13 +349,19 @@ class CompiledStep:
             graph: attention_op.GraphPass) -> tuple[torch.Tensor, torch.Tensor]:
         """call's outputs for the pass as the graph takes it (engine.runtime.decode_graphs gives
         views of its persistent buffers: they are the graph's inputs as they are)."""
+        return self.run_prepared(self.prepare(inputs, rows, graph))
+
+    def prepare(self, inputs: tuple[torch.Tensor, ...], rows: torch.Tensor,
+                graph: attention_op.GraphPass) -> "Prepared":
+        """The graph's arguments for a pass: padded where the graph needs more rows, copied where
+        dynamo would specialise on a view, their dimensions marked dynamic. Done once for a
+        recording over persistent buffers (decode_graphs), whose tensors keep their marks."""
         n, r = inputs[0].shape[0], rows.shape[0]
-        first = self.graph.compile_s is None
         # On the CPU the row dimension is unbacked: the graph assumes nothing of its size, so a
         # 1-row decode runs as one row (padded to 2 before, it paid a second row in every linear:
         # 0.34 ms of the default model's 7 ms step; a backed size-oblivious trace still guarded
         # on 1 in view strides). The build itself still sees at least MIN_ROWS.
-        least = MIN_ROWS if first else 1
+        least = MIN_ROWS if self.graph.compile_s is None else 1
         padded, padded_r = (max(padded_rows(count, self.device), least) for count in (n, r))
         if padded > n:
             inputs = tuple(torch.cat([t, t[-1:].expand(padded - n, *t.shape[1:])]) for t in inputs)
@@ -359,6 +383,11 @@ class CompiledStep:
                 torch._dynamo.mark_static_address(pool)
             for dim in range(1, pool.dim(), 3):     # its blocks (reconfigure rebuilds it), a row's bytes (its dtype)
                 dynamic(pool, dim)
+        return Prepared(inputs, rows, graph, n, r)
+
+    def run_prepared(self, prepared: "Prepared") -> tuple[torch.Tensor, torch.Tensor]:
+        """run's outputs for arguments `prepare` made (again, for a recording's replay)."""
+        first = self.graph.compile_s is None
         if first:
             self.progress(f"compiling {self.what} (about a minute the first time on a small CPU; "
                           "seconds from the disk cache)…", 0.0)
@@ -366,8 +395,8 @@ class CompiledStep:
         t0 = time.perf_counter()
         packed_linear.use(self.model.packed_weights)
         quantized_linear.use(self.graph.weights_key)
-        logits, hidden = self._compiled(*inputs, rows, None, graph)
-        self.row_counts.add(n)
+        logits, hidden = self._compiled(*prepared.inputs, prepared.rows, None, prepared.graph)
+        self.row_counts.add(prepared.n)
         if first or compiled_graphs() != graphs_before:
             self.untaken_compile_s += time.perf_counter() - t0
             self.compiles += 1
@@ -375,7 +404,7 @@ class CompiledStep:
         if first:
             self.graph.compile_s = time.perf_counter() - t0
             self.progress(f"compiled {self.what} in {self.graph.compile_s:.0f} s", 1.0)
-        return logits[:r], hidden[:n]
+        return logits[:prepared.r], hidden[:prepared.n]
 
     @property
     def is_built(self) -> bool:
