@@ -443,7 +443,8 @@ class EngineStep:
         return ratio(self.kv_blocks_used, self.kv_blocks_used + self.kv_blocks_free) or 0.0
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"kv_usage": self.kv_usage}
+        # every field is a number: a shallow copy (asdict's deep copy cost about 40 us a step)
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"kv_usage": self.kv_usage}
 
 
 def pass_figures(shares: list, events: list[StepEvent]) -> dict:
