@@ -42,6 +42,8 @@ def test_padded_batches_replay_todays_tokens_also_after_the_pool_is_rebuilt(make
     graphs = eng.runner.decode_graphs
     assert recorded == {(1, 2), (1, 4), (1, 16)}
     assert graphs.replays >= 3 * (GREEDY.max_tokens - 2)
+    # a replay is the graph's call alone, over the buffers' own tensors (nothing copied a step)
+    assert all(r.prepared is not None for r in graphs.recordings.values())
     for e in (reference, eng):
         e.reconfigure(kv_cache_dtype="fp8_e4m3")
     assert eng.runner.decode_graphs is not graphs and not eng.runner.decode_graphs.recordings

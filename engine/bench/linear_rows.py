@@ -1,6 +1,7 @@
 """`bench kernels` on the CPU: `linear_rows`, what the whole model's quantized linears cost at 1,
-2, 4, 8 and 16 rows. A decode step is 1 row; a k-token verify pass or a batch of users is more:
-a kernel whose cost stays flat as rows grow makes speculation and batching pay.
+2, 4, 5, 8 and 16 rows. A decode step is 1 row; a verify of k drafts is k + 1 rows (5 at the
+app's k = 4), and a batch of users is more: a kernel whose cost stays flat as rows grow makes
+speculation and batching pay.
 
 The model named (--model F or --synthetic PRESET; default: the embedded model), loaded as the
 app loads it (engine.loading.loader.load_model: dtype auto, weight_dtype auto: a GGUF's tensors
@@ -26,7 +27,7 @@ import time
 
 import torch
 
-ROWS = (1, 2, 4, 8, 16)
+ROWS = (1, 2, 4, 5, 8, 16)
 REPEATS = 15
 READS = 5                       # reads of the bandwidth buffer, before the timings and again after
 ALL = "all"                     # the pass over every quantized linear, head included, at 1 row

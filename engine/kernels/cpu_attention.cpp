@@ -348,18 +348,23 @@ void store_row(const In* x, int64_t hkv, int64_t d, int64_t kind, void* pool, fl
   }
 }
 
+// A pool as store_rows writes it: `layers` x `capacity` slots of H_kv x D elements of `elem`
+// bytes at `data` (FP8 scales, one per slot and head, at `scales`)
+struct PoolAt {
+  char* data; float* scales; int64_t capacity, hkv, d, elem;
+};
+
 // The first n rows of x [N, H_kv, D] into their slots of layer `layer`'s pool
-void store_rows(const at::Tensor& given, int64_t n, const at::Tensor& pool, const at::Tensor& scales, int64_t layer,
-                const int64_t* slots, int64_t kind) {
-  const int64_t hkv = pool.size(3), d = pool.size(4), per_layer = pool.numel() / pool.size(0);
+void store_rows(const at::Tensor& given, int64_t n, const PoolAt& pool, int64_t layer, const int64_t* slots,
+                int64_t kind) {
+  const int64_t hkv = pool.hkv, d = pool.d, per_layer = pool.capacity * hkv * d;
   TORCH_CHECK(given.dim() == 3 && given.size(1) == hkv && given.size(2) == d, "storing K/V: k and v [N, H_kv, D]");
   const at::Tensor x = given.stride(2) == 1 && given.stride(1) == d ? given : given.contiguous();   // rows may be apart
-  char* base = static_cast<char*>(pool.data_ptr()) + layer * per_layer * pool.element_size();
-  float* sc = scales.defined() ? scales.data_ptr<float>() + layer * (per_layer / d) : nullptr;
-  const int64_t capacity = pool.size(1) * pool.size(2);
+  char* base = pool.data + layer * per_layer * pool.elem;
+  float* sc = pool.scales != nullptr ? pool.scales + layer * (per_layer / d) : nullptr;
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(slots[i] >= 0 && slots[i] < capacity, "storing K/V: slot ", slots[i], " is outside the pool (",
-                capacity, " slots)");
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < pool.capacity, "storing K/V: slot ", slots[i], " is outside the pool (",
+                pool.capacity, " slots)");
     if (x.scalar_type() == at::kBFloat16)
       store_row(x.data_ptr<at::BFloat16>() + i * x.stride(0), hkv, d, kind, base, sc, slots[i]);
     else
@@ -379,8 +384,12 @@ void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& k, const
   auto widened = [](const at::Tensor& x) {      // store_rows reads fp32 or bf16
     return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ? x : x.to(at::kFloat);
   };
-  store_rows(widened(k), s.numel(), k_pool.unsqueeze(0), at::Tensor(), 0, s.data_ptr<int64_t>(), kind);
-  store_rows(widened(v), s.numel(), v_pool.unsqueeze(0), at::Tensor(), 0, s.data_ptr<int64_t>(), kind);
+  auto at_pool = [](at::Tensor& pool) {
+    return PoolAt{static_cast<char*>(pool.data_ptr()), nullptr, pool.size(0) * pool.size(1), pool.size(2),
+                  pool.size(3), pool.element_size()};
+  };
+  store_rows(widened(k), s.numel(), at_pool(k_pool), 0, s.data_ptr<int64_t>(), kind);
+  store_rows(widened(v), s.numel(), at_pool(v_pool), 0, s.data_ptr<int64_t>(), kind);
 }
 
 // RoPE, rotate-half (transformers' Llama), on the first n rows of x [N, H, D] (its last dim
@@ -409,12 +418,15 @@ void rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
     }
 }
 
-at::Tensor rotated(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t n) {
+// x rotated, into `buffer` (this thread's, reused every call: no allocation a layer)
+at::Tensor rotated(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t n,
+                   std::vector<char>& buffer) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "attend_layer: q and k [N, H, D], D even");
   TORCH_CHECK(cos.dim() == 3 && cos.size(0) >= n && cos.size(2) == x.size(2) && cos.stride(2) == 1 &&
               sin.sizes() == cos.sizes() && sin.strides() == cos.strides() && cos.scalar_type() == x.scalar_type() &&
               sin.scalar_type() == x.scalar_type(), "attend_layer: cos and sin [N, 1, D] in q's dtype");
-  at::Tensor out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  buffer.resize(static_cast<size_t>(x.numel() * x.element_size()));
+  at::Tensor out = at::from_blob(buffer.data(), {x.size(0), x.size(1), x.size(2)}, x.options());
   if (x.scalar_type() == at::kBFloat16) rope_rows<at::BFloat16>(x, cos, sin, n, out);
   else rope_rows<float>(x, cos, sin, n, out);
   return out;
@@ -441,41 +453,44 @@ at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK(width == 1 || width == 2 || width == 4, "attend_layer: an fp32, bf16 or FP8 pool (", width,
               " bytes an element)");
   const bool fp8 = width == 1;
-  const at::ScalarType type = fp8 ? at::kFloat8_e4m3fn : width == 2 ? at::kBFloat16 : at::kFloat;
-  at::Tensor k_pool = k_bytes.view(type), v_pool = v_bytes.view(type);
+  // the pool read in place as elements of `width` bytes: [L, blocks, BS, H_kv, D] (no view made)
+  const int64_t layers = k_bytes.size(0), blocks = k_bytes.size(1), bs = k_bytes.size(2), hkv = k_bytes.size(3),
+                d = q.size(2), elements = k_bytes.numel() / width;
   TORCH_CHECK(!fp8 || (k_scale.has_value() && v_scale.has_value() && k_scale->is_contiguous() &&
                        v_scale->is_contiguous() && k_scale->scalar_type() == at::kFloat &&
-                       v_scale->scalar_type() == at::kFloat && k_scale->numel() * q.size(2) == k_pool.numel() &&
+                       v_scale->scalar_type() == at::kFloat && k_scale->numel() * d == elements &&
                        v_scale->numel() == k_scale->numel()),
               "attend_layer: an FP8 pool needs its fp32 scales [L, blocks, BS, H_kv]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "attend_layer: int64 slots");
   const RowsIn rows{tables, row_seq, prefix, extra_start, extra_keys};
   check_rows(rows);
   TORCH_CHECK(row_seq.numel() == slots.numel(), "attend_layer: one slot per row");
-  TORCH_CHECK(layer >= 0 && layer < k_pool.size(0), "attend_layer: no layer ", layer, " in the pool");
+  TORCH_CHECK(layer >= 0 && layer < layers, "attend_layer: no layer ", layer, " in the pool");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
               (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), "attend_layer: fp32 or bf16 q, k, v");
   const int64_t n = slots.numel(), total = q.size(0);
   TORCH_CHECK(n >= 1 && total >= n && k.size(0) == total && v.size(0) == total,
               "attend_layer: the pass has ", n, " rows, the graph gave ", total);
-  const int64_t kind = fp8 ? KIND_FP8 : k_pool.scalar_type() == at::kBFloat16 ? KIND_BF16 : KIND_F32;
-  const at::Tensor ks = fp8 ? *k_scale : at::Tensor(), vs = fp8 ? *v_scale : at::Tensor();
+  const int64_t kind = fp8 ? KIND_FP8 : width == 2 ? KIND_BF16 : KIND_F32;
+  float* ks = fp8 ? k_scale->data_ptr<float>() : nullptr;
+  float* vs = fp8 ? v_scale->data_ptr<float>() : nullptr;
   const int64_t* slot_ids = slots.data_ptr<int64_t>();
+  const PoolAt k_at{static_cast<char*>(k_bytes.data_ptr()), ks, blocks * bs, hkv, d, width};
+  const PoolAt v_at{static_cast<char*>(v_bytes.data_ptr()), vs, blocks * bs, hkv, d, width};
   // cos and sin: q and k are rotated here (RoPE), as they are stored and read
   const bool rope = cos.has_value() && cos->defined();
   TORCH_CHECK(rope == (sin.has_value() && sin->defined()), "attend_layer: cos and sin, or neither");
-  store_rows(rope ? rotated(k, *cos, *sin, n) : k, n, k_pool, ks, layer, slot_ids, kind);
-  store_rows(v, n, v_pool, vs, layer, slot_ids, kind);
-  const at::Tensor qc = rope ? rotated(q, *cos, *sin, n) : q.contiguous();
-  at::Tensor out = at::empty_like(qc);
-  const int64_t per_layer = k_pool.numel() / k_pool.size(0), elem = k_pool.element_size(),
-                per_scale = per_layer / k_pool.size(4);
+  thread_local std::vector<char> k_rotated, q_rotated;
+  store_rows(rope ? rotated(k, *cos, *sin, n, k_rotated) : k, n, k_at, layer, slot_ids, kind);
+  store_rows(v, n, v_at, layer, slot_ids, kind);
+  const at::Tensor qc = rope ? rotated(q, *cos, *sin, n, q_rotated) : q.contiguous();
+  at::Tensor out = at::empty(qc.sizes(), qc.options());
+  const int64_t per_layer = blocks * bs * hkv * d, per_scale = blocks * bs * hkv;
   const c10::optional<at::Tensor> sinks32 =
       sinks.has_value() ? c10::optional<at::Tensor>(sinks->detach().to(at::kFloat).contiguous()) : c10::nullopt;
-  attend(qc, n, static_cast<const char*>(k_pool.data_ptr()) + layer * per_layer * elem,
-         static_cast<const char*>(v_pool.data_ptr()) + layer * per_layer * elem,
-         fp8 ? ks.data_ptr<float>() + layer * per_scale : nullptr, fp8 ? vs.data_ptr<float>() + layer * per_scale : nullptr,
-         k_pool.size(3), k_pool.size(2), rows, scale, window, sinks32, kind, isa, out);
+  attend(qc, n, k_at.data + layer * per_layer * width, v_at.data + layer * per_layer * width,
+         fp8 ? ks + layer * per_scale : nullptr, fp8 ? vs + layer * per_scale : nullptr,
+         hkv, bs, rows, scale, window, sinks32, kind, isa, out);
   if (total > n) {      // padding rows repeat the last (attention_op's contract)
     const int64_t row = out.numel() / total * out.element_size();
     char* o = static_cast<char*>(out.data_ptr());
