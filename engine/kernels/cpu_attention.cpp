@@ -348,8 +348,8 @@ void store_row(const In* x, int64_t hkv, int64_t d, int64_t kind, void* pool, fl
   }
 }
 
-// A pool as store_rows writes it: `layers` x `capacity` slots of H_kv x D elements of `elem`
-// bytes at `data` (FP8 scales, one per slot and head, at `scales`)
+// A pool as store_rows writes it: per layer, `capacity` slots of H_kv x D elements of `elem`
+// bytes, from `data` (FP8: one scale per slot and head, from `scales`; else null)
 struct PoolAt {
   char* data; float* scales; int64_t capacity, hkv, d, elem;
 };

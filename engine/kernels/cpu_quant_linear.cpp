@@ -15,11 +15,11 @@
 // steps. Vectors run across
 // output columns, never across k, so a row's bits depend neither on the row count nor on the
 // instruction set nor on the thread count (threads split column tiles, never K). Each weight
-// tile is decoded once per call for every group of rows that uses it (up to 4 rows on AVX-512, or
-// all of 5 to 8 rows on one tile, 8
-// on the 256-bit paths: cpu_quant_tile256.h) (llama.cpp's
-// CPU method, written for this project); AVX-512 keeps a 4-bit tile read by more than 4 rows
-// decoded for the later groups, where the 256-bit paths re-decode it from L1 (faster there).
+// tile is decoded once per call for every group of rows that uses it (llama.cpp's CPU method,
+// written for this project): on AVX-512, 5 to 8 rows in one group over one tile, else groups of
+// up to 4 rows over two tiles; on the 256-bit paths (cpu_quant_tile256.h) groups of up to 8.
+// AVX-512 keeps a 4-bit tile read by more than one group decoded for the later groups, where
+// the 256-bit paths re-decode it from L1 (faster there).
 //
 // Packed layout, per tile of 16 output columns (t = N / 16) and group g of G k:
 //   4-bit (G = 32): w[t, g, 256] uint8, byte j*64 + c*4 + i (j < 4, c < 16, i < 4) holds

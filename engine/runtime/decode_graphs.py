@@ -47,17 +47,17 @@ class StepBuffers:
         self.max_seqs, self.q_rows = max_seqs, q_rows
         long = dict(dtype=torch.int64, device=device)
         self.h = torch.zeros(rows, hidden, dtype=dtype, device=device)
-        cuda = torch.device(device).type == "cuda"
+        self.cuda = torch.device(device).type == "cuda"              # the host tensors go over by copy
         shapes = {"positions": (rows,), "slots": (rows,), "prefix": (rows,), "tables": (max_seqs, max_blocks)}
-        self.host = {name: torch.zeros(shape, dtype=torch.int64, pin_memory=cuda) for name, shape in shapes.items()}
+        self.host = {name: torch.zeros(shape, dtype=torch.int64, pin_memory=self.cuda) for name, shape in shapes.items()}
         self._np = {name: t.numpy() for name, t in self.host.items()}
         self.positions, self.slots, self.prefix, self.tables = (
-            torch.zeros(shapes[name], **long) if cuda else self.host[name] for name in shapes)
-        self.row_seq = torch.arange(rows, **long) // q_rows          # fixed: row r is sequence r // Q's
+            torch.zeros(shapes[name], **long) if self.cuda else self.host[name] for name in shapes)
+        self._seq, self._offset = np.divmod(np.arange(rows, dtype=np.int64), q_rows)   # row r: sequence, row in it
+        self.row_seq = torch.from_numpy(self._seq).to(device)         # fixed: row r is sequence r // Q's
         self.extra_start = torch.zeros(rows + 1, **long)              # fixed: no tree keys
         self.extra_keys = torch.zeros(1, **long)
         self.logit_rows = torch.arange(rows, **long)                  # fixed: every row's logits
-        self._q = np.arange(q_rows, dtype=np.int64)
 
     def fill(self, embedded: torch.Tensor, starts: list[int], tables: list[list[int]], block_size: int,
              batch: int) -> None:
@@ -70,15 +70,14 @@ class StepBuffers:
             raise ValueError(f"a block table longer than the buffers' {self.tables.shape[1]} blocks")
         starts = starts + [starts[-1]] * (batch - real)
         tables = tables + [tables[-1]] * (batch - real)
-        n, table = batch * q, self._np["tables"]
+        n, table, seq = batch * q, self._np["tables"], self._seq[:batch * q]
         for i, t in enumerate(tables):
             table[i, :len(t)] = t
-        positions = (np.asarray(starts, dtype=np.int64)[:, None] + self._q).reshape(-1)
+        positions = np.asarray(starts, dtype=np.int64)[seq] + self._offset[:n]
         self._np["positions"][:n] = positions
-        self._np["slots"][:n] = table[np.repeat(np.arange(batch), q), positions // block_size] * block_size \
-            + positions % block_size
+        self._np["slots"][:n] = table[seq, positions // block_size] * block_size + positions % block_size
         self._np["prefix"][:n] = positions + 1
-        if self.positions is not self.host["positions"]:
+        if self.cuda:
             for name, host in self.host.items():
                 getattr(self, name).copy_(host, non_blocking=True)
         self.h[:real * q].copy_(embedded)
@@ -104,15 +103,15 @@ class _Call:
     is the graph's call alone, as a CUDA graph's is (about 0.1 ms of Python a step saved)."""
 
     def __init__(self, compiled, inputs, rows, graph):
-        self.compiled = compiled
-        self.out = compiled.run(inputs, rows, graph)
-        prepared = compiled.prepare(inputs, rows, graph)
-        # the buffers' own views, nothing padded or copied: refilling the buffers refills them
-        self.prepared = prepared if prepared.holds(inputs, rows, graph) else None
-        self.call = (lambda: compiled.run(inputs, rows, graph)) if self.prepared is None else None
+        self.compiled, self.args = compiled, (inputs, rows, graph)
+        self.out = compiled.run(*self.args)
+        prepared = compiled.prepare(*self.args)
+        # kept where they are the buffers' own tensors (nothing padded or copied): refilling the
+        # buffers refills them; else (a bucket padded further on CUDA) prepared at each replay
+        self.prepared = prepared if prepared.holds(*self.args) else None
 
     def replay(self):
-        self.out = self.compiled.run_prepared(self.prepared) if self.prepared is not None else self.call()
+        self.out = self.compiled.run_prepared(self.prepared or self.compiled.prepare(*self.args))
         return self.out
 
 
