@@ -247,6 +247,20 @@ def test_a_large_tensor_is_packed_in_slices_of_rows_with_the_same_results(mix_fi
     assert torch.equal(our_logits(sliced), our_logits(as_stored))
 
 
+def test_a_fused_linear_larger_than_a_slice_is_packed_part_by_part_with_the_same_results(mix_file, as_stored,
+                                                                                        monkeypatch):
+    """A fused linear of several stored parts of one form larger than a slice (an 8B's gate/up:
+    2 x 12288 x 4096 values) is cut part by part, each part into slices of its own rows (issue
+    62: each slice was asked of every part, past a part's end). The same logits, bit for bit."""
+    from engine.loading import weight_quant
+    monkeypatch.setattr(weight_quant, "PART_VALUES", 2**16)        # 256 rows of 256: every fused run is cut
+    sliced = load_model(str(mix_file), dtype=torch.bfloat16)
+    mlp, attn = sliced.model.layers[0].mlp, sliced.model.layers[0].self_attn
+    assert [p.shape[0] for p in mlp.gate_up_proj.quant.parts] == [256, 128, 256, 128]      # gate, then up
+    assert [p.shape[0] for p in attn.qkv_proj.quant.parts] == [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
+    assert torch.equal(our_logits(sliced), our_logits(as_stored))
+
+
 def test_the_header_is_read_as_gguf_reads_it(mix_file):
     """Our header parse (which skips the tokenizer's arrays) finds every tensor where gguf's
     reader does."""

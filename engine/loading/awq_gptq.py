@@ -140,10 +140,11 @@ class AWQGPTQTensors:
                                         "that the int4 kernel cannot follow; choose one quantized with desc_act "
                                         f"false, or {FLOAT_HINT}")
 
-    def int4_groups(self, hf_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def int4_groups(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [out, in] int32 0..15, scale, zero [out, in / group] float32) with
-        w = (q - 8) * scale + zero, exactly the stored w = (q - z) * s."""
-        q, z, s = self._unpacked(hf_name)
+        w = (q - 8) * scale + zero, exactly the stored w = (q - z) * s (`rows`: of the out
+        features, only those; a multiple of 8 where it starts and stops inside)."""
+        q, z, s = self._unpacked(hf_name, rows)
         return q, s, (8 - z) * s
 
     def dequantized(self, hf_name: str) -> torch.Tensor:
@@ -153,10 +154,16 @@ class AWQGPTQTensors:
         w = (q.view(out, groups, -1) - z[..., None]) * s[..., None]
         return w.view(out, -1)
 
-    def _unpacked(self, hf_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [out, in], z [out, groups] int32, s [out, groups] float32), zero offset applied."""
+    def _unpacked(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [out, in], z [out, groups] int32, s [out, groups] float32), zero offset applied
+        (`rows`: of out, only those; the packed columns sliced before they are unpacked)."""
         base = _base(hf_name)
         qweight, qzeros, scales = (self.checkpoint.read(self.find(base + s)) for s in (".qweight", ".qzeros", ".scales"))
+        if rows != slice(None):
+            start, stop = rows.start or 0, rows.stop if rows.stop is not None else scales.shape[1]
+            packed = slice(start // PACK, stop // PACK)
+            qweight = qweight[:, packed] if self.config.method == AWQ else qweight[:, start:stop]
+            qzeros, scales = qzeros[:, packed], scales[:, start:stop]
         if self.config.method == AWQ:
             q = _unpack_columns(qweight, AWQ_REVERSE_ORDER)         # [in, out]
             z = _unpack_columns(qzeros, AWQ_REVERSE_ORDER)          # [in / g, out]

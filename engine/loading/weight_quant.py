@@ -75,6 +75,7 @@ class LinearPlan:
     how: str                    # "stored" | "rtn" | ""
     why_not: str | None         # why `kind` cannot be served here (then: float)
     forms: list[tuple[str, int]] = field(default_factory=list)     # as stored: each part's (form, group)
+    part_rows: list[int] = field(default_factory=list)              # each part's rows (out features)
 
     @property
     def source_type(self) -> str:
@@ -107,7 +108,7 @@ def plan_linears(model, weight_dtype: str, device: torch.device, stored, dtype: 
         else:       # auto, with a part the table gives no form here (a float checkpoint: none to give)
             why_not = _no_form(types, device)
         plans.append(LinearPlan(name, m, [p for p, _ in parts], types, kind, how, why_not or None,
-                                forms if how == "stored" else []))
+                                forms if how == "stored" else [], [int(shape[0]) for _, shape in parts]))
     return plans
 
 
@@ -247,8 +248,8 @@ def stored_weight(plan: LinearPlan, stored, dtype: torch.dtype):
     for (form, _), parts in runs:
         groups = (stored.int4_groups if form == INT4 else stored.kquant_blocks if form in quantized_linear.KQUANTS
                   else stored.int8_groups)
-        for rows in _row_slices(plan, parts):
-            tensors = _cat(form, [groups(part) if rows == slice(None) else groups(part, rows) for part in parts])
+        for chunk in _row_chunks(plan, parts):
+            tensors = _cat(form, [groups(part) if rows == slice(None) else groups(part, rows) for part, rows in chunk])
             weights.append(_from_groups(form, tensors, dtype))
             del tensors
             release_freed_memory()
@@ -290,15 +291,20 @@ def _glibc():
 _LIBC = _glibc()
 
 
-def _row_slices(plan: LinearPlan, parts: list[str]) -> list[slice]:
-    """A linear of one large stored tensor (a tied head: 151936 x 2048) is decoded and packed
-    in slices of rows, each its own part of the stacked weight, so the load's transient memory
-    is a slice's (packing copies a weight several times over), not the head's."""
-    out, inp = plan.module.weight.shape
-    if plan.parts != parts or out * inp <= PART_VALUES:
-        return [slice(None)]
+def _row_chunks(plan: LinearPlan, parts: list[str]) -> list[list[tuple[str, slice]]]:
+    """The run of `parts` (stored tensors of one form, their rows concatenated) as the chunks
+    it is decoded and packed in, each chunk [(part, its rows)] one weight of the stack. A run
+    up to PART_VALUES values is one chunk of whole parts; a larger one (a tied head: 151936 x
+    2048; an 8B's fused gate/up: 2 x 12288 x 4096) is cut part by part, each part into slices
+    of its own rows, so the load's transient memory is a slice's (packing copies a weight
+    several times over), not the run's."""
+    rows = dict(zip(plan.parts, plan.part_rows))
+    inp = plan.module.weight.shape[1]
+    if sum(rows[p] for p in parts) * inp <= PART_VALUES:
+        return [[(part, slice(None)) for part in parts]]
     step = max(PART_ROWS, PART_VALUES // inp // PART_ROWS * PART_ROWS)
-    return [slice(start, min(start + step, out)) for start in range(0, out, step)]
+    return [[(part, slice(None) if rows[part] <= step else slice(start, min(start + step, rows[part])))]
+            for part in parts for start in range(0, rows[part], step)]
 
 
 def _cat(form: str, groups: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
