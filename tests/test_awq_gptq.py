@@ -119,7 +119,8 @@ def test_awq_and_gptq_are_served_as_stored_int4_and_match_the_reference(checkpoi
     method = "AWQ" if folder.name == "awq" else "GPTQ"
     float_reads = []
     dequantized = AWQGPTQTensors.dequantized
-    monkeypatch.setattr(AWQGPTQTensors, "dequantized", lambda self, name: float_reads.append(name) or dequantized(self, name))
+    monkeypatch.setattr(AWQGPTQTensors, "dequantized",
+                        lambda self, name, **rows: float_reads.append(name) or dequantized(self, name, **rows))
     loaded = load_model(str(folder), weight_dtype="auto")
     # no float detour: only the fingerprint's down projection is ever dequantized
     assert float_reads == ["model.layers.1.mlp.down_proj.weight"]
@@ -136,6 +137,19 @@ def test_awq_and_gptq_are_served_as_stored_int4_and_match_the_reference(checkpoi
     assert (ours_logits - reference_logits).abs().max() <= 2e-2 * reference_logits.abs().max()
     # an EAGLE head made for these weights attaches however they are served
     assert weights_fingerprint(loaded.model) == weights_fingerprint(reference.model)
+
+
+def test_a_slice_of_a_packed_linears_rows_is_those_rows(checkpoints):
+    """A large linear is packed a slice of rows at a time (engine.loading.weight_quant): each
+    slice, even one that starts or stops inside a packed int32 of 8 columns, is those rows."""
+    from engine.loading.loader import awq_gptq_source, load_config, open_checkpoint
+    folder, _ = checkpoints
+    source = awq_gptq_source(folder, open_checkpoint(folder, load_config(folder)))
+    name = "model.layers.0.mlp.gate_proj.weight"
+    whole, dense = source.int4_groups(name), source.dequantized(name)
+    for rows in (slice(0, 1), slice(3, 19), slice(8, None)):
+        assert all(torch.equal(a[rows], b) for a, b in zip(whole, source.int4_groups(name, rows)))
+        assert torch.equal(source.dequantized(name, rows=rows), dense[rows])
 
 
 def test_float_dequantizes_int8_requantizes_and_int4_keeps_the_stored_groups(float_folder, tmp_path):

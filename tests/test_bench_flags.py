@@ -142,14 +142,19 @@ def test_refusals_come_before_anything_runs(loaders, tmp_path, capsys):
 def test_kernels_times_the_named_files_linears_against_the_best_read(tmp_path):
     """A 2-layer Q4_K_M file with an untied Q6_K head: one row's pass over every weight the file
     stores quantized (all but the embedding, which is looked up), against the best of the
-    bandwidth reads."""
+    bandwidth reads; and each stored type's kernel alone, against plain reads on one and on all
+    threads."""
+    import math
+
     import gguf
+    import torch
     from engine.bench.linear_rows import READS, linear_rows_bench
     from engine.loading.synthetic_gguf import write_gguf
     shapes = {"preset": "tiny", "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2}
     path = write_gguf(tmp_path / "two-layers-q4_k_m.gguf", shapes, "Q4_K_M")
-    out = linear_rows_bench(model_flags.ModelSource(str(path), None), repeats=1)
+    out = linear_rows_bench(model_flags.ModelSource(str(path), None), repeats=1, type_rounds=1,
+                            in_cache_shape=(256, 512), stream_shape=(512, 1024))
     assert (out["model"], out["model_path"]) == (str(path), str(path))
     tensors = gguf.GGUFReader(str(path)).tensors
     head = next(int(t.n_bytes) for t in tensors if t.name == "output.weight")
@@ -160,6 +165,20 @@ def test_kernels_times_the_named_files_linears_against_the_best_read(tmp_path):
     assert out["read_bandwidth_best_gb_s"] == max(out["read_bandwidth_reads_gb_s"])
     share = out["all_linears_bytes"] / (out["all_linears_1_row_ms"] * 1e-3) / (out["read_bandwidth_best_gb_s"] * 1e9)
     assert out["roofline_fraction"] == pytest.approx(share, rel=0.02, abs=1e-3)     # as rounded
+    # each stored type the file's linears hold (Q4_K and Q6_K), its kernel on its own
+    types = {t.tensor_type.name for t in tensors if t.tensor_type.name != "F32" and t.name != "token_embd.weight"}
+    assert set(out["per_type"]) == types
+    read_1, read_all = out["read_1_thread_gb_s"]["median"], out["read_all_threads_gb_s"]["median"]
+    for rates in out["per_type"].values():
+        for name in ("in_cache_1_row_gb_s", "in_cache_16_rows_gb_s", "stream_1_thread_gb_s", "stream_all_threads_gb_s"):
+            assert 0 < rates[name] < math.inf
+        for ratio, rate, read in (("in_cache_1_row_over_read_1_thread", "in_cache_1_row_gb_s", read_1),
+                                  ("stream_1_thread_over_read_1_thread", "stream_1_thread_gb_s", read_1),
+                                  ("stream_all_threads_over_read_all_threads", "stream_all_threads_gb_s", read_all)):
+            assert rates[ratio] == pytest.approx(rates[rate] / read, abs=1e-3)      # as rounded
+    assert 0 < out["read_1_thread_gb_s"]["median"] <= out["read_1_thread_gb_s"]["best"] < math.inf
+    assert 0 < out["read_all_threads_gb_s"]["median"] <= out["read_all_threads_gb_s"]["best"] < math.inf
+    assert torch.get_num_threads() == out["threads"]        # set to one for the one-thread timings, and back
 
 
 def test_kernels_refuses_a_model_without_quantized_linears(tiny_model):

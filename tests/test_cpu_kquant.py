@@ -52,6 +52,20 @@ def test_super_blocks_keep_the_files_bytes_and_gguf_decodes_them_alike(bits):
     assert torch.equal(cpu_kquant.rows(w, bits, ids), oracle[ids])
 
 
+@pytest.mark.parametrize("bits", BITS, ids=["Q4_K", "Q5_K", "Q6_K"])
+def test_the_native_repacking_gives_the_reference_layouts_bytes(bits):
+    """Our op (cpu_kquant_pack.cpp, what a load runs) writes the bytes the torch-op definition
+    writes, on random blocks of every value and on a file's real rows; a shape it cannot tile
+    is refused by name."""
+    raw = _blocks(bits, seed=10 + bits)
+    assert torch.equal(torch.ops.workbench_cpu.kquant_pack(raw, bits), cpu_kquant.pack_reference(raw, bits))
+    from engine.loading.synthetic_gguf import quantize
+    real = torch.from_numpy(quantize(torch.randn(32, 512).numpy() * 0.02, GGML[bits].name))
+    assert torch.equal(cpu_kquant.pack(real, bits), cpu_kquant.pack_reference(real, bits))
+    with pytest.raises(RuntimeError, match="not a multiple of 16"):
+        torch.ops.workbench_cpu.kquant_pack(raw[:40], bits)
+
+
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bits", BITS, ids=["Q4_K", "Q5_K", "Q6_K"])

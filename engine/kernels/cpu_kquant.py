@@ -137,9 +137,23 @@ def dequantize_blocks(raw: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 # ---- integers -> the kernel's tiles ---------------------------------------------------------
-def pack(raw: torch.Tensor, bits: int) -> torch.Tensor:
+def pack(raw: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The file's rows of super-blocks [N, K / 256 * bytes] -> [N / 16, K / 256, 16 * bytes] in
-    the kernel's layout (the same bytes, regrouped)."""
+    the kernel's layout (the same bytes, regrouped), written into `out` when given (a slice of
+    a larger weight's tiles): by our op (cpu_kquant_pack.cpp, at about the speed memory
+    copies), else by `pack_reference`, whose bytes the op's are (tests)."""
+    raw = torch.as_tensor(raw)
+    if cpu_quant.refusal() is not None:     # the library our kernels are built into did not load
+        packed = pack_reference(raw, bits)
+        return packed if out is None else out.copy_(packed)
+    if out is None:
+        return torch.ops.workbench_cpu.kquant_pack(raw.contiguous(), bits)
+    torch.ops.workbench_cpu.kquant_pack_into(raw.contiguous(), bits, out)
+    return out
+
+
+def pack_reference(raw: torch.Tensor, bits: int) -> torch.Tensor:
+    """`pack` in torch ops: the definition of the layout."""
     raw = torch.as_tensor(raw)
     f = decode(raw, bits)
     n, k = f["u"].shape

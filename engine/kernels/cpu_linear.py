@@ -28,9 +28,11 @@ from engine.kernels.build_lock import build_lock
 
 # one library: this op, the quantized one (cpu_quant_linear.cpp, engine.kernels.cpu_quant), the
 # FP8 cache read (cpu_fp8.cpp, engine.kernels.cpu_fp8), paged attention (cpu_attention.cpp,
-# engine.kernels.cpu_attention) and a decoder's layers in one call (cpu_decoder.cpp)
+# engine.kernels.cpu_attention), a decoder's layers in one call (cpu_decoder.cpp) and the K-quants'
+# repacking at load (cpu_kquant_pack.cpp, engine.kernels.cpu_kquant)
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_linear.cpp", "cpu_quant_linear.cpp", "cpu_fp8.cpp", "cpu_attention.cpp", "cpu_decoder.cpp")]
+           for name in ("cpu_linear.cpp", "cpu_quant_linear.cpp", "cpu_fp8.cpp", "cpu_attention.cpp", "cpu_decoder.cpp",
+                        "cpu_kquant_pack.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_bf16.h", "cpu_quant_tile256.h", "cpu_fused.h")]   # in the hash, not compiled alone
 BLOCK = 32                          # output columns per packed block (NB in the source)
 # narrowest first: the last one a CPU passes runs. avx_vnni and avx512vl_vnni are the quantized

@@ -45,6 +45,7 @@ BITS = {INT4: 4, INT8: 8, INT8_GROUPS: 8, **KQUANTS}
 INT4_GROUP = 32                 # llama.cpp's Q4 block; gpt-fast's default is 32 too
 OURS, TORCH = "ours", "torch"
 INNER_K_TILES = 1               # torch's int4 kernel takes any in_features divisible by the group
+CHECK_TILES = 8                 # check_rows runs a weight's first tiles (128 rows), not the whole of it
 CHECK_ROWS = (1, 2, 3, 16, 64)
 # Activations torch's kernels are fast for. In float32 both run a per-row loop: a 128-row pass
 # of a 1536 x 576 int4 weight took 196 ms against 6.8 ms in bf16 (int8: 98 ms).
@@ -187,14 +188,15 @@ def from_int8_groups(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     return QuantizedWeight(INT8_GROUPS, w, scales, (out, inp), group, OURS, dtype)
 
 
-def from_kquant(raw: torch.Tensor, kind: str, dtype: torch.dtype) -> QuantizedWeight:
-    """The file's rows of `kind` super-blocks [out, in / 256 * bytes] uint8, read as stored."""
+def from_kquant(raw: torch.Tensor, kind: str, dtype: torch.dtype, into: torch.Tensor | None = None) -> QuantizedWeight:
+    """The file's rows of `kind` super-blocks [out, in / 256 * bytes] uint8, read as stored
+    (packed into `into` when given: a slice of a larger weight's tiles, Joined's)."""
     bits = BITS[kind]
     out, inp = raw.shape[0], raw.shape[1] // cpu_kquant.BLOCK_BYTES[bits] * cpu_kquant.SUPER
     why = _our_refusal(kind, (out, inp), cpu_kquant.SUPER)
     if why:
         raise ValueError(f"{kind} cannot be read as stored here: {why}")
-    return QuantizedWeight(kind, cpu_kquant.pack(raw, bits), torch.empty(0, dtype=torch.uint8), (out, inp),
+    return QuantizedWeight(kind, cpu_kquant.pack(raw, bits, into), torch.empty(0, dtype=torch.uint8), (out, inp),
                            cpu_kquant.SUPER, OURS, dtype)
 
 
@@ -235,6 +237,57 @@ class StackedWeight:
 
     def describe(self) -> str:
         return " + ".join(dict.fromkeys(p.describe() for p in self.parts))
+
+
+class Joined:
+    """One weight of `rows` output rows from consecutive slices of its rows packed apart (a
+    large linear is decoded and packed a slice at a time, engine.loading.weight_quant): our
+    kernel's slices of one kind are copied into one tensor as they come (its tiles are along
+    the rows), so the model calls one kernel, whose fusions (a norm, a SwiGLU gate) apply, and
+    the load holds the whole weight plus one slice. Slices another kernel holds stay apart."""
+
+    def __init__(self, rows: int):
+        self.rows, self.done, self.whole, self.apart = rows, 0, None, []
+
+    def add_kquant(self, raw: torch.Tensor, kind: str, dtype: torch.dtype) -> None:
+        """A slice of a K-quant's file rows, packed straight into the whole weight's tiles (no
+        copy: the load holds the weight and one slice of the file's bytes)."""
+        if self.whole is None and not self.apart and raw.shape[0] < self.rows and not _our_refusal(kind, (
+                self.rows, raw.shape[1] // cpu_kquant.BLOCK_BYTES[BITS[kind]] * cpu_kquant.SUPER), cpu_kquant.SUPER):
+            first = from_kquant(raw[:cpu_quant.COLS], kind, dtype)      # one tile: the tile's shape
+            tiles = self.rows // cpu_quant.COLS
+            self.whole = QuantizedWeight(kind, first.data.new_empty((tiles, *first.data.shape[1:])), first.scales,
+                                         (self.rows, first.shape[1]), first.group_size, OURS, dtype)
+        if self.whole is None:
+            self.apart.append(from_kquant(raw, kind, dtype))
+            return
+        at, n = self.done // cpu_quant.COLS, raw.shape[0] // cpu_quant.COLS
+        from_kquant(raw, kind, dtype, into=self.whole.data[at:at + n])
+        self.done += raw.shape[0]
+
+    def add(self, qw: QuantizedWeight) -> None:
+        first = self.whole is None and not self.apart
+        if first and (qw.kernel != OURS or qw.shape[0] == self.rows):
+            self.apart.append(qw)
+            return
+        if first:
+            tiles = self.rows // cpu_quant.COLS
+            self.whole = QuantizedWeight(qw.kind, qw.data.new_empty((tiles, *qw.data.shape[1:])),
+                                         qw.scales.new_empty((tiles, *qw.scales.shape[1:])) if qw.scales.numel() else qw.scales,
+                                         (self.rows, qw.shape[1]), qw.group_size, OURS, qw.dtype)
+        if self.whole is None:
+            self.apart.append(qw)
+            return
+        at, n = self.done // cpu_quant.COLS, qw.shape[0] // cpu_quant.COLS
+        self.whole.data[at:at + n] = qw.data
+        if qw.scales.numel():
+            if qw.scales.dtype != self.whole.scales.dtype:      # fp16 where exact, else fp32: the same values
+                self.whole.scales = self.whole.scales.float()
+            self.whole.scales[at:at + n] = qw.scales
+        self.done += qw.shape[0]
+
+    def weights(self) -> list[QuantizedWeight]:
+        return [self.whole] if self.whole is not None else self.apart
 
 
 def stack(parts: list[QuantizedWeight]) -> QuantizedWeight | StackedWeight:
@@ -390,6 +443,15 @@ def rows(qw, ids: torch.Tensor) -> torch.Tensor:
     return cpu_quant.rows(qw.data, qw.scales, BITS[qw.kind], ids)
 
 
+def _first_tiles(qw: QuantizedWeight, tiles: int) -> QuantizedWeight:
+    """Our kernel's weight cut to its first `tiles` tiles of 16 output rows (each row is
+    computed alone, so a row's bits are the same in the whole weight); torch's as it is."""
+    if qw.kernel != OURS or qw.shape[0] <= tiles * cpu_quant.COLS:
+        return qw
+    return QuantizedWeight(qw.kind, qw.data[:tiles], qw.scales[:tiles] if qw.scales.numel() else qw.scales,
+                           (tiles * cpu_quant.COLS, qw.shape[1]), qw.group_size, qw.kernel, qw.dtype)
+
+
 def check_rows(weights: list[QuantizedWeight]) -> str | None:
     """None when each row's result is the same for every row count in CHECK_ROWS, per
     weight shape and kind (batch invariance); else what differed."""
@@ -400,6 +462,7 @@ def check_rows(weights: list[QuantizedWeight]) -> str | None:
         if key in seen:
             continue
         seen.add(key)
+        qw = _first_tiles(qw, CHECK_TILES)
         x = torch.randn(max(CHECK_ROWS), qw.shape[1], generator=gen).to(qw.dtype)
         full = linear(x, qw, None)
         for n in CHECK_ROWS[:-1]:

@@ -147,30 +147,32 @@ class AWQGPTQTensors:
         q, z, s = self._unpacked(hf_name, rows)
         return q, s, (8 - z) * s
 
-    def dequantized(self, hf_name: str) -> torch.Tensor:
-        """The weight [out, in] in float32, w = (q - z) * s (exact)."""
-        q, z, s = self._unpacked(hf_name)
+    def dequantized(self, hf_name: str, rows: slice = slice(None)) -> torch.Tensor:
+        """The weight [out, in] in float32, w = (q - z) * s (exact); `rows`: only those (as int4_groups)."""
+        q, z, s = self._unpacked(hf_name, rows)
         out, groups = s.shape
         w = (q.view(out, groups, -1) - z[..., None]) * s[..., None]
         return w.view(out, -1)
 
     def _unpacked(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [out, in], z [out, groups] int32, s [out, groups] float32), zero offset applied
-        (`rows`: of out, only those; the packed columns sliced before they are unpacked)."""
+        (`rows`: of out, only those; the packed columns that hold them sliced before unpacking)."""
         base = _base(hf_name)
         qweight, qzeros, scales = (self.checkpoint.read(self.find(base + s)) for s in (".qweight", ".qzeros", ".scales"))
+        start, stop = rows.start or 0, rows.stop if rows.stop is not None else scales.shape[1]
+        lo, hi = start // PACK * PACK, -(-stop // PACK) * PACK          # whole packed columns
         if rows != slice(None):
-            start, stop = rows.start or 0, rows.stop if rows.stop is not None else scales.shape[1]
-            packed = slice(start // PACK, stop // PACK)
-            qweight = qweight[:, packed] if self.config.method == AWQ else qweight[:, start:stop]
-            qzeros, scales = qzeros[:, packed], scales[:, start:stop]
+            packed = slice(lo // PACK, hi // PACK)
+            qweight = qweight[:, packed] if self.config.method == AWQ else qweight[:, lo:hi]
+            qzeros, scales = qzeros[:, packed], scales[:, lo:hi]
         if self.config.method == AWQ:
             q = _unpack_columns(qweight, AWQ_REVERSE_ORDER)         # [in, out]
             z = _unpack_columns(qzeros, AWQ_REVERSE_ORDER)          # [in / g, out]
         else:
             q = _unpack_rows(qweight)                               # [in, out]
             z = _unpack_columns(qzeros) + self.config.zero_offset   # [in / g, out]
-        return q.t().contiguous(), z.t().contiguous(), scales.float().t().contiguous()
+        keep = slice(start - lo, stop - lo)
+        return q.t()[keep].contiguous(), z.t()[keep].contiguous(), scales.float().t()[keep].contiguous()
 
 
 def _base(hf_name: str) -> str:

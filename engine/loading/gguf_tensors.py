@@ -77,6 +77,7 @@ from engine.loading.stored_formats import format_of
 FLOAT_READS = {"F32": np.float32, "F16": np.float16}      # float types read as they are
 BLOCK = 32
 READ_BYTES = 16 * 2**20         # stored bytes decoded per slice of rows
+SPARSE = 8                      # rows wanted fewer than 1 in this many of their span: read one by one
 # transformers' names of the tensors a Llama-family GGUF may hold (per layer: the rest)
 GLOBAL_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 LAYER_NAMES = ("input_layernorm.weight", "post_attention_layernorm.weight",
@@ -297,25 +298,44 @@ class GGUFTensors:
         total = int(t.shape[-1]) if len(t.shape) > 1 else 1
         block_values, block_bytes = self._gguf.GGML_QUANT_SIZES[t.tensor_type]
         row_bytes = t.n_bytes // total
+        if decode is _as_stored and len(wanted) and np.array_equal(wanted, np.arange(wanted[0], wanted[0] + len(wanted))):
+            return (self._read_run(t, int(wanted[0]), len(wanted), row_bytes),)
         where = np.full(total, -1, dtype=np.int64)      # file row -> its place in the output
         where[wanted] = np.arange(len(wanted))
         outputs = None
-        step = max(1, READ_BYTES // row_bytes)
+        span = int(wanted.max()) + 1 - int(wanted.min())
+        step = 1 if len(wanted) * SPARSE < span else max(1, READ_BYTES // row_bytes)     # sparse: the rows alone
         with open(self.path, "rb", buffering=0) as f:
             for start in range(int(wanted.min()), int(wanted.max()) + 1, step):
                 n = min(step, int(wanted.max()) + 1 - start)
+                index = where[start:start + n]
+                keep = index >= 0
+                if not keep.any():
+                    continue
                 f.seek(t.data_offset + start * row_bytes)
                 raw = np.empty((n, row_bytes // block_bytes, block_bytes), dtype=np.uint8)
                 if f.readinto(memoryview(raw).cast("B")) != raw.nbytes:
                     raise EOFError(f"{self.path} ends inside tensor {t.name}; the file is truncated")
-                index = where[start:start + n]
-                keep = index >= 0
-                parts = [torch.from_numpy(np.ascontiguousarray(a[keep])) for a in decode(raw)]
+                parts = [torch.from_numpy(np.ascontiguousarray(a)) for a in decode(raw if keep.all() else raw[keep])]
                 if outputs is None:
                     outputs = [torch.empty((len(wanted), *p.shape[1:]), dtype=dtype or p.dtype) for p in parts]
                 for out, part in zip(outputs, parts):
                     out.index_copy_(0, torch.from_numpy(index[keep]), part.to(out.dtype))
         return tuple(outputs)
+
+    def _read_run(self, t: "StoredTensor", start: int, n: int, row_bytes: int) -> torch.Tensor:
+        """File rows start .. start + n of t as stored [n, row_bytes] uint8: read straight into
+        the tensor (a K-quant's rows in the file's order, most of a load's bytes)."""
+        out = torch.empty((n, row_bytes), dtype=torch.uint8)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(t.data_offset + start * row_bytes)
+            view, done = memoryview(out.numpy()).cast("B"), 0
+            while done < out.numel():
+                got = f.readinto(view[done:])
+                if not got:
+                    raise EOFError(f"{self.path} ends inside tensor {t.name}; the file is truncated")
+                done += got
+        return out
 
     def _row_order(self, gguf_name: str, out: int) -> np.ndarray:
         """Where each of transformers' rows is in the file: transformers' processor applied

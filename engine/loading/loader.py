@@ -475,7 +475,7 @@ def stored_fingerprint(model, quantized) -> str:
     (down, down_name), embedding = model.fingerprint_down(), model.embed_tokens.weight
     if not down.weight.is_meta and not embedding.is_meta:
         return weights_fingerprint(model)
-    down_row = (quantized.dequantized(down_name)[:1]
+    down_row = (quantized.dequantized(down_name, rows=slice(0, 1)).reshape(1, -1)
                 if down.weight.is_meta else down.weight[:1])
     rows = (quantized.dequantized("model.embed_tokens.weight", rows=slice(None, None, 997))
             if embedding.is_meta else embedding[::997])

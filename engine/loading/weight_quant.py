@@ -18,8 +18,10 @@
 dtype (quantized_linear.slow_in: torch's CPU kernels are fast with bf16 activations only);
 in float32 it dequantizes, and says why. int8 / int4 serve as asked in any dtype, the
 report noting a slow one.
-The tied head quantizes beside the embedding, which stays in float for its lookups (a
-Q6_K embedding: served twice, the head as stored and the table in the compute dtype).
+A head tied to the embedding and served as stored by our kernel also serves the embedding's
+lookups (no float table); an embedding no head shares is looked up in its own stored blocks
+where every linear is served as stored (`embedding_plan`: an 8B's table costs its 0.35 GB as
+stored, not 2.5 GB in fp32); elsewhere the table is held in the compute dtype.
 A linear served as stored is never read in float: the loader leaves its parameter on the
 meta device (`served_as_stored`) and its groups come straight from the stored blocks.
 """
@@ -46,6 +48,7 @@ class WeightReport:
     quantized: int = 0          # linears served quantized
     linears: int = 0
     note: str | None = None     # e.g. why the quantized kernels will be slow
+    embedding: str | None = None    # an untied embedding looked up in its stored blocks: how
 
     @property
     def identity_tag(self) -> str:
@@ -61,7 +64,7 @@ class WeightReport:
 
     def as_dict(self) -> dict:
         return {"requested": self.requested, "served": dict(self.served), "quantized_linears": self.quantized,
-                "linears": self.linears, "note": self.note}
+                "linears": self.linears, "note": self.note, "embedding": self.embedding}
 
 
 @dataclass
@@ -157,9 +160,31 @@ def served_as_stored(model, weight_dtype: str, device: torch.device, stored, dty
     read (`dtype`: the compute dtype the model is loaded in)."""
     plans = plan_linears(model, weight_dtype, device, stored, dtype)
     names = {f"{p.name}.weight" for p in plans if p.as_stored}
-    if any(_embedding_in_head(model, p) for p in plans):
-        names.add("embed_tokens.weight")          # looked up in the head's stored bytes, never read in float
+    if any(_embedding_in_head(model, p) for p in plans) or embedding_plan(model, plans, device, stored, dtype):
+        names.add("embed_tokens.weight")          # looked up in stored bytes, never read in float
     return names
+
+
+def embedding_plan(model, plans: list[LinearPlan], device: torch.device, stored, dtype: torch.dtype
+                   ) -> LinearPlan | None:
+    """An embedding no head shares (an 8B's 151936 x 4096 Q4_K table: 2.5 GB in fp32, 0.35 GB
+    as stored) looked up in its own stored blocks, as a tied one is in its head's: the plan of
+    its weight when every plan's linear is served as stored (the weights stay quantized) and
+    our kernel's layout takes its stored type (so rows can be read); else None (a float table)."""
+    embedding = getattr(model, "embed_tokens", None)
+    name = "model.embed_tokens.weight"
+    if (stored is None or not hasattr(embedding, "serve_from")
+            or getattr(getattr(model, "lm_head", None), "weight", None) is embedding.weight
+            or not plans or not all(p.as_stored for p in plans)):
+        return None
+    source_type = stored.type_of(name)
+    if source_type is None or source_type in FLOAT_TYPES or format_of(source_type).on(device).form is None:
+        return None
+    shape = tuple(embedding.weight.shape)
+    form = _form(source_type, stored, name, shape, device, dtype)
+    if form[0] is None or not quantized_linear.ours_takes(form[0], shape, form[1]):
+        return None
+    return LinearPlan("embed_tokens", embedding, [name], [source_type], "stored", "stored", None, [form], [shape[0]])
 
 
 def _embedding_in_head(model, plan: LinearPlan) -> bool:
@@ -180,7 +205,8 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> Wei
     float_name = str(dtype).removeprefix("torch.")
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     chosen = []
-    for p in plan_linears(model, weight_dtype, device, stored, dtype):
+    plans = plan_linears(model, weight_dtype, device, stored, dtype)
+    for p in plans:
         report.linears += 1
         if p.kind is None or p.why_not:
             report.served.setdefault(p.source_type, f"{float_name}" + (
@@ -193,6 +219,10 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> Wei
             qw = quantized_linear.quantize(p.module.weight, p.kind, dtype)
             forms = {p.source_type: f"{qw.describe()} round-to-nearest at load"}
         chosen.append((p, qw, forms))
+    table = embedding_plan(model, plans, device, stored, dtype)
+    if table is not None:           # looked up in its stored blocks: no float table
+        model.embed_tokens.serve_from(stored_weight(table, stored, dtype))
+        report.embedding = f"{table.source_type} looked up as stored"
     broken = _row_variant_kinds([qw for _, qw, _ in chosen])
     served = 0
     for p, qw, forms in chosen:
@@ -248,11 +278,16 @@ def stored_weight(plan: LinearPlan, stored, dtype: torch.dtype):
     for (form, _), parts in runs:
         groups = (stored.int4_groups if form == INT4 else stored.kquant_blocks if form in quantized_linear.KQUANTS
                   else stored.int8_groups)
+        joined = quantized_linear.Joined(sum(r for p, r in zip(plan.parts, plan.part_rows) if p in parts))
         for chunk in _row_chunks(plan, parts):
             tensors = _cat(form, [groups(part) if rows == slice(None) else groups(part, rows) for part, rows in chunk])
-            weights.append(_from_groups(form, tensors, dtype))
+            if form in quantized_linear.KQUANTS:
+                joined.add_kquant(*tensors, form, dtype)
+            else:
+                joined.add(_from_groups(form, tensors, dtype))
             del tensors
             release_freed_memory()
+        weights.extend(joined.weights())
     return quantized_linear.stack(weights)
 
 
