@@ -341,6 +341,13 @@ inline void kgroup16(const uint8_t* s, int sub, __m512 d16, __m512 nmin16, __m51
   }
 }
 
+// The first row group of a call streams its tiles from memory, prefetching this far ahead in the
+// tile's own bytes (the next tile's follow them). A 2-core Zen 4 (memory ~30 GB/s a thread):
+// the model's K-quant linears at one row streamed 12 GB/s a thread with the next tile's group
+// prefetched, 20 GB/s 8 KiB ahead (4 KiB: 16, 16 KiB: 19, into L2: 13); AVX2's path 10 at
+// 2 KiB, 14 at 4 and 8 KiB.
+constexpr int64_t PREFETCH_BYTES = 8192;
+
 // ---- AVX-512 VNNI: T tiles (16 columns each) by R rows at once -----------------------------
 // F: 4, 8, or a K-quant (S is then float: the super-block's scales decoded into dm)
 template <int F, int R, int T, typename S>
@@ -375,16 +382,16 @@ void tile_vnni(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64
       for (int t = 0; t < T; ++t)
         for (int p = 0; p < P; ++p) isum[r][t][p] = _mm512_setzero_si512();
     const int8_t* xg = rows.xq + row0 * K + g * (NIB ? 32 : G);
-    if (prefetch_next) {      // the next tiles' weights and scales, while this one computes
+    if (prefetch_next) {      // PREFETCH_BYTES ahead in the stream this tile is read from (the next tile follows it)
       for (int t = 0; t < T; ++t) {
-        const uint8_t* next = wgroup(T + t, g);
-        for (int64_t line = 0; line < gb; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
+        const uint8_t* ahead = wgroup(t, g) + PREFETCH_BYTES;
+        for (int64_t line = 0; line < gb; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
         if constexpr (KF) {
           if ((g & 7) == 0)
             for (int64_t line = 0; line < kscale_bytes(F); line += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(kscales_of<F>(wt.w + (T + t) * wt.wstride, g) + line), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(kscales_of<F>(wt.w + t * wt.wstride, g) + PREFETCH_BYTES + line), _MM_HINT_T0);
         } else {
-          _mm_prefetch(reinterpret_cast<const char*>(sc + (T + t) * wt.sstride + g * 2 * COLS), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(sc + t * wt.sstride + g * 2 * COLS) + PREFETCH_BYTES / 4, _MM_HINT_T0);
         }
       }
     }
@@ -468,7 +475,6 @@ void tile_vnni(const Rows& rows, int64_t row0, const Weight& wt, float* y, int64
 // ---- 256-bit: AVX2, AVX-VNNI, and AVX-VNNI's code in AVX-512 VL's encoding -----------------
 // One body (cpu_quant_tile256.h), compiled once per instruction set: the EVEX build lets an
 // AVX-512 machine run and test the code an AVX-VNNI one (Alder Lake and later) runs.
-constexpr int64_t PREFETCH_BYTES = 2048;
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -626,7 +632,8 @@ void run_tiles(Isa isa, const Rows& rows, int64_t M, int64_t t0, int64_t t1, con
   if (isa == AVX512) {
     static thread_local std::vector<uint8_t> scratch;       // each worker thread's decoded tiles
     scratch.resize(BITS == 4 && M > 4 ? 2 * (rows.K / 32) * 32 * COLS : 0);
-    for (; t + 2 <= t1; t += 2) vnni_rows<BITS, S, 2>(rows, M, at(t), y + t * COLS, N, scratch.data());
+    // one tile at a time: one stream from memory, prefetched ahead (two tiles side by side
+    // were two streams 18 to 55 KiB apart, and streamed at 0.7 of one)
     for (; t < t1; ++t) vnni_rows<BITS, S, 1>(rows, M, at(t), y + t * COLS, N, scratch.data());
   } else if (isa == AVX2) {
     for (; t < t1; ++t) rows256<TileAvx2, BITS, S>(rows, M, at(t), y + t * COLS, N);
@@ -741,8 +748,7 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   const uint16_t* rb = added && bf16 ? reinterpret_cast<const uint16_t*>(rc.data_ptr<at::BFloat16>()) : nullptr;
   const float* rf = added && !bf16 ? rc.data_ptr<float>() : nullptr;
   if (M > 0) {
-    // grain: two tiles, so the AVX-512 path keeps its 32-column pairs
-    at::parallel_for(0, tiles, 2, [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       const bool half = sc.scalar_type() == at::kHalf;
       const Isa is = static_cast<Isa>(isa);
       if (fmt == KQ4) run_tiles<KQ4, float>(is, rows, M, t0, t1, base, yp, N);
