@@ -60,8 +60,8 @@ def blocks_file(tmp_path_factory):
 
 
 def test_each_block_type_decodes_to_the_oracles_weights_exactly(blocks_file):
-    """In the kernels' forms: int4 w = (q - 8) * scale + zero, int8 groups w = q * scale (Q5's:
-    + zero), bit for bit in float32 (the products are exact, so float64 then one rounding is
+    """In the kernels' forms: int4 w = (q - 8) * scale + zero, int8 groups w = q * scale (Q5_K's:
+    + zero), int5 groups (Q5_0, Q5_1) w = q * scale + zero, bit for bit in float32 (the products are exact, so float64 then one rounding is
     the oracle's)."""
     tensors, expected = blocks_file
     for name, want in expected.items():
@@ -77,8 +77,8 @@ def test_each_block_type_decodes_to_the_oracles_weights_exactly(blocks_file):
             if kind == "Q6_K":
                 assert -32 <= int(q.min()) and int(q.max()) <= 31
             groups = q.double().view(q.shape[0], -1, group) * scale.double()[..., None]
-        else:       # Q5_0, Q5_1, Q5_K: 8-bit groups of 32 with a zero point, q the 5-bit value
-            q, scale, zero = tensors.int8_groups(name)
+        else:       # Q5_0, Q5_1 (int5 groups), Q5_K (widened: 8-bit groups): groups of 32 with a zero point
+            q, scale, zero = (tensors.int8_groups if kind == "Q5_K" else tensors.int5_groups)(name)
             assert q.dtype == torch.uint8 and int(q.max()) <= 31 and scale.shape[1] == HIDDEN // 32 == zero.shape[1]
             assert tensors.int8_group(name) == 32
             groups = q.double().view(q.shape[0], -1, 32) * scale.double()[..., None] + zero.double()[..., None]
@@ -155,13 +155,13 @@ def test_our_float_read_of_a_gguf_is_transformers_own(mix_file, exact):
 def test_every_quantized_tensor_a_kernel_takes_is_served_as_stored(as_stored):
     report = as_stored.weights.as_dict()
     assert report["served"] == {"Q4_K": "Q4_K super-blocks as stored", "Q6_K": "Q6_K super-blocks as stored",
-                                "Q8_0": "int8 as stored (group 32)", "Q5_0": "int8 as stored (group 32)"}
+                                "Q8_0": "int8 as stored (group 32)", "Q5_0": "int5 as stored (group 32)"}
     assert (report["quantized_linears"], report["linears"]) == (4 * 4 + 1, 4 * 4 + 1)     # the Q5_0 downs too
     for i, layer in enumerate(as_stored.model.layers):
         for name, m in layer.named_modules():
             if isinstance(m, Linear):
                 assert m.quant is not None and m.weight.is_meta, (i, name)
-    assert [layer.mlp.down_proj.quant.describe() for layer in as_stored.model.layers[:2]] == ["int8 (group 32)"] * 2
+    assert [layer.mlp.down_proj.quant.describe() for layer in as_stored.model.layers[:2]] == ["int5 (group 32)"] * 2
     head = as_stored.model.lm_head
     # the tied embedding's rows are looked up in the head's stored bytes: no float table
     embedding = as_stored.model.embed_tokens
@@ -297,6 +297,20 @@ def test_an_untied_embedding_is_looked_up_in_its_stored_blocks_with_the_same_log
     held = load_model(str(path), dtype=torch.bfloat16)
     assert not held.model.embed_tokens.weight.is_meta and held.weights.embedding is None
     assert torch.equal(our_logits(looked_up), our_logits(held))
+
+
+def test_a_load_shows_its_progress_through_the_weights_read_as_stored(mix_file):
+    """The weights read as stored are nearly all of a quantized file's bytes (an 8B's 5 GB):
+    the progress bar moves as each is packed, never backwards, and reaches the weights' end."""
+    from engine.loading.loader import WEIGHTS_END
+    skip_unless_runs(_kernels_refuse(), "our quantized CPU linear")
+    seen = []
+    loaded = load_model(str(mix_file), dtype=torch.bfloat16, progress=lambda message, fraction: seen.append((message, fraction)))
+    fractions = [f for _, f in seen]
+    assert fractions == sorted(fractions) and seen[-1] == ("model ready", 1.0)
+    as_stored = [f for m, f in seen if m.startswith("reading ") and m.endswith(" as stored")]
+    assert len(as_stored) == loaded.weights.quantized == 17
+    assert as_stored[-1] == pytest.approx(WEIGHTS_END) and as_stored[0] < as_stored[-1]
 
 
 def test_the_header_is_read_as_gguf_reads_it(mix_file):

@@ -1,5 +1,5 @@
 """The table of stored formats (engine.loading.stored_formats): how each format is served on
-the CPU and on CUDA, and why; Q5_0, Q5_1 and Q5_K served as stored in 8-bit groups with a zero
+the CPU and on CUDA, and why; Q5_0 and Q5_1 served as stored in 5-bit groups (Q5_K widened: 8-bit) with a zero
 point, exactly (gguf.quants.dequantize is the oracle) and in a whole model; Q8_0 and Q6_K
 packed to the same bytes as before there was a zero point."""
 import gguf
@@ -9,7 +9,7 @@ import torch
 
 from engine.kernels import cpu_quant
 from engine.layers import quantized_linear
-from engine.layers.quantized_linear import INT4, INT8, INT8_GROUPS, Q4_K, Q5_K, Q6_K
+from engine.layers.quantized_linear import INT4, INT5_GROUPS, INT8, INT8_GROUPS, Q4_K, Q5_K, Q6_K
 from engine.loading import gguf_tensors, stored_formats
 from engine.loading.loader import load_config, load_model, resolve
 from engine.loading.stored_formats import FORMATS, format_of
@@ -37,10 +37,10 @@ def _kernel_refuses() -> str | None:
 # ---- the table ---------------------------------------------------------------------------
 def test_every_stored_format_says_how_each_device_serves_it_and_why():
     """On the CPU: the K-quants in their super-blocks (widened to int4 / 8-bit groups where those
-    cannot be read), the other 4-bit types and AWQ/GPTQ as int4 groups, Q5_0/Q5_1/Q8_0 as 8-bit
-    groups, MXFP4 dequantized; on CUDA every quantized format dequantized, each with its reason."""
+    cannot be read), the other 4-bit types and AWQ/GPTQ as int4 groups, Q5_0/Q5_1 as int5 groups,
+    Q8_0 as 8-bit groups, MXFP4 dequantized; on CUDA every quantized format dequantized, each with its reason."""
     cpu = {name: f.on(CPU).form for name, f in FORMATS.items()}
-    assert cpu == {"Q4_0": INT4, "Q4_1": INT4, "Q4_K": Q4_K, "Q5_0": INT8_GROUPS, "Q5_1": INT8_GROUPS,
+    assert cpu == {"Q4_0": INT4, "Q4_1": INT4, "Q4_K": Q4_K, "Q5_0": INT5_GROUPS, "Q5_1": INT5_GROUPS,
                    "Q5_K": Q5_K, "Q6_K": Q6_K, "Q8_0": INT8_GROUPS, "MXFP4": None, "AWQ": INT4,
                    "GPTQ": INT4, "int4 at load": INT4, "int8 at load": INT8, "float": None, "F32": None,
                    "F16": None, "BF16": None}
@@ -50,7 +50,7 @@ def test_every_stored_format_says_how_each_device_serves_it_and_why():
     assert {name: f.widened for name, f in FORMATS.items() if f.widened} == {
         "Q4_K": (INT4, 32), "Q5_K": (INT8_GROUPS, 32), "Q6_K": (INT8_GROUPS, 16)}
     assert all(f.on(CUDA).form is None and f.on(CUDA).why for f in FORMATS.values())
-    assert FORMATS["Q5_0"].on(CUDA).why == "int8 weights run on the CPU only in this release (CUDA keeps them dequantized)"
+    assert FORMATS["Q5_0"].on(CUDA).why == "int5 weights run on the CPU only in this release (CUDA keeps them dequantized)"
     assert FORMATS["Q5_K"].on(CUDA).why == (
         "K-quant weights run on the CPU only in this release (CUDA keeps them dequantized)")
     assert FORMATS["MXFP4"].on(CPU).why == FORMATS["MXFP4"].on(CUDA).why == "no MXFP4 kernel yet"
@@ -106,15 +106,22 @@ def test_random_blocks_decode_to_the_oracles_weights_exactly(kind):
 
 @pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q5_K"])
 def test_q5_blocks_packed_for_our_kernel_hold_the_oracles_weights(kind):
-    """Through the 8-bit group kernel's layout (u = q, w = d * u + m): unpacked, the oracle's
-    weights; the kernel's output in fp32 matches x @ w."""
+    """Through the kernel's layout (Q5_0, Q5_1: 5-bit groups; Q5_K widened: 8-bit groups; u = q,
+    w = d * u + m): unpacked, the oracle's weights; the kernel's output in fp32 matches x @ w;
+    5 bits a weight held (6 with the scale and zero), not 8."""
     skip_unless_runs(_kernel_refuses(), "our quantized CPU linear")
     raw = _random_blocks(kind, 32, 512 // gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0],
                          np.random.default_rng(11))
     want = torch.from_numpy(gguf.quants.dequantize(raw.reshape(32, -1), gguf.GGMLQuantizationType[kind]))
     q, scale, zero = (torch.from_numpy(np.ascontiguousarray(a)) for a in gguf_tensors._DECODERS[kind](raw))
-    qw = quantized_linear.from_int8_groups(q, scale, torch.float32, zero)
-    assert (qw.kind, qw.group_size, qw.shape) == (INT8_GROUPS, 32, (32, 512))
+    if kind == "Q5_K":
+        qw = quantized_linear.from_int8_groups(q, scale, torch.float32, zero)
+    else:
+        qw = quantized_linear.from_int5_groups(q, scale, zero, torch.float32)
+        assert qw.data.numel() == 32 * 512 * 5 // 8
+    assert (qw.kind, qw.group_size, qw.shape) == (INT8_GROUPS if kind == "Q5_K" else INT5_GROUPS, 32, (32, 512))
+    ids = torch.tensor([0, 31, 7, 7])
+    assert torch.equal(quantized_linear.rows(qw, ids), want[ids])             # an embedding's lookups
     assert torch.equal(quantized_linear.dequantize(qw), want)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0))
     reference = x @ want.t()
@@ -155,7 +162,7 @@ def test_a_q5_k_m_file_is_served_as_stored_with_the_files_weights(q5_file):
     loaded = load_model(str(q5_file), dtype=torch.float32)
     exact = load_model(str(q5_file), dtype=torch.float32, weight_dtype="float")
     report = loaded.weights.as_dict()
-    assert report["served"] == {"Q5_K": "Q5_K super-blocks as stored", "Q5_1": "int8 as stored (group 32)",
+    assert report["served"] == {"Q5_K": "Q5_K super-blocks as stored", "Q5_1": "int5 as stored (group 32)",
                                 "Q6_K": "Q6_K super-blocks as stored", "Q8_0": "int8 as stored (group 32)"}
     assert (report["quantized_linears"], report["linears"]) == (4 * 4 + 1, 4 * 4 + 1)
     for (name, m), (_, want) in zip(loaded.model.named_modules(), exact.model.named_modules()):
@@ -187,7 +194,8 @@ def test_on_cuda_the_plan_dequantizes_every_stored_format_and_says_why(q5_file):
     plans = plan_linears(model, "auto", CUDA, GGUFTensors(q5_file, config), torch.bfloat16)
     assert len(plans) == 17 and not any(p.as_stored for p in plans)
     cpu_only = " run on the CPU only in this release (CUDA keeps them dequantized)"
-    assert {why for p in plans for why in p.why_not.split("; ")} == {"int8 weights" + cpu_only, "K-quant weights" + cpu_only}
+    assert {why for p in plans for why in p.why_not.split("; ")} == {"int5 weights" + cpu_only, "int8 weights" + cpu_only,
+                                                                         "K-quant weights" + cpu_only}
     int4 = plan_linears(model, "int4", CUDA, GGUFTensors(q5_file, config), torch.bfloat16)
     assert {p.why_not for p in int4} == {"int4 weights run on the CPU only in this release (CUDA keeps them dequantized)"}
 
@@ -208,10 +216,10 @@ def test_a_part_of_a_type_without_a_row_dequantizes_its_linear_and_says_why():
     assert plans["layers.0.self_attn.qkv_proj"].as_stored or excused(_kernel_refuses(), "our quantized CPU linear")
 
 
-def test_a_fused_linear_of_q5_0_and_q8_0_parts_is_one_8_bit_weight(tmp_path):
+def test_a_fused_linear_of_q5_0_and_q8_0_parts_runs_each_as_stored(tmp_path):
     """Q4_K_M on a width that is not whole super-blocks (320): q, k fall back to Q5_0 and, in
-    the layers use_more_bits picks, v to Q8_0. The 8-bit groups with and without a zero point
-    concatenate into one weight (no stacking), the file's weights exactly."""
+    the layers use_more_bits picks, v to Q8_0. The Q5_0 parts are one 5-bit weight, a Q8_0 v
+    its own 8-bit one beside it: the file's weights exactly."""
     skip_unless_runs(_kernel_refuses(), "our quantized CPU linear")
     path = write_gguf(tmp_path / "narrow-q4_k_m.gguf", {**MIX, "hidden_size": 320}, "Q4_K_M")
     loaded = load_model(str(path), dtype=torch.float32)
@@ -219,7 +227,8 @@ def test_a_fused_linear_of_q5_0_and_q8_0_parts_is_one_8_bit_weight(tmp_path):
     assert loaded.weights.quantized == loaded.weights.linears == 17
     for i in (0, 2):
         qkv = loaded.model.layers[i].self_attn.qkv_proj
-        assert (qkv.quant.kind, qkv.quant.group_size, qkv.quant.shape) == (INT8_GROUPS, 32, (512, 320)), i
+        kinds = [part.kind for part in getattr(qkv.quant, "parts", [qkv.quant])]
+        assert qkv.quant.shape == (512, 320) and kinds in ([INT5_GROUPS], [INT5_GROUPS, INT8_GROUPS]), (i, kinds)
         want = exact.model.layers[i].self_attn.qkv_proj.dense_weight()
         assert torch.equal(quantized_linear.dequantize(qkv.quant), want), i
-    assert {loaded.weights.served[t] for t in ("Q5_0", "Q8_0")} == {"int8 as stored (group 32)"}
+    assert [loaded.weights.served[t] for t in ("Q5_0", "Q8_0")] == ["int5 as stored (group 32)", "int8 as stored (group 32)"]

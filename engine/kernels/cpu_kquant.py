@@ -163,13 +163,7 @@ def pack_reference(raw: torch.Tensor, bits: int) -> torch.Tensor:
     lo, hi = (v[:, :, :, h].permute(0, 2, 3, 1, 4) for h in (0, 1))
     parts = [(lo | (hi << 4)).reshape(tiles, groups, 256)]
     if PLANES[bits]:
-        by = u.reshape(tiles, COLS, groups, 2, 4, 4).permute(0, 2, 4, 3, 1, 5).reshape(tiles, groups, 4, 2, 1, 64)
-        plane_bits = ((by >> (4 + torch.arange(PLANES[bits], dtype=torch.uint8).reshape(1, 1, 1, 1, -1, 1))) & 1)
-        plane_bits = plane_bits.reshape(*plane_bits.shape[:-1], 8, 8)          # [.., plane, byte, bit]
-        planes = plane_bits[..., 0].clone()
-        for b in range(1, 8):
-            planes |= plane_bits[..., b] << b
-        parts.append(planes.reshape(tiles, groups, 64 * PLANES[bits]))
+        parts.append(cpu_quant.bit_planes(u, tiles, groups, PLANES[bits]))
     body = torch.cat(parts, dim=-1).reshape(tiles, blocks, -1)
 
     def by_column(t: torch.Tensor) -> torch.Tensor:        # [N, blocks, x] -> [tiles, blocks, x, 16]

@@ -30,7 +30,7 @@ from engine.errors import first_line
 from engine.kernels import cpu_linear, cpu_quant_paths
 
 COLS, XBLOCK = 16, 32           # output columns per tile; activation block
-GROUPS = {4: (32,), 8: (32, 16)}
+GROUPS = {4: (32,), 5: (32,), 8: (32, 16)}
 ISAS = cpu_linear.ISAS
 NEEDS = {"scalar": (), "avx2": ("avx2", "fma", "f16c"), "avx_vnni": ("avx2", "fma", "f16c", "avx_vnni"),
          "avx512vl_vnni": ("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512_vnni"),
@@ -70,15 +70,15 @@ def _register_fake() -> None:
         lambda x, index, out_features, bias, norm=None, eps=0.0, glu=False, residual=None:
         x.new_empty(x.shape[0], out_features))
     torch.library.register_fake("workbench_cpu::embed_rows")(
-        lambda w, scales, bits, ids: w.new_empty(ids.numel(), w.shape[1] * (32 if bits == 4 else w.shape[2] // COLS),
+        lambda w, scales, bits, ids: w.new_empty(ids.numel(), w.shape[1] * (w.shape[2] // COLS if bits == 8 else 32),
                                                  dtype=torch.float32))
 
 
 def _trial(isa: str) -> str | None:
     gen = torch.Generator().manual_seed(0)
-    for bits, group in ((4, 32), (8, 32), (8, 16)):
+    for bits, group in ((4, 32), (5, 32), (8, 32), (8, 16)):
         n, k = 3 * COLS, 96
-        u = torch.randint(0, 16 if bits == 4 else 256, (n, k), generator=gen)
+        u = torch.randint(0, 2 ** bits, (n, k), generator=gen)
         d = (torch.rand(n, k // group, generator=gen) / 8 + 1e-3).half().float()
         m = (torch.randn(n, k // group, generator=gen) / 8).half().float()
         w, scales = pack(u, d, m, bits)
@@ -184,32 +184,60 @@ def _scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def pack(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """u [N, K] unsigned integers (0..15 or 0..255), d, m [N, K / G] with w = d * u + m
-    -> (w [N/16, K/G, bytes], scales [N/16, K/G, 2, 16]): the layout in cpu_quant_linear.cpp."""
+    """u [N, K] unsigned integers (0..15, 0..31 or 0..255), d, m [N, K / G] with w = d * u + m
+    -> (w [N/16, K/G, bytes], scales [N/16, K/G, 2, 16]): the layout in cpu_quant_linear.cpp
+    (5-bit: the 4-bit nibbles, then bit 4 as a bit plane, as a Q5_K group's)."""
     n, k = u.shape
     group = k // d.shape[1]
     tiles, groups = n // COLS, k // group
     u8 = u.to(torch.uint8)
-    if bits == 4:
+    if bits in (4, 5):
         # [tile, col, group, half, j, i] -> [tile, group, j, col, i]; low nibble: half 0
-        v = u8.reshape(tiles, COLS, groups, 2, 4, 4)
+        v = (u8 & 0x0F).reshape(tiles, COLS, groups, 2, 4, 4)
         lo, hi = (v[:, :, :, h].permute(0, 2, 3, 1, 4) for h in (0, 1))
         w = (lo | (hi << 4)).reshape(tiles, groups, 256)
+        if bits == 5:
+            w = torch.cat([w, bit_planes(u8, tiles, groups, 1)], dim=-1)
     else:
         w = u8.reshape(tiles, COLS, groups, group // 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, group * COLS)
     return w.contiguous(), _scales(d, m)
+
+
+def bit_planes(u: torch.Tensor, tiles: int, groups: int, count: int) -> torch.Tensor:
+    """u [N, groups * 32] (uint8) -> bits 4 .. 3 + count of each value as bit planes [tiles,
+    groups, 64 * count]: per j < 4, per half (low nibbles, high ones), per plane a 64-bit mask
+    over the 64 bytes of j (bit c*4 + i), little-endian."""
+    by = u.reshape(tiles, COLS, groups, 2, 4, 4).permute(0, 2, 4, 3, 1, 5).reshape(tiles, groups, 4, 2, 1, 64)
+    plane_bits = (by >> (4 + torch.arange(count, dtype=torch.uint8).reshape(1, 1, 1, 1, -1, 1))) & 1
+    plane_bits = plane_bits.reshape(*plane_bits.shape[:-1], 8, 8)          # [.., plane, byte, bit]
+    planes = plane_bits[..., 0].clone()
+    for b in range(1, 8):
+        planes |= plane_bits[..., b] << b
+    return planes.reshape(tiles, groups, 64 * count)
+
+
+def _values(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed bytes [T, groups, bytes] -> u [T, groups, 32, 16] (group's k, column): the 4-bit
+    nibbles with (5-bit) their plane's bit 4."""
+    tiles, groups, _ = w.shape
+    v = w[..., :256].reshape(tiles, groups, 4, COLS, 4)                         # [tile, group, j, col, i]
+    u = torch.stack([v & 0x0F, v >> 4], dim=2)                                   # [tile, group, half, j, col, i]
+    if bits == 5:
+        planes = w[..., 256:320].reshape(tiles, groups, 4, 2, 8)                 # [tile, group, j, half, byte]
+        bit = (planes[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1      # [.., byte, bit]: value c*4 + i
+        u = u | (bit.reshape(tiles, groups, 4, 2, COLS, 4).permute(0, 1, 3, 2, 4, 5) << 4)
+    return u.permute(0, 1, 2, 3, 5, 4).reshape(tiles, groups, 32, COLS)
 
 
 def unpack(w: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
     """The float weight [N, K] = d * u + m that a packed weight holds, rounded once to fp32
     (exact where fp32 holds it: an 8-bit (u - 128) * d always)."""
     tiles, groups, nbytes = w.shape
-    group = 32 if bits == 4 else nbytes // COLS
-    if bits == 4:
-        v = w.reshape(tiles, groups, 4, COLS, 4)
-        u = torch.stack([v & 0x0F, v >> 4], dim=2).permute(0, 4, 1, 2, 3, 5)      # [tile, col, group, half, j, i]
-    else:
+    group = nbytes // COLS if bits == 8 else 32
+    if bits == 8:
         u = w.reshape(tiles, groups, group // 4, COLS, 4).permute(0, 3, 1, 2, 4)
+    else:
+        u = _values(w, bits).permute(0, 3, 1, 2)                                 # [tile, col, group, k]
     u = u.reshape(tiles * COLS, groups, group).double()
     s = scales.double().permute(0, 3, 1, 2).reshape(tiles * COLS, groups, 2, 1)
     return (u * s[:, :, 0] + s[:, :, 1]).reshape(tiles * COLS, groups * group).float()
@@ -227,13 +255,12 @@ def rows(w: torch.Tensor, scales: torch.Tensor, bits: int, ids: torch.Tensor) ->
 def rows_reference(w: torch.Tensor, scales: torch.Tensor, bits: int, ids: torch.Tensor) -> torch.Tensor:
     """rows in torch ops: d * u + m in fp64, rounded once to fp32 (the op's reference)."""
     tiles, groups, nbytes = w.shape
-    group = 32 if bits == 4 else nbytes // COLS
+    group = nbytes // COLS if bits == 8 else 32
     tile, col = ids // COLS, ids % COLS
-    if bits == 4:
-        v = w[tile].reshape(len(ids), groups, 4, COLS, 4)[torch.arange(len(ids)), :, :, col]     # [n, group, j, i]
-        u = torch.cat([(v & 0x0F).reshape(len(ids), groups, 16), (v >> 4).reshape(len(ids), groups, 16)], dim=-1)
-    else:
+    if bits == 8:
         u = w[tile].reshape(len(ids), groups, group // 4, COLS, 4)[torch.arange(len(ids)), :, :, col]
+    else:
+        u = _values(w[tile], bits)[torch.arange(len(ids)), :, :, col]                            # [n, group, k]
     s = scales[tile].double()[torch.arange(len(ids)), :, :, col]                                # [n, group, 2]
     values = u.reshape(len(ids), groups, group).double() * s[..., :1] + s[..., 1:]
     return values.reshape(len(ids), groups * group).float()
@@ -252,7 +279,7 @@ def group_of(w: torch.Tensor, bits: int) -> int:
     an 8-bit group of 32 exactly 512)."""
     if w.shape[2] > 32 * COLS:
         return 256
-    return 32 if bits == 4 else w.shape[2] // COLS
+    return w.shape[2] // COLS if bits == 8 else 32
 
 
 # ---- weights named by index (a compiled graph's calls; see register_weights in the source) --

@@ -1,5 +1,5 @@
 // workbench_cpu::linear_q — y[M, N] = x[M, K] @ W^T (+ bias) for weight-only quantized weights:
-// 4-bit (groups of 32 along K: Q4_0, Q4_1, Q4_K, AWQ, GPTQ) or 8-bit (groups of 32: Q8_0, or of
+// 4-bit (groups of 32 along K: Q4_0, Q4_1, Q4_K, AWQ, GPTQ), 5-bit (groups of 32: Q5_0, Q5_1) or 8-bit (groups of 32: Q8_0, or of
 // 16: Q6_K), with the activations quantized per row to int8 in blocks of 32.
 //
 // Arithmetic (the same on every instruction set, for every row count):
@@ -24,6 +24,8 @@
 // Packed layout, per tile of 16 output columns (t = N / 16) and group g of G k:
 //   4-bit (G = 32): w[t, g, 256] uint8, byte j*64 + c*4 + i (j < 4, c < 16, i < 4) holds
 //                   u[c][32g + 4j + i] in its low nibble and u[c][32g + 16 + 4j + i] in its high;
+//   5-bit (G = 32): the 4-bit layout's 256 bytes of low nibbles, then bit 4 of each value as bit
+//                   planes (Q5_0, Q5_1; a Q5_K group's body): w[t, g, 320];
 //   8-bit:          w[t, g, G*16] uint8, byte j*64 + c*4 + i holds u[c][Gg + 4j + i];
 //   scales[t, g, 2, 16] (fp16 or fp32): d of the 16 columns, then m.
 //
@@ -239,12 +241,12 @@ struct Weight {
   int64_t wstride, sstride;   // bytes / scales from one tile to the next
 };
 
-constexpr int64_t group_bytes(int BITS, int64_t G) { return BITS == 4 ? 256 : G * 16; }
+constexpr int64_t group_bytes(int BITS, int64_t G) { return BITS == 4 ? 256 : BITS == 5 ? 320 : G * 16; }
 
 // Formats (the kernels' template argument F): 4 and 8 as above, and the K-quants.
 constexpr int KQ4 = 14, KQ5 = 15, KQ6 = 16;
 constexpr bool kfmt(int F) { return F >= KQ4; }
-constexpr int planes(int F) { return F == KQ5 ? 1 : F == KQ6 ? 2 : 0; }
+constexpr int planes(int F) { return F == KQ5 || F == 5 ? 1 : F == KQ6 ? 2 : 0; }
 constexpr int64_t kgroup_bytes(int F) { return 256 + 64 * planes(F); }         // a group of 32 k
 constexpr int64_t kscale_bytes(int F) { return F == KQ6 ? 16 * COLS + 2 * COLS : 8 * 24 + 4 * COLS; }
 constexpr int64_t ksb_bytes(int F) { return 8 * kgroup_bytes(F) + kscale_bytes(F); }
@@ -509,7 +511,7 @@ void tile_scalar(const Rows& rows, int64_t row, const Weight& wt, float* y) {
   constexpr bool KF = kfmt(F), NIB = F != 8;
   constexpr int PL = planes(F);
   const int64_t K = rows.K, G = rows.G, xblocks = K / XB, sums = K / G;
-  const int64_t groups = NIB ? K / 32 : K / G, gb = group_bytes(F == 8 ? 8 : 4, G);
+  const int64_t groups = NIB ? K / 32 : K / G, gb = group_bytes(F, G);
   const S* sc = static_cast<const S*>(wt.s);
   auto bit = [](const uint8_t* plane, int b) { return (plane[b >> 3] >> (b & 7)) & 1; };
   for (int c = 0; c < COLS; ++c) {
@@ -657,10 +659,10 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   // row first; residual [M, N] is added last (cpu_fused.h)
   if (isa > 15) isa = x.dim() == 2 && x.size(0) >= (isa >> 8) ? (isa >> 4) & 15 : isa & 15;
   const bool kq = group == 256;         // a K-quant's super-blocks, read as stored
-  TORCH_CHECK(kq ? (bits >= 4 && bits <= 6) : (bits == 4 || bits == 8),
-              "workbench_cpu::linear_q: bits is 4 or 8, or 4, 5, 6 with group 256 (Q4_K, Q5_K, Q6_K)");
-  TORCH_CHECK(kq || (bits == 4 ? group == 32 : (group == 32 || group == 16)),
-              "linear_q: groups of 32 (4-bit), 32 or 16 (8-bit), 256 (K-quants)");
+  TORCH_CHECK(kq ? (bits >= 4 && bits <= 6) : (bits == 4 || bits == 5 || bits == 8),
+              "workbench_cpu::linear_q: bits is 4, 5 or 8, or 4, 5, 6 with group 256 (Q4_K, Q5_K, Q6_K)");
+  TORCH_CHECK(kq || (bits == 8 ? (group == 32 || group == 16) : group == 32),
+              "linear_q: groups of 32 (4- and 5-bit), 32 or 16 (8-bit), 256 (K-quants)");
   const int fmt = kq ? kformat(bits) : static_cast<int>(bits);
   const int64_t unit = kq ? (fmt == KQ4 ? ksb_bytes(KQ4) : fmt == KQ5 ? ksb_bytes(KQ5) : ksb_bytes(KQ6))
                           : group_bytes(bits, group);
@@ -757,6 +759,9 @@ at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
       else if (bits == 4) {
         half ? run_tiles<4, at::Half>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N)
              : run_tiles<4, float>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N);
+      } else if (bits == 5) {
+        half ? run_tiles<5, at::Half>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N)
+             : run_tiles<5, float>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N);
       } else {
         half ? run_tiles<8, at::Half>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N)
              : run_tiles<8, float>(static_cast<Isa>(isa), rows, M, t0, t1, base, yp, N);
@@ -859,12 +864,18 @@ void embed_rows_of(const uint8_t* w, const S* sc, int64_t bits, int64_t groups, 
       const double d = static_cast<double>(scale_at<S>(s, c)), m = static_cast<double>(scale_at<S>(s + COLS, c));
       auto value = [&](unsigned u) { return static_cast<float>(static_cast<double>(u) * d + m); };
       float* og = o + g * group;
-      for (int64_t j = 0; j < (bits == 4 ? 4 : group / 4); ++j)        // byte j*64 + c*4 + i
+      for (int64_t j = 0; j < (bits == 8 ? group / 4 : 4); ++j)        // byte j*64 + c*4 + i
         for (int64_t i = 0; i < 4; ++i) {
           const uint8_t b = wg[j * 64 + c * 4 + i];
-          if (bits == 4) {          // u[4j + i] in the low nibble, u[16 + 4j + i] in the high
-            og[4 * j + i] = value(b & 0x0F);
-            og[16 + 4 * j + i] = value(b >> 4);
+          if (bits != 8) {          // u[4j + i] in the low nibble, u[16 + 4j + i] in the high
+            unsigned lo = b & 0x0F, hi = b >> 4;
+            if (bits == 5) {        // bit 4: the plane of the low nibbles, then of the high ones
+              const int at = static_cast<int>(c * 4 + i);
+              lo |= ((wg[256 + j * 16 + (at >> 3)] >> (at & 7)) & 1u) << 4;
+              hi |= ((wg[256 + j * 16 + 8 + (at >> 3)] >> (at & 7)) & 1u) << 4;
+            }
+            og[4 * j + i] = value(lo);
+            og[16 + 4 * j + i] = value(hi);
           } else {
             og[4 * j + i] = value(b);
           }
@@ -874,11 +885,11 @@ void embed_rows_of(const uint8_t* w, const S* sc, int64_t bits, int64_t groups, 
 }
 
 at::Tensor embed_rows(const at::Tensor& w, const at::Tensor& scales, int64_t bits, const at::Tensor& ids) {
-  TORCH_CHECK(bits == 4 || bits == 8, "embed_rows: a 4- or 8-bit packed weight");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "embed_rows: a 4-, 5- or 8-bit packed weight");
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte, "embed_rows: packed bytes [tiles, groups, bytes]");
   TORCH_CHECK(scales.is_contiguous() && (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat),
               "embed_rows: fp16 or fp32 scales [tiles, groups, 2, 16]");
-  const int64_t tiles = w.size(0), groups = w.size(1), nbytes = w.size(2), group = bits == 4 ? 32 : nbytes / COLS;
+  const int64_t tiles = w.size(0), groups = w.size(1), nbytes = w.size(2), group = bits == 8 ? nbytes / COLS : 32;
   TORCH_CHECK(scales.numel() == tiles * groups * 2 * COLS, "embed_rows: scales of another shape");
   const at::Tensor idc = ids.to(at::kLong).contiguous().view(-1);
   const int64_t n = idc.numel();

@@ -34,7 +34,7 @@ struct TILE256 {
     constexpr int PL = planes(F);
     const int64_t K = rows.K, G = rows.G, xblocks = K / XB, sums = K / G;
     const int64_t gk = NIB ? 32 : G, groups = K / gk;     // k a group of the loop
-    const int64_t gb = KF ? kgroup_bytes(F) : NIB ? 256 : G * COLS;
+    const int64_t gb = KF ? kgroup_bytes(F) : group_bytes(F, G);
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const S* sc = static_cast<const S*>(wt.s);
     alignas(32) float dm[KF ? 8 * ksubs(F) * 2 * COLS : 1];

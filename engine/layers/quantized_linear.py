@@ -17,7 +17,9 @@ A kind neither kernel takes here is served as float by the loader, which says wh
   - int4: q 0..15 with w = (q - 8) * scale + zero per group (llama.cpp's Q4_1, w = d * q + m:
     scale = d, zero = m + 8d; Q4_0, w = d * (q - 8): scale = d, zero = 0);
   - int8 groups: q -128..127 with w = q * scale per group, or, for a format with a zero point
-    (Q5_0, Q5_1, Q5_K), q 0..255 with w = q * scale + zero;
+    (Q5_K widened), q 0..255 with w = q * scale + zero;
+  - int5 groups (Q5_0, Q5_1): q 0..31 with w = q * scale + zero per group of 32, held in 5
+    bits a weight (the 4-bit nibbles and a bit plane) with the scale and zero (our kernel only);
   - int8 per channel: q -128..127 with w = q * scale per output row;
   - a K-quant (Q4_K, Q5_K, Q6_K): the file's rows of super-blocks as stored, which our kernel
     reads in their own bits (engine.kernels.cpu_kquant); no other kernel takes them.
@@ -39,9 +41,10 @@ from engine.kernels import cpu_kquant, cpu_quant
 
 INT4, INT8 = "int4", "int8"
 INT8_GROUPS = "int8-groups"     # 8-bit weights with a float scale (and zero) per group (Q6_K: 16; others 32)
+INT5_GROUPS = "int5-groups"     # 5-bit weights (Q5_0, Q5_1) with a scale and zero per group of 32
 KQUANTS = {f"{name} super-blocks": bits for name, bits in cpu_kquant.TYPES.items()}    # kind -> the op's bits
 Q4_K, Q5_K, Q6_K = KQUANTS
-BITS = {INT4: 4, INT8: 8, INT8_GROUPS: 8, **KQUANTS}
+BITS = {INT4: 4, INT8: 8, INT8_GROUPS: 8, INT5_GROUPS: 5, **KQUANTS}
 INT4_GROUP = 32                 # llama.cpp's Q4 block; gpt-fast's default is 32 too
 OURS, TORCH = "ours", "torch"
 INNER_K_TILES = 1               # torch's int4 kernel takes any in_features divisible by the group
@@ -74,7 +77,7 @@ class QuantizedWeight:
             return f"{self.kind.split()[0]} as stored ({cpu_kquant.BLOCK_BYTES[BITS[self.kind]] * 8 / 256:g} bits a weight)"
         if self.kind == INT8:
             return "int8 (per channel)"
-        return f"{'int4' if self.kind == INT4 else 'int8'} (group {self.group_size})"
+        return f"{'int4' if self.kind == INT4 else 'int5' if self.kind == INT5_GROUPS else 'int8'} (group {self.group_size})"
 
 
 def _our_refusal(kind: str, shape: tuple[int, int], group_size: int) -> str | None:
@@ -98,8 +101,8 @@ def unsupported(kind: str, shape: tuple[int, int], device: torch.device, dtype: 
     ours = _our_refusal(kind, shape, group_size if kind != INT8 else 0)
     if ours is None:
         return None
-    if kind == INT8_GROUPS:
-        return f"no kernel takes 8-bit groups here ({ours})"
+    if kind in (INT8_GROUPS, INT5_GROUPS):
+        return f"no kernel takes {BITS[kind]}-bit groups here ({ours})"
     if kind in KQUANTS:
         return f"no kernel reads {kind} here ({ours})"
     if not AVAILABLE:
@@ -186,6 +189,18 @@ def from_int8_groups(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
         raise ValueError(f"8-bit groups cannot be served here: {why}")
     w, scales = _pack8(q, scale.float(), None if zero is None else zero.float())
     return QuantizedWeight(INT8_GROUPS, w, scales, (out, inp), group, OURS, dtype)
+
+
+def from_int5_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
+    """q [out, in] 0..31; scale, zero [out, in / 32] with w = q * scale + zero (Q5_0: zero
+    -16 d; Q5_1: zero m), held in 5 bits a weight. Only our kernel takes it."""
+    out, inp = q.shape
+    group = inp // scale.shape[1]
+    why = _our_refusal(INT5_GROUPS, (out, inp), group)
+    if why:
+        raise ValueError(f"5-bit groups cannot be served here: {why}")
+    w, scales = cpu_quant.pack(q, scale.float(), zero.float(), 5)
+    return QuantizedWeight(INT5_GROUPS, w, scales, (out, inp), group, OURS, dtype)
 
 
 def from_kquant(raw: torch.Tensor, kind: str, dtype: torch.dtype, into: torch.Tensor | None = None) -> QuantizedWeight:

@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from engine.errors import CheckpointError
-from engine.layers.quantized_linear import INT4, INT8_GROUPS
+from engine.layers.quantized_linear import INT4, INT5_GROUPS, INT8_GROUPS
 from engine.loading.gguf_gemma import norm_shift
 from engine.loading.gguf_qwen35 import check_hybrid_tensors, hybrid_layout
 from engine.models.gemma import sandwich_norms
@@ -217,6 +217,12 @@ class GGUFTensors:
         (q uint8 0..31, scale, zero) with w = q * scale + zero. Rows in transformers' order
         (`rows`: only those)."""
         decode = self._decoder(hf_name, INT8_GROUPS)
+        return self._decoded(hf_name, lambda stored: decode, rows=rows)
+
+    def int5_groups(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor, ...]:
+        """(q [out, in] uint8 0..31, scale, zero [out, in / 32] float32) with w = q * scale + zero
+        (Q5_0, Q5_1), rows in transformers' order (`rows`: only those)."""
+        decode = self._decoder(hf_name, INT5_GROUPS)
         return self._decoded(hf_name, lambda stored: decode, rows=rows)
 
     def kquant_blocks(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor]:

@@ -447,10 +447,11 @@ def load_model(reference=None, device: torch.device | str = "cpu", dtype: torch.
     # where the weights come from as stored (an AWQ/GPTQ checkpoint's int4, a GGUF's blocks)
     stored = quantized or (checkpoint.source if weight_dtype != FLOAT and not isinstance(checkpoint, Checkpoint) else None)
     as_stored = served_as_stored(model, weight_dtype, torch.device(device), stored, dtype) if stored else set()
-    stream_weights(model, checkpoint, device, dtype, progress, quantized, as_stored)
+    advance = stream_weights(model, checkpoint, device, dtype, progress, quantized, as_stored)
     release_freed_memory()      # the read copies of large tensors (a GGUF's embedding, dequantized)
     model.source_fingerprint = stored_fingerprint(model, stored)     # of the weights as stored, before quantizing
-    weights = serve_weights(model, weight_dtype, torch.device(device), stored)
+    weights = serve_weights(model, weight_dtype, torch.device(device), stored,
+                            lambda plan: advance(f"reading {plan.name} as stored", plan.parts))
     if getattr(checkpoint, "mxfp4", False):
         weights.served.pop("MXFP4", None)          # a GGUF's: said once, below
         weights.served["MXFP4 experts"] = (f"dequantized at load to {str(dtype).removeprefix('torch.')} "
@@ -511,9 +512,11 @@ _INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_")      # what nn.Emb
 
 
 def stream_weights(model, checkpoint: Checkpoint, device, dtype: torch.dtype, progress: Progress = no_progress,
-                   quantized: AWQGPTQTensors | None = None, skip: set[str] = frozenset()) -> None:
-    """Fill the meta-built model tensor by tensor; progress per tensor, by bytes read. An
-    AWQ/GPTQ linear is dequantized as it is read, unless `skip` leaves it to serve_weights."""
+                   quantized: AWQGPTQTensors | None = None, skip: set[str] = frozenset()) -> Callable[[str, list[str]], None]:
+    """Fill the meta-built model tensor by tensor; progress per tensor, by bytes read, over the
+    bytes of every tensor. An AWQ/GPTQ linear is dequantized as it is read, unless `skip`
+    leaves it to serve_weights. Returns `advance(message, names)`: the progress of tensors
+    `skip` left, as serve_weights packs them (an 8B's are nearly all of its bytes)."""
     def is_packed(name: str) -> bool:
         return quantized is not None and quantized.type_of(name) is not None
 
@@ -527,12 +530,17 @@ def stream_weights(model, checkpoint: Checkpoint, device, dtype: torch.dtype, pr
     total = sum(nbytes(n) for s in model.weight_sources() for n, _ in s.parts) or 1
     done = 0
 
-    def on_loaded(source) -> None:
+    def advance(message: str, names: list[str]) -> None:
         nonlocal done
-        done += sum(nbytes(n) for n, _ in source.parts)
-        progress(f"loading weights: {source.param}", WEIGHTS_START + (WEIGHTS_END - WEIGHTS_START) * done / total)
+        done += sum(nbytes(n) for n in names)
+        progress(message, WEIGHTS_START + (WEIGHTS_END - WEIGHTS_START) * min(done / total, 1.0))
+
+    def on_loaded(source) -> None:      # a skipped one's bytes count as serve_weights packs them
+        if source.param not in skip:
+            advance(f"loading weights: {source.param}", [n for n, _ in source.parts])
 
     model.load_weights(read, device, dtype, on_loaded, skip)
+    return advance
 
 
 def load_draft(reference, target: LoadedModel, device="cpu", dtype=torch.float32,

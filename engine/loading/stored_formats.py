@@ -13,8 +13,8 @@ take a weight of a shape here (quantized_linear.unsupported), never which format
   Q4_0     int4 groups                           dequantized   32     w = d(q - 8): 4-bit as stored
   Q4_1     int4 groups                           dequantized   32     w = dq + m: 4-bit as stored
   Q4_K     Q4_K super-blocks (else int4 groups)  dequantized   256    4.5 bits a weight as stored
-  Q5_0     int8 groups, u = q5, zero -16d        dequantized   32     a 5-bit value fits 8 bits exactly
-  Q5_1     int8 groups, u = q5, zero m           dequantized   32     the same, with its min
+  Q5_0     int5 groups, u = q5, zero -16d        dequantized   32     5-bit as stored (6 bits a weight held)
+  Q5_1     int5 groups, u = q5, zero m           dequantized   32     the same, with its min (6 bits, as stored)
   Q5_K     Q5_K super-blocks (else int8 groups)  dequantized   256    5.5 bits a weight as stored
   Q6_K     Q6_K super-blocks (else int8 groups)  dequantized   256    6.5625 bits a weight as stored
   Q8_0     int8 groups                           dequantized   32     8-bit as stored
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.quantized_linear import INT4, INT8, INT8_GROUPS, KQUANTS, Q4_K, Q5_K, Q6_K
+from engine.layers.quantized_linear import INT4, INT5_GROUPS, INT8, INT8_GROUPS, KQUANTS, Q4_K, Q5_K, Q6_K
 from engine.loading.awq_gptq import AWQ, GPTQ
 
 GGUF, CHECKPOINT, AT_LOAD, FLOAT = "GGUF", "AWQ/GPTQ", "at load", "float"      # where a format comes from
@@ -79,7 +79,7 @@ class StoredFormat:
         "Q4_K super-blocks as stored"; a K-quant widened: "int4 groups of 32, widened"."""
         if form in KQUANTS:
             return f"{form} as stored"
-        width = "int4" if form == INT4 else "int8"
+        width = {INT4: "int4", INT5_GROUPS: "int5"}.get(form, "int8")
         if self.widened:
             return f"{width} groups of {group}, widened"
         return f"{width} as stored (group {group})"
@@ -89,7 +89,8 @@ def _gpu(form: str | None) -> Serving | None:
     """On CUDA: no quantized kernel in this release (None: as on the CPU, already float)."""
     if form is None:
         return None
-    what = {INT4: "int4 weights", INT8_GROUPS: "int8 weights", INT8: "int8 weights"}.get(form, "K-quant weights")
+    what = {INT4: "int4 weights", INT5_GROUPS: "int5 weights", INT8_GROUPS: "int8 weights",
+            INT8: "int8 weights"}.get(form, "K-quant weights")
     return Serving(None, f"{what} run on the CPU only in this release (CUDA keeps them dequantized)")
 
 
@@ -104,10 +105,10 @@ FORMATS: dict[str, StoredFormat] = {f.name: f for f in (
     _row("Q4_1", GGUF, INT4, 32, "4-bit as stored: w = dq + m is int4 groups of 32 exactly"),
     _row("Q4_K", GGUF, Q4_K, 256, "as stored, 4.5 bits a weight: w = d·sc·q - dmin·m per sub-block of 32",
          widened=(INT4, 32)),
-    _row("Q5_0", GGUF, INT8_GROUPS, 32, "no 5-bit kernel; 8-bit groups hold w = d(q - 16) exactly: u = q, "
-         "scale d, zero -16d", zero=True),
-    _row("Q5_1", GGUF, INT8_GROUPS, 32, "no 5-bit kernel; 8-bit groups hold w = dq + m exactly: u = q, "
-         "scale d, zero m", zero=True),
+    _row("Q5_0", GGUF, INT5_GROUPS, 32, "5-bit as stored: w = d(q - 16) is int5 groups of 32 exactly (u = q, "
+         "scale d, zero -16d)", zero=True),
+    _row("Q5_1", GGUF, INT5_GROUPS, 32, "5-bit as stored: w = dq + m is int5 groups of 32 exactly (u = q, "
+         "scale d, zero m)", zero=True),
     _row("Q5_K", GGUF, Q5_K, 256, "as stored, 5.5 bits a weight: w = d·sc·q - dmin·m per sub-block of 32",
          zero=True, widened=(INT8_GROUPS, 32)),
     _row("Q6_K", GGUF, Q6_K, 256, "as stored, 6.5625 bits a weight: w = d·sc·(q - 32) per sub-block of 16",

@@ -28,11 +28,12 @@ meta device (`served_as_stored`) and its groups come straight from the stored bl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from engine.layers import quantized_linear
-from engine.layers.quantized_linear import INT4, INT8, INT8_GROUPS
+from engine.layers.quantized_linear import INT4, INT5_GROUPS, INT8, INT8_GROUPS
 from engine.loading.stored_formats import AT_LOAD_FORMATS, CHECKPOINT_GROUP, FLOAT_SOURCE, FLOAT_TYPES, format_of
 
 AUTO, FLOAT = "auto", "float"
@@ -196,10 +197,12 @@ def _embedding_in_head(model, plan: LinearPlan) -> bool:
     return all(quantized_linear.ours_takes(form, shape, group) for form, group in plan.forms)
 
 
-def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> WeightReport:
+def serve_weights(model, weight_dtype: str, device: torch.device, stored,
+                  packed: Callable[[LinearPlan], None] = lambda plan: None) -> WeightReport:
     """Quantize the model's linears as `weight_dtype` asks (see the module docstring). The
     float weights must be loaded, except those `served_as_stored` left on the meta device;
-    a quantized linear's float parameter is then freed."""
+    a quantized linear's float parameter is then freed. `packed(plan)` follows each weight
+    read as stored (the load's progress)."""
     dtype = next(model.parameters()).dtype
     report = WeightReport(weight_dtype)
     float_name = str(dtype).removeprefix("torch.")
@@ -214,6 +217,7 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> Wei
             continue
         if p.how == "stored":
             qw = stored_weight(p, stored, dtype)
+            packed(p)
             forms = {t: format_of(t).describe(form, group) for t, (form, group) in zip(p.types, p.forms)}
         else:
             qw = quantized_linear.quantize(p.module.weight, p.kind, dtype)
@@ -222,6 +226,7 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored) -> Wei
     table = embedding_plan(model, plans, device, stored, dtype)
     if table is not None:           # looked up in its stored blocks: no float table
         model.embed_tokens.serve_from(stored_weight(table, stored, dtype))
+        packed(table)
         report.embedding = f"{table.source_type} looked up as stored"
     broken = _row_variant_kinds([qw for _, qw, _ in chosen])
     served = 0
@@ -276,8 +281,8 @@ def stored_weight(plan: LinearPlan, stored, dtype: torch.dtype):
             runs.append((form, [part]))
     weights = []
     for (form, _), parts in runs:
-        groups = (stored.int4_groups if form == INT4 else stored.kquant_blocks if form in quantized_linear.KQUANTS
-                  else stored.int8_groups)
+        groups = (stored.int4_groups if form == INT4 else stored.int5_groups if form == INT5_GROUPS
+                  else stored.kquant_blocks if form in quantized_linear.KQUANTS else stored.int8_groups)
         joined = quantized_linear.Joined(sum(r for p, r in zip(plan.parts, plan.part_rows) if p in parts))
         for chunk in _row_chunks(plan, parts):
             tensors = _cat(form, [groups(part) if rows == slice(None) else groups(part, rows) for part, rows in chunk])
@@ -292,10 +297,12 @@ def stored_weight(plan: LinearPlan, stored, dtype: torch.dtype):
 
 
 def _from_groups(form: str, tensors: tuple[torch.Tensor, ...], dtype: torch.dtype):
-    """A kernel's weight from a stored form's tensors: int4 (q, scale, zero); 8-bit groups
-    (q, scale) or, where the format has a zero point (Q5_0, Q5_1, Q5_K), (q, scale, zero)."""
+    """A kernel's weight from a stored form's tensors: int4 and int5 (q, scale, zero); 8-bit
+    groups (q, scale) or, where the format has a zero point (Q5_K widened), (q, scale, zero)."""
     if form == INT4:
         return quantized_linear.from_int4_groups(*tensors, dtype)
+    if form == INT5_GROUPS:
+        return quantized_linear.from_int5_groups(*tensors, dtype)
     if form in quantized_linear.KQUANTS:
         return quantized_linear.from_kquant(*tensors, form, dtype)
     q, scale, *zero = tensors

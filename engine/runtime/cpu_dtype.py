@@ -3,13 +3,16 @@
 Two measurements, each kept in the user cache folder:
 
 - **The whole step, per model format** (`fastest_step`, what `auto` picks for a model
-  LLMEngine.load loads). The dtype is the activations' as much as the weights': weights
+  LLMEngine.load loads; `step_choice`). The dtype is the activations' as much as the weights': weights
   served as stored (a quantized GGUF's int4 / int8 groups) read the same bytes in either
   dtype, and the step around them (norms, rotary, attention, the sampler, the per-step
   Python) differs. So the engine loads the model in each candidate dtype, exactly as it will
-  run it (weights as served, compiled or not), times a few decode steps, and keeps the
-  faster: on both CPUs measured (AVX2, AVX-512 BF16) a Q4_1 GGUF decoded faster with fp32
-  activations, while float weights read faster in bf16 where the CPU has it. The answer is
+  run it (weights as served, compiled or not), times a few decode steps of one user and of
+  TRIAL_USERS at once, and keeps the cheaper over both (`step_choice`: one user's win does
+  not buy a loss under load; issue 62 saw fp32 chosen on one row lose 4.3x at 16 users), bf16
+  on a tie within TIE: on both CPUs measured (AVX2, AVX-512 BF16) a Q4_1 GGUF decoded one
+  user faster with fp32 activations, while float weights read faster in bf16 where the CPU
+  has it. The answer is
   kept per CPU key (below) and per model format: the architecture, how its weights are
   stored (engine.loading.loader.weights_format), and the weight_dtype and compile settings.
 - **The float linear** (`fastest`, under a second): one packed matrix-vector product per
@@ -143,8 +146,9 @@ def step_key(model_format: str, threads: int | None = None) -> str:
     return f"{cpu_key(threads)} | engine {engine_source_tag()} | {model_format}"
 
 
-def measure_steps(step_seconds: Callable[[torch.dtype], float]) -> dict[str, float | str]:
-    """Per candidate dtype: seconds per decode step, or why it was not timed (a string): its
+def measure_steps(step_seconds: Callable[[torch.dtype], float | dict]) -> dict[str, float | dict | str]:
+    """Per candidate dtype: seconds per decode step (one user's, or {users: seconds} as the
+    trial times them), or why it was not timed (a string): its
     kernels are missing here, or a kernel failed in its trial. An error the engine names (a
     checkpoint that does not load: a WorkbenchError) is the model's, not the dtype's: it
     propagates, and nothing is kept."""
@@ -153,7 +157,9 @@ def measure_steps(step_seconds: Callable[[torch.dtype], float]) -> dict[str, flo
         refused = compute_refusal(dtype)
         if refused is None:
             try:
-                out[dtype_name(dtype)] = float(step_seconds(dtype))
+                seconds = step_seconds(dtype)
+                out[dtype_name(dtype)] = ({str(r): float(t) for r, t in seconds.items()} if isinstance(seconds, dict)
+                                          else float(seconds))
                 continue
             except RuntimeError as error:
                 refused = f"{dtype_name(dtype)} did not run the model here: {first_line(error)}"
@@ -162,17 +168,44 @@ def measure_steps(step_seconds: Callable[[torch.dtype], float]) -> dict[str, flo
 
 
 def step_choice(measured: dict) -> DtypeChoice:
-    """The faster of the timed dtypes (fp32 when none ran); a dtype with a reason instead of
-    a time is never picked."""
-    timed = {name: s for name, s in measured.items()
-             if isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0 and hasattr(torch, name)}
+    """The dtype whose steps cost least (fp32 when none ran); a dtype with a reason instead of a
+    time is never picked. A dtype's time is its seconds per decode step of one user, or, as the
+    trial measures them, per step at each number of users ({"1": s, "8": s}): each row count's
+    time over the best dtype's at that count, averaged over the counts both have, so a dtype
+    that wins one user by 10% and loses eight by 4x is not picked. Within TIE of each other
+    the one named first in TIE_ORDER is (the same answer from one process to the next when
+    the timings differ by noise)."""
+    timed = {name: _per_rows(s) for name, s in measured.items() if _per_rows(s) and hasattr(torch, name)}
     skipped = "; ".join(f"{name} skipped: {why}" for name, why in measured.items() if isinstance(why, str))
     if not timed:
         return DtypeChoice(torch.float32, f"auto: float32, no candidate ran the model's step ({skipped or 'none timed'})")
-    chosen = min(timed, key=timed.get)
-    figures = ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in sorted(timed.items(), key=lambda kv: kv[1]))
-    return DtypeChoice(getattr(torch, chosen), f"auto: the faster decode step of this model here ({figures})"
-                       + (f"; {skipped}" if skipped else ""))
+    rows = sorted(set.intersection(*(set(t) for t in timed.values())), key=int)
+    best = {r: min(t[r] for t in timed.values()) for r in rows}
+    cost = {name: statistics.fmean(t[r] / best[r] for r in rows) for name, t in timed.items()}
+    fastest = min(cost, key=cost.get)
+    tied = [name for name in TIE_ORDER if cost.get(name, float("inf")) <= cost[fastest] * (1 + TIE)]
+    chosen = tied[0] if tied else fastest
+    figures = "; ".join(f"{name} " + ", ".join(f"{t[r] * 1e3:.2f} ms" + (f" at {r} users" if len(rows) > 1 else "")
+                                                for r in rows)
+                        for name, t in sorted(timed.items(), key=lambda kv: cost[kv[0]]))
+    how = ("the cheaper decode steps of this model here, one user and many" if len(rows) > 1
+           else "the faster decode step of this model here")
+    tie = f", within {TIE:.0%}: {chosen} on a tie" if chosen != fastest or len(tied) > 1 else ""
+    return DtypeChoice(getattr(torch, chosen), f"auto: {how} ({figures}{tie})" + (f"; {skipped}" if skipped else ""))
+
+
+TIE = 0.03                              # costs this close are noise on a quiet machine
+TIE_ORDER = ("bfloat16", "float32")     # on a tie: half the bytes of every float tensor
+
+
+def _per_rows(seconds) -> dict[str, float] | None:
+    """{users: seconds per step} of a measurement (a number: one user's), None if not a time."""
+    if isinstance(seconds, dict):
+        found = {str(r): float(s) for r, s in seconds.items() if isinstance(s, (int, float)) and s > 0}
+        return found if "1" in found else None
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds > 0:
+        return {"1": float(seconds)}
+    return None
 
 
 def known_steps(cache_file: Path, model_format: str, threads: int | None = None) -> dict | None:
@@ -202,6 +235,7 @@ def _choice(measured: dict) -> DtypeChoice:
 STEP_DTYPE_CACHE = "cpu_dtype_step.json"
 TRIAL_TEXT = "The quick brown fox jumps over the lazy dog, and then"
 TRIAL_TOKENS, TRIAL_RUNS, TRIAL_BLOCKS = 16, 3, 32
+TRIAL_USERS = 8                 # the many-users step the trial also times (a serving load, a verify of 7 drafts)
 
 
 class DtypeTrial:
@@ -217,11 +251,13 @@ class DtypeTrial:
         self.model_format = model_format(reference, config, load_options.get("allow_hub", False))
         self.engine_class = engine_class
         self.reference, self.config, self.progress, self.load_options = reference, config, progress, load_options
-        self.kept: tuple[float, torch.dtype, loader.LoadedModel] | None = None
+        self.kept: tuple[torch.dtype, loader.LoadedModel] | None = None
+        self.measured: dict[str, dict[str, float]] = {}     # what step_choice weighs, so far
         self.tried, self.shown = 0, 0.0          # candidates loaded so far; the progress bar's fraction
 
-    def step_seconds(self, dtype: torch.dtype) -> float:
-        """Seconds per decode step of the model in `dtype` (the median of TRIAL_RUNS replies)."""
+    def step_seconds(self, dtype: torch.dtype) -> dict[str, float]:
+        """Seconds per decode step of the model in `dtype`, of one user and of TRIAL_USERS at
+        once ({"1": s, "8": s}: medians over TRIAL_RUNS)."""
         name, index, share = dtype_name(dtype), self.tried, loader.WEIGHTS_START / len(CANDIDATES)
         self.tried += 1
 
@@ -229,7 +265,7 @@ class DtypeTrial:
             # each candidate's load and compile within its share of the bar before the weights', never going back
             self.shown = max(self.shown, share * (index + min(fraction, 1.0)))
             self.progress(f"dtype auto: timing {name} once on this CPU: {message}", self.shown)
-        if self.kept is not None and not _room_for_another(self.kept[2].model):
+        if self.kept is not None and not _room_for_another(self.kept[1].model):
             self.kept = None                 # the winner, if it was this one, is loaded again
         loaded = loader.load_model(self.reference, device="cpu", dtype=dtype, progress=said,
                                    max_positions=self.config.max_model_len, weight_dtype=self.config.weight_dtype,
@@ -241,18 +277,20 @@ class DtypeTrial:
         try:
             engine = self.engine_class(loaded, trial, torch.device("cpu"), said, dtype_why="dtype auto's trial")
             engine.warm_compiled_step()
-            seconds = decode_step_seconds(engine)
+            seconds = {"1": decode_step_seconds(engine), str(TRIAL_USERS): batch_step_seconds(engine, TRIAL_USERS)}
             del engine
         finally:
             torch.set_num_threads(threads)      # each candidate, and the engine after, start with as many
-        if self.kept is None or seconds < self.kept[0]:
-            self.kept = (seconds, dtype, loaded)
+        self.measured[name] = seconds
+        chosen = step_choice(self.measured).dtype       # of those timed so far: the one to keep
+        if chosen is dtype:
+            self.kept = (dtype, loaded)
         return seconds
 
     def take(self, dtype: torch.dtype) -> loader.LoadedModel | None:
         """The model already loaded in `dtype`, if the trial kept it."""
         kept, self.kept = self.kept, None
-        return kept[2] if kept is not None and kept[1] == dtype else None
+        return kept[1] if kept is not None and kept[0] == dtype else None
 
 
 def model_format(reference, config: EngineConfig, allow_hub: bool = False) -> str:
@@ -275,6 +313,26 @@ def decode_step_seconds(engine) -> float:
         stats = engine.generate_text(ids, params)[2]
         per_step.append(stats.decode_time_s / max(1, stats.decode_tokens))
     return statistics.median(per_step)
+
+
+def batch_step_seconds(engine, users: int) -> float:
+    """Median seconds per step of `engine` decoding `users` replies of TRIAL_TOKENS at once (the
+    step that prefills them not counted), over TRIAL_RUNS rounds after one unmeasured."""
+    ids = engine.tokenizer.encode(TRIAL_TEXT)
+    params = SamplingParams(max_tokens=TRIAL_TOKENS, stop_on_eos=False)
+
+    def one_round() -> float:
+        for _ in range(users):
+            engine.submit(ids, params)
+        engine.step()                   # the prefills
+        steps = []
+        while engine.has_work:
+            start = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - start)
+        return statistics.median(steps)
+    one_round()
+    return statistics.median(one_round() for _ in range(TRIAL_RUNS))
 
 
 def _room_for_another(model) -> bool:
