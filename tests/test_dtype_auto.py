@@ -167,3 +167,14 @@ def test_load_with_dtype_auto_keeps_the_trials_model_and_loads_once_after(cache_
     loads.clear()
     again = LLMEngine.load(folder, config)
     assert loads == [getattr(torch, picked)] and again.dtype_why == engine.dtype_why
+
+
+def test_a_large_candidate_is_freed_before_the_next_loads(monkeypatch):
+    """Two 8B candidates side by side would double a load's peak memory: a model over
+    KEEP_WHILE_LOADING_BYTES is not kept while the next dtype loads, however much memory is free."""
+    from engine.cache import memory_plan
+    monkeypatch.setattr(cpu_dtype, "_available_ram", lambda: 2**40)
+    monkeypatch.setattr(memory_plan, "weights_bytes", lambda model: cpu_dtype.KEEP_WHILE_LOADING_BYTES)
+    assert cpu_dtype._room_for_another(object())
+    monkeypatch.setattr(memory_plan, "weights_bytes", lambda model: cpu_dtype.KEEP_WHILE_LOADING_BYTES + 1)
+    assert not cpu_dtype._room_for_another(object())

@@ -336,9 +336,15 @@ def batch_step_seconds(engine, users: int) -> float:
 
 
 def _room_for_another(model) -> bool:
-    """Whether a second copy of `model`'s weights fits in the memory free now, with as much again to spare."""
+    """Whether `model` may stay loaded while the next candidate loads: a second copy of its
+    weights fits in the memory free now with as much again to spare, and it is small (an 8B's
+    5 GB kept beside the next doubled the load's peak memory; it loads again in seconds)."""
     from engine.cache.memory_plan import weights_bytes
-    return _available_ram() > 3 * weights_bytes(model)
+    held = weights_bytes(model)
+    return held <= KEEP_WHILE_LOADING_BYTES and _available_ram() > 3 * held
+
+
+KEEP_WHILE_LOADING_BYTES = 2**30    # a trial's candidate larger than this is freed before the next loads
 
 
 def _available_ram() -> int:
