@@ -185,7 +185,7 @@ def step_choice(measured: dict) -> DtypeChoice:
     fastest = min(cost, key=cost.get)
     tied = [name for name in TIE_ORDER if cost.get(name, float("inf")) <= cost[fastest] * (1 + TIE)]
     chosen = tied[0] if tied else fastest
-    figures = "; ".join(f"{name} " + ", ".join(f"{t[r] * 1e3:.2f} ms" + (f" at {r} users" if len(rows) > 1 else "")
+    figures = "; ".join(f"{name} " + ", ".join(f"{t[r] * 1e3:.2f} ms" + (f" at {r} user{'' if r == '1' else 's'}" if len(rows) > 1 else "")
                                                 for r in rows)
                         for name, t in sorted(timed.items(), key=lambda kv: cost[kv[0]]))
     how = ("the cheaper decode steps of this model here, one user and many" if len(rows) > 1
