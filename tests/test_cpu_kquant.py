@@ -58,12 +58,23 @@ def test_the_native_repacking_gives_the_reference_layouts_bytes(bits):
     writes, on random blocks of every value and on a file's real rows; a shape it cannot tile
     is refused by name."""
     raw = _blocks(bits, seed=10 + bits)
-    assert torch.equal(torch.ops.workbench_cpu.kquant_pack(raw, bits), cpu_kquant.pack_reference(raw, bits))
+    assert torch.equal(cpu_kquant.pack(raw, bits), cpu_kquant.pack_reference(raw, bits))
     from engine.loading.synthetic_gguf import quantize
     real = torch.from_numpy(quantize(torch.randn(32, 512).numpy() * 0.02, GGML[bits].name))
     assert torch.equal(cpu_kquant.pack(real, bits), cpu_kquant.pack_reference(real, bits))
     with pytest.raises(RuntimeError, match="not a multiple of 16"):
-        torch.ops.workbench_cpu.kquant_pack(raw[:40], bits)
+        cpu_kquant.pack(raw[:40], bits)
+
+
+def test_without_our_library_the_repacking_falls_back_to_the_reference(monkeypatch):
+    """Where the library did not build, a load repacks in torch ops: the same bytes, into a slice too."""
+    raw = _blocks(4, seed=20)
+    native = cpu_kquant.pack(raw, 4)
+    monkeypatch.setattr(cpu_quant, "refusal", lambda: "no compiler here")
+    assert torch.equal(cpu_kquant.pack(raw, 4), native)
+    into = torch.zeros_like(native)
+    cpu_kquant.pack(raw[16:32], 4, into[1:2])
+    assert torch.equal(into[1:2], native[1:2]) and not into[0].any()
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)

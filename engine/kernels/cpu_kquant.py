@@ -147,7 +147,7 @@ def pack(raw: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch
         packed = pack_reference(raw, bits)
         return packed if out is None else out.copy_(packed)
     if out is None:
-        return torch.ops.workbench_cpu.kquant_pack(raw.contiguous(), bits)
+        out = raw.new_empty((raw.shape[0] // COLS, raw.shape[1] // BLOCK_BYTES[bits], COLS * BLOCK_BYTES[bits]))
     torch.ops.workbench_cpu.kquant_pack_into(raw.contiguous(), bits, out)
     return out
 

@@ -1,4 +1,4 @@
-// workbench_cpu::kquant_pack — a GGUF file's K-quant rows (Q4_K, Q5_K, Q6_K super-blocks) into
+// workbench_cpu::kquant_pack_into — a GGUF file's K-quant rows (Q4_K, Q5_K, Q6_K super-blocks) into
 // our quantized linear's tiles of 16 columns (cpu_quant_linear.cpp, "K-quants read as stored",
 // has the layout; engine.kernels.cpu_kquant.pack_reference is the same repacking in torch ops, the
 // definition the tests hold this to, byte for byte). The bytes are only moved and regrouped, so
@@ -136,22 +136,12 @@ void kquant_pack_into(const at::Tensor& raw, int64_t bits, at::Tensor& out) {
   });
 }
 
-at::Tensor kquant_pack(const at::Tensor& raw, int64_t bits) {
-  TORCH_CHECK(raw.dim() == 2, "kquant_pack: rows of super-blocks [N, blocks * bytes]");
-  const int64_t fb = file_bytes(bits == 4 || bits == 5 ? bits : 6);
-  at::Tensor out = at::empty({raw.size(0) / COLS, raw.size(1) / fb, tile_bytes(bits)}, raw.options());
-  kquant_pack_into(raw, bits, out);
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
-  m.def("kquant_pack(Tensor raw, int bits) -> Tensor");
   m.def("kquant_pack_into(Tensor raw, int bits, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
-  m.impl("kquant_pack", &kquant_pack);
   m.impl("kquant_pack_into", &kquant_pack_into);
 }

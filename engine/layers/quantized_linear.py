@@ -77,7 +77,7 @@ class QuantizedWeight:
             return f"{self.kind.split()[0]} as stored ({cpu_kquant.BLOCK_BYTES[BITS[self.kind]] * 8 / 256:g} bits a weight)"
         if self.kind == INT8:
             return "int8 (per channel)"
-        return f"{'int4' if self.kind == INT4 else 'int5' if self.kind == INT5_GROUPS else 'int8'} (group {self.group_size})"
+        return f"{WIDTHS[self.kind]} (group {self.group_size})"
 
 
 def _our_refusal(kind: str, shape: tuple[int, int], group_size: int) -> str | None:
@@ -267,15 +267,15 @@ class Joined:
     def add_kquant(self, raw: torch.Tensor, kind: str, dtype: torch.dtype) -> None:
         """A slice of a K-quant's file rows, packed straight into the whole weight's tiles (no
         copy: the load holds the weight and one slice of the file's bytes)."""
-        if self.whole is None and not self.apart and raw.shape[0] < self.rows and not _our_refusal(kind, (
-                self.rows, raw.shape[1] // cpu_kquant.BLOCK_BYTES[BITS[kind]] * cpu_kquant.SUPER), cpu_kquant.SUPER):
-            first = from_kquant(raw[:cpu_quant.COLS], kind, dtype)      # one tile: the tile's shape
-            tiles = self.rows // cpu_quant.COLS
-            self.whole = QuantizedWeight(kind, first.data.new_empty((tiles, *first.data.shape[1:])), first.scales,
-                                         (self.rows, first.shape[1]), first.group_size, OURS, dtype)
-        if self.whole is None:
+        if self.whole is None and raw.shape[0] == self.rows:      # whole already: packed as it is
             self.apart.append(from_kquant(raw, kind, dtype))
             return
+        if self.whole is None:
+            block_bytes = cpu_kquant.BLOCK_BYTES[BITS[kind]]
+            blocks = raw.shape[1] // block_bytes
+            data = raw.new_empty((self.rows // cpu_quant.COLS, blocks, cpu_quant.COLS * block_bytes))
+            self.whole = QuantizedWeight(kind, data, torch.empty(0, dtype=torch.uint8), (self.rows, blocks * cpu_kquant.SUPER),
+                                         cpu_kquant.SUPER, OURS, dtype)
         at, n = self.done // cpu_quant.COLS, raw.shape[0] // cpu_quant.COLS
         from_kquant(raw, kind, dtype, into=self.whole.data[at:at + n])
         self.done += raw.shape[0]
@@ -303,6 +303,9 @@ class Joined:
 
     def weights(self) -> list[QuantizedWeight]:
         return [self.whole] if self.whole is not None else self.apart
+
+
+WIDTHS = {INT4: "int4", INT5_GROUPS: "int5", INT8_GROUPS: "int8", INT8: "int8"}     # a form's name in reports
 
 
 def stack(parts: list[QuantizedWeight]) -> QuantizedWeight | StackedWeight:

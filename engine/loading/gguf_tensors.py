@@ -310,9 +310,11 @@ class GGUFTensors:
         where[wanted] = np.arange(len(wanted))
         outputs = None
         span = int(wanted.max()) + 1 - int(wanted.min())
-        step = 1 if len(wanted) * SPARSE < span else max(1, READ_BYTES // row_bytes)     # sparse: the rows alone
+        sparse = len(wanted) * SPARSE < span            # the rows alone, one read each
+        step = 1 if sparse else max(1, READ_BYTES // row_bytes)
+        starts = np.unique(wanted) if sparse else range(int(wanted.min()), int(wanted.max()) + 1, step)
         with open(self.path, "rb", buffering=0) as f:
-            for start in range(int(wanted.min()), int(wanted.max()) + 1, step):
+            for start in starts:
                 n = min(step, int(wanted.max()) + 1 - start)
                 index = where[start:start + n]
                 keep = index >= 0

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.quantized_linear import INT4, INT5_GROUPS, INT8, INT8_GROUPS, KQUANTS, Q4_K, Q5_K, Q6_K
+from engine.layers.quantized_linear import INT4, INT5_GROUPS, INT8, INT8_GROUPS, KQUANTS, Q4_K, Q5_K, Q6_K, WIDTHS
 from engine.loading.awq_gptq import AWQ, GPTQ
 
 GGUF, CHECKPOINT, AT_LOAD, FLOAT = "GGUF", "AWQ/GPTQ", "at load", "float"      # where a format comes from
@@ -79,7 +79,7 @@ class StoredFormat:
         "Q4_K super-blocks as stored"; a K-quant widened: "int4 groups of 32, widened"."""
         if form in KQUANTS:
             return f"{form} as stored"
-        width = {INT4: "int4", INT5_GROUPS: "int5"}.get(form, "int8")
+        width = WIDTHS[form]
         if self.widened:
             return f"{width} groups of {group}, widened"
         return f"{width} as stored (group {group})"
@@ -89,8 +89,7 @@ def _gpu(form: str | None) -> Serving | None:
     """On CUDA: no quantized kernel in this release (None: as on the CPU, already float)."""
     if form is None:
         return None
-    what = {INT4: "int4 weights", INT5_GROUPS: "int5 weights", INT8_GROUPS: "int8 weights",
-            INT8: "int8 weights"}.get(form, "K-quant weights")
+    what = f"{WIDTHS[form]} weights" if form in WIDTHS else "K-quant weights"
     return Serving(None, f"{what} run on the CPU only in this release (CUDA keeps them dequantized)")
 
 
