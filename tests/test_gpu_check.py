@@ -1,15 +1,18 @@
 """`python -m engine.bench gpu-check` stays ready for the day a GPU is at hand: its dry run takes
-the whole script through every section on the CPU (tiny models, few tokens) and writes what
-it measured to the folder it is given; the device script (scripts/gpu_check.sh) asks only for
-what the bench takes."""
+the whole script through every section on the CPU (tiny models, few tokens; the GPU linear
+kernels in the Triton interpreter) and writes what it measured to the folder it is given; the
+device script (scripts/gpu_check.sh) asks only for what the bench takes."""
 import json
+import os
 import re
 import shlex
 from pathlib import Path
 
-import pytest
+os.environ.setdefault("TRITON_INTERPRET", "1")      # before triton is imported: the linears' kernels on the CPU
 
-from engine.bench import cli
+import pytest  # noqa: E402
+
+from engine.bench import cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("decode", "step", "verify_cost", "long_context")
@@ -49,6 +52,37 @@ def test_the_dry_run_takes_the_whole_script_through_on_the_cpu_and_writes_its_fo
     parity = written["models"]["tiny"]["parity"]
     assert parity["meaningful"] is False and len(parity["greedy_identical"]) == 3   # random weights: said so
     assert "parity" not in written["models"]["tiny-3-layers"]
+    linears = written["linears"]
+    assert linears["rows"] == [1, 4, 16] and linears["bandwidth_gb_s"] > 0
+    assert all(f"tiny-q4_k_m/{part}" in written["seconds"] for part in ("kernel", "decode", "llama_server"))
+    tiny = linears["tiny-q4_k_m"]
+    kernel = tiny["kernel"]
+    assert "error" not in kernel and "skipped" not in kernel, kernel
+    # the recipe's Q4_K body and Q6_K head and more-bits layers, each cut to one 64 x 256 weight
+    assert kernel["types"] == {"Q4_K": 1, "Q6_K": 1} and kernel["stored_bytes"] == 64 * (144 + 210)
+    assert list(kernel["rows"]) == ["1", "4", "16"]
+    assert all(row["ms_per_pass"] > 0 and row["stored_gb_s"] > 0 and row["of_bandwidth"] > 0
+               for row in kernel["rows"].values())
+    assert tiny["decode"]["decode_tok_s"] > 0 and tiny["file"].endswith("tiny")     # the named model stands in
+    server = tiny["llama_server"]            # no CUDA here, so no llama-server built for it: said why
+    assert server["decode_tok_s"] is None and "not built" in server["not_run"]
+
+
+def test_the_linears_timed_are_the_files_own(tmp_path, monkeypatch):
+    """The linears section times the shapes and types synthetic_gguf's recipe gives a file
+    without reading it: they must be the written file's linears, each layer's, then the head
+    (here the tied embedding, as in the 1.7B's file)."""
+    from engine.bench import gpu
+    from engine.loading.gguf_tensors import read_header
+    from engine.loading.synthetic_gguf import write_gguf
+    preset = {**gpu.TINY_GGUF, "num_hidden_layers": 3, "tie_word_embeddings": True}   # layer 2: Q6_K v and down
+    monkeypatch.setitem(gpu.GGUF_RECIPES, "file", (preset, "Q4_K_M"))
+    _, tensors = read_header(write_gguf(tmp_path / "file.gguf", preset, "Q4_K_M"))
+    stored = [t for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    stored += [t for t in tensors if t.name == "token_embd.weight"]
+    linears = gpu.gguf_linears("file")
+    assert linears == [(t.tensor_type.name, (int(t.shape[1]), int(t.shape[0]))) for t in stored]
+    assert {kind for kind, _ in linears} == {"Q4_K", "Q6_K"} and len(linears) == 3 * 7 + 1
 
 
 def test_without_cuda_and_without_dry_run_it_says_so(capsys):

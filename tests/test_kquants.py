@@ -271,7 +271,7 @@ def test_a_fused_linear_larger_than_a_slice_is_packed_part_by_part_with_the_same
 def _rows_asked(monkeypatch) -> dict[str, list[tuple]]:
     """Per tensor, the (start, stop) of each slice of rows its stored blocks were asked for."""
     asked: dict[str, list[tuple]] = {}
-    for method in ("kquant_blocks", "int4_groups", "int8_groups"):
+    for method in ("blocks", "int4_groups", "int8_groups"):
         original = getattr(GGUFTensors, method)
 
         def spy(self, name, rows=slice(None), original=original):

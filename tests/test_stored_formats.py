@@ -9,7 +9,7 @@ import torch
 
 from engine.kernels import cpu_quant
 from engine.layers import quantized_linear
-from engine.layers.quantized_linear import INT4, INT5_GROUPS, INT8, INT8_GROUPS, Q4_K, Q5_K, Q6_K
+from engine.layers.quantized_linear import GPU_INT4_ZP, INT4, INT5_GROUPS, INT8, INT8_GROUPS, Q4_K, Q5_K, Q6_K, gpu_blocks
 from engine.loading import gguf_tensors, stored_formats
 from engine.loading.loader import load_config, load_model, resolve
 from engine.loading.stored_formats import FORMATS, format_of
@@ -49,10 +49,14 @@ def test_every_stored_format_says_how_each_device_serves_it_and_why():
         "AWQ": None, "GPTQ": None, "int4 at load": 32, "int8 at load": 0}     # None: the checkpoint's group_size
     assert {name: f.widened for name, f in FORMATS.items() if f.widened} == {
         "Q4_K": (INT4, 32), "Q5_K": (INT8_GROUPS, 32), "Q6_K": (INT8_GROUPS, 16)}
-    assert all(f.on(CUDA).form is None and f.on(CUDA).why for f in FORMATS.values())
-    assert FORMATS["Q5_0"].on(CUDA).why == "int5 weights run on the CPU only in this release (CUDA keeps them dequantized)"
-    assert FORMATS["Q5_K"].on(CUDA).why == (
-        "K-quant weights run on the CPU only in this release (CUDA keeps them dequantized)")
+    cuda = {name: f.on(CUDA).form for name, f in FORMATS.items()}
+    assert cuda == {**{name: gpu_blocks(name) for name in ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")},
+                    "AWQ": GPU_INT4_ZP, "GPTQ": GPU_INT4_ZP, "MXFP4": None, "int4 at load": None, "int8 at load": None,
+                    "float": None, "F32": None, "F16": None, "BF16": None}
+    assert all(f.on(CUDA).why for f in FORMATS.values())
+    assert FORMATS["Q5_K"].on(CUDA).why == "as stored: the file's blocks byte for byte, read by the Triton kernel"
+    assert FORMATS["int8 at load"].on(CUDA).why == (
+        "int8 weights quantized at load run on the CPU only (CUDA keeps them dequantized)")
     assert FORMATS["MXFP4"].on(CPU).why == FORMATS["MXFP4"].on(CUDA).why == "no MXFP4 kernel yet"
     assert {name for name, f in FORMATS.items() if f.zero} == {"Q5_0", "Q5_1", "Q5_K"}
     table = stored_formats.__doc__.splitlines()       # the docstring's table names every quantized row
@@ -183,21 +187,28 @@ def test_q5_k_m_logits_stay_as_close_to_exact_as_bf16(q5_file):
     assert err_stored <= 2 * err_bf16 + 1e-3 * reference.abs().max(), (float(err_stored), float(err_bf16))
 
 
-def test_on_cuda_the_plan_dequantizes_every_stored_format_and_says_why(q5_file):
-    """The plan reads the table's CUDA column: nothing as stored, each linear's reason given
-    (no GPU is needed to plan)."""
+def test_on_cuda_the_plan_serves_every_gguf_type_in_its_blocks_where_the_kernel_passed_its_trial(q5_file, monkeypatch):
+    """The plan reads the table's CUDA column (no GPU is needed to plan): each linear in its
+    parts' stored blocks where the GPU kernel passed its trial there; where it did not, each
+    dequantized with the trial's reason; int4 at load stays a CPU form, and says so."""
+    from engine.kernels import gpu_quant
     from engine.loading.gguf_tensors import GGUFTensors
     from engine.models import LlamaFamilyModel
     config = load_config(resolve(str(q5_file)))
     with torch.device("meta"):
         model = LlamaFamilyModel(config)
-    plans = plan_linears(model, "auto", CUDA, GGUFTensors(q5_file, config), torch.bfloat16)
-    assert len(plans) == 17 and not any(p.as_stored for p in plans)
-    cpu_only = " run on the CPU only in this release (CUDA keeps them dequantized)"
-    assert {why for p in plans for why in p.why_not.split("; ")} == {"int5 weights" + cpu_only, "int8 weights" + cpu_only,
-                                                                         "K-quant weights" + cpu_only}
-    int4 = plan_linears(model, "int4", CUDA, GGUFTensors(q5_file, config), torch.bfloat16)
-    assert {p.why_not for p in int4} == {"int4 weights run on the CPU only in this release (CUDA keeps them dequantized)"}
+    stored = GGUFTensors(q5_file, config)
+    monkeypatch.setattr(gpu_quant, "device_refusal", lambda device: None)       # as on a GPU
+    monkeypatch.setattr(gpu_quant, "trial", lambda fmt, device, dtype: None)
+    plans = plan_linears(model, "auto", CUDA, stored, torch.bfloat16)
+    assert len(plans) == 17 and all(p.as_stored for p in plans)
+    assert {form for p in plans for form, _ in p.forms} == {gpu_blocks(t) for p in plans for t in p.types}
+    monkeypatch.setattr(gpu_quant, "trial", lambda fmt, device, dtype: f"the GPU {fmt} kernel gave wrong results here")
+    failed = plan_linears(model, "auto", CUDA, stored, torch.bfloat16)
+    assert not any(p.as_stored for p in failed)
+    assert {p.why_not for p in failed} == {f"the GPU {t} kernel gave wrong results here" for p in failed for t in p.types[:1]}
+    int4 = plan_linears(model, "int4", CUDA, stored, torch.bfloat16)
+    assert {p.why_not for p in int4} == {"int4 weights quantized at load run on the CPU only (CUDA keeps them dequantized)"}
 
 
 def test_a_part_of_a_type_without_a_row_dequantizes_its_linear_and_says_why():

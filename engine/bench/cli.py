@@ -114,8 +114,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--system-tokens", type=int, default=1000, help="prefix: system prompt length")
     ap.add_argument("--eval-tokens", type=int, default=10240, help="kv: perplexity tokens")
     ap.add_argument("--window", type=int, default=1024, help="kv: perplexity window")
-    ap.add_argument("--config", default="default", help="memory: config.json folder, 'default', a synthetic preset "
-                    "(the released model's shapes: " + ", ".join(sorted(PRESETS)) + "), " + ", ".join(BUILTIN_SHAPES))
+    ap.add_argument("--config", default="default", help="memory: config.json folder, a .gguf, 'default', a "
+                    "synthetic preset (the released model's shapes: " + ", ".join(sorted(PRESETS)) + "; or a GGUF "
+                    "preset, its weights counted as stored, nothing written: "
+                    + ", ".join(sorted(SYNTHETIC_GGUF_PRESETS)) + "), " + ", ".join(BUILTIN_SHAPES))
     ap.add_argument("--context", type=int, default=4096, help="memory: tokens per sequence")
     ap.add_argument("--k", type=int, default=4, help="speculative: draft tokens per step")
     ap.add_argument("--proposer", choices=["draft", "eagle", "ngram", "suffix", "auto"], default="eagle",

@@ -177,11 +177,16 @@ def available_ram_bytes() -> int:
         return ram_bytes()
 
 
+def synthetic_gguf_path(preset: str) -> Path:
+    """Where synthetic_gguf keeps a GGUF preset's file (it may not be written yet)."""
+    from engine.loading.loader import cache_dir
+    return cache_dir() / "synthetic" / f"{preset}.gguf"
+
+
 def synthetic_gguf(preset: str) -> Path:
     """<cache>/synthetic/PRESET.gguf, written once (to a temporary name, then renamed)."""
-    from engine.loading.loader import cache_dir
     from engine.loading.synthetic_gguf import SYNTHETIC_GGUF_PRESETS, write_gguf
-    path = cache_dir() / "synthetic" / f"{preset}.gguf"
+    path = synthetic_gguf_path(preset)
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
-"""`python -m engine.bench memory --config PRESET | FOLDER`: what a model needs on a GPU card,
-from our own model built on the meta device (no memory, no weights, no hand-written formula
-of its shapes): parameters (total, and active per token for a mixture of experts), weight
-bytes per format, KV bytes per token, and the tokens that fit on a 24 GiB and a 48 GiB card.
+"""`python -m engine.bench memory --config PRESET | FOLDER | FILE.gguf`: what a model needs on a
+GPU card, from our own model built on the meta device (no memory, no weights, no hand-written
+formula of its shapes): parameters (total, and active per token for a mixture of experts),
+weight bytes per format (a GGUF's as stored, from its header), KV bytes per token, and the
+tokens that fit on a 24 GiB and a 48 GiB card.
 
 Weight formats (every linear of our model: attention, router, experts, dense MLPs, head; the
 embedding table, norms, biases and sinks stay bf16, as `weight_dtype` int8/int4 keeps them):
@@ -13,9 +14,20 @@ embedding table, norms, biases and sinks stay bf16, as `weight_dtype` int8/int4 
   int4      our kernel's layout: 4 bits + an fp16 scale and minimum per group of 32: 5 bits;
   mxfp4     gpt-oss as OpenAI ships it: the experts' weights in MXFP4 (4-bit E2M1 values and
             one E8M0 exponent per 32: 4.25 bits), every other tensor bf16.
-What this engine serves on CUDA: bf16 (int8 / int4 run on the CPU only in this release and
-CUDA keeps them dequantized; FP8 weights are not read; MXFP4 is dequantized as it loads,
-engine.loading.fused_experts): the other rows say what the format needs, for comparison.
+  gguf_as_stored  a GGUF's weights as a CUDA load holds them (engine.loading.stored_formats):
+            a tensor whose type has a CUDA form (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+            its file bytes, byte for byte; any other (F32 norms and routers, MXFP4, Q2_K, ...)
+            bf16, 2 bytes a value. The embedding table is looked up in its stored blocks where
+            the head is tied to it, or where every linear is served as stored (an F32 router
+            means it is not); else it is a bf16 table. Only for a GGUF: --model FILE.gguf (its
+            header's types and sizes) or a synthetic GGUF preset as --config (the types
+            engine.loading.synthetic_gguf would write, nothing written).
+What this engine serves on CUDA: bf16 for a float checkpoint; a GGUF as stored (the
+gguf_as_stored row; a type without a CUDA form dequantized to bf16); an AWQ/GPTQ checkpoint's
+int4 as stored (4 bits + an fp16 scale and integer zero per group, engine.kernels.gpu_quant).
+The int8 / int4 rows (weight_dtype quantizing a float weight at load) run on the CPU only,
+CUDA keeps them dequantized; FP8 weights are not read; MXFP4 is dequantized as it loads
+(engine.loading.fused_experts): those rows say what the format needs, for comparison.
 
 KV: K and V of every layer for every token (engine.cache.kv_cache.CacheShape), bf16 or FP8
 E4M3 with its scales. A sliding-window layer counts as a full one, because this engine keeps
@@ -36,6 +48,8 @@ weights; the KV pool gets the rest, in whole blocks.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,6 +57,7 @@ from engine.cache.kv_cache import FP8_DTYPE
 from engine.cache.memory_plan import (CUDA_FIXED_RESERVE, RESERVE_PREFILL_TOKENS, GiB, MiB, activation_bytes,
                                       moe_blocks)
 from engine.config import BY_KEY
+from engine.loading.stored_formats import format_of
 
 CARDS = {"24GiB": 24 * GiB, "48GiB": 48 * GiB}
 CUDA_CONTEXT_BYTES = 512 * MiB          # the CUDA context and torch's own allocations: an allowance
@@ -51,13 +66,20 @@ BLOCK_SIZE = BY_KEY["block_size"].default
 QUANT_GROUP = 32                        # our int8 / int4 kernels' group; MXFP4's block
 FP8_BLOCK = 128
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": FP8_DTYPE}
+GGUF_AS_STORED = "gguf_as_stored"
 SERVED_ON_CUDA = {
     "bf16": "yes",
     "fp8": "no: this engine does not read FP8 weights",
-    "int8": "no: int8 weights run on the CPU only in this release (CUDA keeps them dequantized: the bf16 row)",
-    "int4": "no: int4 weights run on the CPU only in this release (CUDA keeps them dequantized: the bf16 row)",
+    "int8": "no: weight_dtype int8 runs on the CPU only (CUDA keeps the weights dequantized: the bf16 row)",
+    "int4": "no: weight_dtype int4 runs on the CPU only (CUDA keeps the weights dequantized: the bf16 row); "
+            "an AWQ/GPTQ checkpoint's int4 is served as stored",
     "mxfp4": "no: MXFP4 experts are dequantized as they load (engine.loading.fused_experts): the bf16 row",
+    GGUF_AS_STORED: "yes: the GGUF's blocks byte for byte, read by the Triton kernel (where a type's kernel "
+                    "fails its trial at load, that type is dequantized to bf16)",
 }
+EMBEDDING = "token_embd.weight"         # llama.cpp's names
+HEAD = "output.weight"
+NOT_LINEARS = ("ssm_conv1d.weight",)    # weights of two dimensions that no Linear of ours holds
 
 
 def meta_model(config, max_positions: int = RESERVE_PREFILL_TOKENS):
@@ -69,17 +91,24 @@ def meta_model(config, max_positions: int = RESERVE_PREFILL_TOKENS):
         return build_model(config, max_positions=positions).to(torch.bfloat16)
 
 
-def model_memory(config, context: int) -> dict:
-    """Every figure of the module docstring for one config, at `context` tokens a sequence."""
+def model_memory(config, context: int, gguf_tensors: list[FileTensor] | None = None,
+                 file_bytes: int | None = None) -> dict:
+    """Every figure of the module docstring for one config, at `context` tokens a sequence;
+    with a GGUF's tensors (`gguf_file_tensors`, `gguf_preset_tensors`) the gguf_as_stored row
+    too (`file_bytes`: the file's size, for a real file)."""
     model = meta_model(config)
     weights = weight_bytes(model)
+    stored = None
+    if gguf_tensors is not None:
+        stored = as_stored_on_cuda(gguf_tensors, file_bytes)
+        weights[GGUF_AS_STORED] = stored["bytes"]
     kv = kv_figures(model, context)
     state = state_figures(model)
     reserve = reserve_bytes(model)
     cards_of = cards(weights, kv["bytes_per_token"], reserve, context, state["bytes_per_sequence"] if state else 0)
     return {"model_type": config.model_type, "parameters": parameter_counts(model),
             "weights_bytes": weights, "weights_served_on_cuda": {k: SERVED_ON_CUDA[k] for k in weights},
-            "kv": kv, "state": state, "cards": cards_of,
+            GGUF_AS_STORED: stored, "kv": kv, "state": state, "cards": cards_of,
             "human": {"weights": {k: _gib(v) for k, v in weights.items()},
                       "kv_per_sequence": {k: _gib(v) for k, v in kv["bytes_per_sequence"].items()},
                       "state_per_sequence": _mib(state["bytes_per_sequence"]) if state else None,
@@ -164,6 +193,82 @@ def weight_bytes(model) -> dict[str, int]:
             kind = fmt if fmt != "mxfp4" else ("mxfp4" if id(m) in experts else "bf16")
             total += quantized_bytes(*m.weight.shape, kind)
         out[fmt] = total
+    return out
+
+
+# ---- a GGUF's weights as stored on CUDA ----------------------------------------------------
+@dataclass(frozen=True)
+class FileTensor:
+    """One tensor of a GGUF file, as its header gives it."""
+    name: str                   # llama.cpp's: "blk.0.attn_q.weight"
+    kind: str                   # its stored type: "Q4_K", "F32"
+    shape: tuple[int, ...]
+    file_bytes: int
+
+    @property
+    def values(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_linear(self) -> bool:
+        """A weight a Linear of ours holds (the head and a tied embedding included)."""
+        return (len(self.shape) >= 2 and self.name.endswith(".weight") and self.name != EMBEDDING
+                and not self.name.endswith(NOT_LINEARS))
+
+
+def gguf_file_tensors(path) -> list[FileTensor]:
+    """The tensors of a GGUF file, from its header (engine.loading.gguf_tensors.read_header)."""
+    from engine.loading.gguf_tensors import read_header
+    _, tensors = read_header(Path(path))
+    return [FileTensor(t.name, t.tensor_type.name, t.shape, t.n_bytes) for t in tensors]
+
+
+def gguf_preset_tensors(preset: str) -> list[FileTensor]:
+    """The tensors the synthetic GGUF preset's file would hold (engine.loading.synthetic_gguf:
+    its recipe's types), their bytes from the types' block sizes; nothing is written."""
+    import gguf
+    from engine.loading.synthetic_gguf import SYNTHETIC_GGUF_PRESETS, planned_tensors
+    out = []
+    for name, shape, kind in planned_tensors(*SYNTHETIC_GGUF_PRESETS[preset]):
+        values, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+        out.append(FileTensor(name, kind, shape, math.prod(shape) // values * block_bytes))
+    return out
+
+
+def as_stored_on_cuda(tensors: list[FileTensor], file_bytes: int | None = None) -> dict:
+    """The bytes a CUDA load holds for these tensors (the gguf_as_stored row of the module
+    docstring), per stored type and for the embedding; against the file's tensors' bytes, and
+    against `file_bytes` (a real file's size) when given."""
+    def on_cuda(kind: str) -> str | None:
+        return format_of(kind).on(torch.device("cuda")).form
+
+    names = {t.name for t in tensors}
+    linears_stored = all(on_cuda(t.kind) for t in tensors if t.is_linear)
+    tied = HEAD not in names
+    by_type, total, embedding = {}, 0, None
+    for t in tensors:
+        form = on_cuda(t.kind)
+        if t.name == EMBEDDING:
+            form = form if tied or linears_stored else None
+            embedding = {"type": t.kind, "looked_up_as_stored": form is not None, "tied_to_head": tied,
+                         "bytes": t.file_bytes if form else 2 * t.values}
+        held = t.file_bytes if form else 2 * t.values
+        total += held
+        row = by_type.setdefault(t.kind if form or t.name != EMBEDDING else f"{t.kind} (embedding)",
+                                 {"on_cuda": form or "bf16", "tensors": 0, "file_bytes": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["file_bytes"] += t.file_bytes
+        row["bytes"] += held
+    if embedding and not embedding["looked_up_as_stored"]:
+        embedding["why_bf16"] = (f"{embedding['type']} has no CUDA form" if not on_cuda(embedding["type"]) else
+                                 "a linear is not served as stored (so the table is not either)")
+    in_file = sum(t.file_bytes for t in tensors)
+    out = {"bytes": total, "file_tensor_bytes": in_file, "weights_to_file_tensors": round(total / in_file, 4),
+           "by_type": by_type, "embedding": embedding,
+           "human": {"bytes": _gib(total), "file_tensor_bytes": _gib(in_file)}}
+    if file_bytes:
+        out |= {"file_bytes": file_bytes, "weights_to_file": round(total / file_bytes, 4)}
+        out["human"]["file_bytes"] = _gib(file_bytes)
     return out
 
 

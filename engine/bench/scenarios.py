@@ -210,20 +210,66 @@ def _perplexity(runner, ids: list[int], window: int) -> float:
 # ---- analytic memory ---------------------------------------------------------------
 def bench_memory(args) -> dict:
     """Bytes per sequence from a config's shapes (analytic; --config, else the model's); for a
-    config we can build (a folder, 'default' or a synthetic preset such as qwen3-30b-a3b), what
-    the model needs on a GPU card (engine.bench.model_memory); and the memory plan of --model
-    or --synthetic (with --draft) on --device as the engine makes it."""
+    config we can build (a folder, a .gguf, 'default' or a synthetic preset such as
+    qwen3-30b-a3b or qwen3-14b-q4_k_m), what the model needs on a GPU card
+    (engine.bench.model_memory; a GGUF's weights as stored on CUDA among its rows); and the
+    memory plan of --model or --synthetic (with --draft) on --device as the engine makes it.
+    --device cuda where there is no CUDA device: the plan is not made, and says so
+    (`plan_not_made`)."""
     from engine.bench.model_memory import model_memory
     named = model_path(args)          # --model, or --synthetic's checkpoint
     config = named if args.config == "default" and named else args.config
     result = cache_bytes(config, args.context)
     hf_config = _config_for(config)
     if hf_config is not None:
-        result["model"] = model_memory(hf_config, args.context)
+        result["model"] = model_memory(hf_config, args.context, *_gguf_tensors(config))
+    if args.device and torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        return result | {"plan": plan_not_made(named, args.device)}
     eng = _engine(args)
     if args.draft:
         eng.set_draft_model(args.draft, progress=_progress)
     return result | {"plan": {"model": eng.target_model.display_name, "draft": eng.draft_name, **eng.plan.as_dict()}}
+
+
+def plan_not_made(named: str | None, device: str) -> dict:
+    """The `plan` of bench memory on a machine without the CUDA device asked for: said plainly,
+    with the weights a CUDA load of a GGUF would hold (its gguf_as_stored row) in its place."""
+    from engine.bench.model_memory import as_stored_on_cuda, gguf_file_tensors
+    out = {"made": False, "model": named or "default",
+           "why": f"not planned: no CUDA device here (torch.cuda.is_available() is False), and the engine's "
+                  f"memory plan for --device {device} is made on the device; run it where CUDA is to get it"}
+    path = _gguf_path(named or "default")
+    if path is None:
+        return out | {"weights_on_cuda": "not counted here: a float checkpoint's weights are the model section's "
+                                         "bf16 row"}
+    stored = as_stored_on_cuda(gguf_file_tensors(path), path.stat().st_size)
+    return out | {"weights_on_cuda": "the GGUF's weights as stored (the model section's gguf_as_stored row)",
+                  "weights_bytes": stored["bytes"], "file_bytes": stored["file_bytes"],
+                  "weights_to_file": stored["weights_to_file"],
+                  "human": {"weights": stored["human"]["bytes"], "file": stored["human"]["file_bytes"]}}
+
+
+def _gguf_path(config: str):
+    """The GGUF file a config names (a .gguf path, or 'default': the embedded model's); None
+    for any other."""
+    from pathlib import Path
+
+    from engine.loading.loader import default_gguf_path
+    if config == "default":
+        return default_gguf_path()
+    path = Path(config).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def _gguf_tensors(config: str) -> tuple:
+    """(the GGUF's tensors, the file's size) of a config that names one (a .gguf, 'default', a
+    synthetic GGUF preset: its planned tensors, no size); (None, None) for any other."""
+    from engine.bench.model_memory import gguf_file_tensors, gguf_preset_tensors
+    from engine.bench.model_flags import is_gguf_preset
+    if is_gguf_preset(config):
+        return gguf_preset_tensors(config), None
+    path = _gguf_path(config)
+    return (gguf_file_tensors(path), path.stat().st_size) if path else (None, None)
 
 
 def cache_bytes(config: str, context: int) -> dict:
@@ -266,13 +312,17 @@ def _shape_for(config: str):
 
 
 def _config_for(config: str):
-    """The transformers config of a config.json folder, 'default', or a synthetic preset (its
-    released model's shapes); None for a built-in shape, which has no config."""
+    """The transformers config of a config.json folder, a .gguf, 'default', or a synthetic
+    preset (its released model's shapes; a GGUF preset's: its float preset's); None for a
+    built-in shape, which has no config."""
     from engine.loading.synthetic import PRESETS, make_config
+    from engine.loading.synthetic_gguf import SYNTHETIC_GGUF_PRESETS
     if config in BUILTIN_SHAPES:
         return None
     if config in PRESETS:
         return make_config(config)
+    if config in SYNTHETIC_GGUF_PRESETS:
+        return make_config(SYNTHETIC_GGUF_PRESETS[config][0])
     from engine.loading.loader import load_config, resolve
     return load_config(resolve(None if config == "default" else config))
 

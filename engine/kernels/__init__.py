@@ -14,6 +14,9 @@ cpu_fp8.py          `workbench_cpu::fp8_gather` (cpu_fp8.cpp): the FP8 cache's b
                     gathered and dequantized in one pass (the torch attention path's read)
 cpu_attention.py    `workbench_cpu::paged_attention` (cpu_attention.cpp): the compiled step's
                     attention on the CPU, every row of a pass over the paged cache as stored
+gpu_quant.py        the GPU's quantized linears on weights as stored (GGUF blocks, AWQ/GPTQ
+                    int4): whether they run here, their trial, the entry points; the layouts in
+                    gpu_quant_layouts.py, the Triton kernels in gpu_quant_linear.py
 
 Kernel modules import triton; import them through `dispatch`, which degrades to
 `kernels_available() == False` where triton is missing. `mend_interpreter` lets the Triton

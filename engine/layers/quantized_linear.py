@@ -12,7 +12,10 @@ Two kernels, each tried before it serves:
     channel only, fast with bf16 activations only, and its cost climbs with rows (it works in
     4-row tiles and dequantizes the weights again for each). It serves where ours does not
     build (no compiler) or cannot take a shape.
-A kind neither kernel takes here is served as float by the loader, which says why
+On CUDA a third kernel serves the weights as stored (engine.kernels.gpu_quant, Triton): a GGUF's
+blocks byte for byte (`gpu_blocks`: "Q4_K blocks", ...) and an AWQ/GPTQ checkpoint's int4 with
+its zero points (GPU_INT4_ZP), tried at load on the device.
+A kind no kernel takes here is served as float by the loader, which says why
 (`unsupported`). The forms the loaders hand over:
   - int4: q 0..15 with w = (q - 8) * scale + zero per group (llama.cpp's Q4_1, w = d * q + m:
     scale = d, zero = m + 8d; Q4_0, w = d * (q - 8): scale = d, zero = 0);
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import first_line
-from engine.kernels import cpu_kquant, cpu_quant
+from engine.kernels import cpu_kquant, cpu_quant, gpu_quant
 
 INT4, INT8 = "int4", "int8"
 INT8_GROUPS = "int8-groups"     # 8-bit weights with a float scale (and zero) per group (Q6_K: 16; others 32)
@@ -46,7 +49,9 @@ KQUANTS = {f"{name} super-blocks": bits for name, bits in cpu_kquant.TYPES.items
 Q4_K, Q5_K, Q6_K = KQUANTS
 BITS = {INT4: 4, INT8: 8, INT8_GROUPS: 8, INT5_GROUPS: 5, **KQUANTS}
 INT4_GROUP = 32                 # llama.cpp's Q4 block; gpt-fast's default is 32 too
-OURS, TORCH = "ours", "torch"
+OURS, TORCH, TRITON = "ours", "torch", "triton"      # TRITON: the GPU kernel on weights as stored (gpu_quant)
+GPU_INT4_ZP = "int4 zero-point groups"      # an AWQ / GPTQ checkpoint's int4 on the GPU (gpu_quant.INT4_ZP)
+GPU_FORMS = {**{f"{name} blocks": name for name in gpu_quant.BLOCKS}, GPU_INT4_ZP: gpu_quant.INT4_ZP}   # form -> gpu_quant's
 INNER_K_TILES = 1               # torch's int4 kernel takes any in_features divisible by the group
 CHECK_TILES = 8                 # check_rows runs a weight's first tiles (128 rows), not the whole of it
 CHECK_ROWS = (1, 2, 3, 16, 64)
@@ -65,14 +70,24 @@ class QuantizedWeight:
     scales: torch.Tensor        # ours: cpu_quant.pack's scales; torch int4: [in / group, out, 2]; int8: [out]
     shape: tuple[int, int]      # (out, in)
     group_size: int = 0         # 0: per channel
-    kernel: str = TORCH         # OURS | TORCH
+    kernel: str = TORCH         # OURS | TORCH | TRITON
     dtype: torch.dtype = torch.bfloat16     # the activations it was made for
+    zeros: torch.Tensor | None = None       # TRITON's int4 zero-point groups: z per group
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.zeros) if t is not None)
+
+    def stored(self) -> gpu_quant.StoredWeight:
+        """A TRITON weight as gpu_quant takes it."""
+        return gpu_quant.StoredWeight(GPU_FORMS[self.kind], self.data, self.shape, self.scales, self.zeros,
+                                      self.group_size)
 
     def describe(self) -> str:
+        if self.kind == GPU_INT4_ZP:
+            return f"int4 with zero points (group {self.group_size}), as stored"
+        if self.kind in GPU_FORMS:
+            return f"{GPU_FORMS[self.kind]} blocks as stored"
         if self.kind in KQUANTS:
             return f"{self.kind.split()[0]} as stored ({cpu_kquant.BLOCK_BYTES[BITS[self.kind]] * 8 / 256:g} bits a weight)"
         if self.kind == INT8:
@@ -87,15 +102,25 @@ def _our_refusal(kind: str, shape: tuple[int, int], group_size: int) -> str | No
     return cpu_quant.refusal() or cpu_quant.packable(shape, BITS[kind], group_size or cpu_quant.XBLOCK)
 
 
-def ours_takes(kind: str, shape: tuple[int, int], group_size: int) -> bool:
-    """Whether our kernel serves this weight here (so `rows` can look rows up in it)."""
-    return _our_refusal(kind, shape, group_size if kind != INT8 else 0) is None
+def gpu_blocks(type_name: str) -> str:
+    """The form a GGUF type's blocks are served in on the GPU, as stored."""
+    return f"{type_name} blocks"
+
+
+def looks_up(kind: str, shape: tuple[int, int], group_size: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a weight of this kind is served on `device` by a kernel whose layout `rows` can
+    read (ours on the CPU, the GPU kernel's): an embedding then needs no float table."""
+    if kind in GPU_FORMS:
+        return unsupported(kind, shape, device, dtype, group_size) is None
+    return device.type == "cpu" and _our_refusal(kind, shape, group_size if kind != INT8 else 0) is None
 
 
 def unsupported(kind: str, shape: tuple[int, int], device: torch.device, dtype: torch.dtype,
                 group_size: int = INT4_GROUP) -> str | None:
     """Why a weight of this shape cannot take this kind here, with activations in `dtype`
     (None: a kernel takes it)."""
+    if kind in GPU_FORMS:
+        return gpu_quant.refusal(GPU_FORMS[kind], shape, device, dtype, group_size)
     if device.type != "cpu":
         return f"{kind} weights run on the CPU only in this release ({device.type} keeps them dequantized)"
     ours = _our_refusal(kind, shape, group_size if kind != INT8 else 0)
@@ -215,6 +240,21 @@ def from_kquant(raw: torch.Tensor, kind: str, dtype: torch.dtype, into: torch.Te
                            cpu_kquant.SUPER, OURS, dtype)
 
 
+def from_gpu_blocks(raw: torch.Tensor, type_name: str, dtype: torch.dtype, device: torch.device) -> QuantizedWeight:
+    """A GGUF tensor's rows of blocks [out, bytes a row] uint8, held on `device` byte for byte."""
+    layout = gpu_quant.BLOCKS[type_name]
+    shape = (raw.shape[0], raw.shape[1] // layout.bytes * layout.values)
+    return QuantizedWeight(gpu_blocks(type_name), raw.to(device), torch.empty(0, dtype=torch.uint8), shape,
+                           layout.values, TRITON, dtype)
+
+
+def from_int4_zero_points(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, dtype: torch.dtype,
+                          device: torch.device) -> QuantizedWeight:
+    """An AWQ / GPTQ linear's q [out, in], z and s [out, groups] (w = (q - z) s) on `device`."""
+    w = gpu_quant.int4_zp_weight(q, z, s).to(device)
+    return QuantizedWeight(GPU_INT4_ZP, w.data, w.scales, w.shape, w.group, TRITON, dtype, w.zeros)
+
+
 def _pack8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """8-bit q, a scale (and zero) per group -> our kernel's bytes, w = d * u + m."""
     return cpu_quant.pack(*unsigned8(q, scale, zero), 8)
@@ -281,6 +321,9 @@ class Joined:
         self.done += raw.shape[0]
 
     def add(self, qw: QuantizedWeight) -> None:
+        if qw.kernel == TRITON:
+            self._add_rows(qw)
+            return
         first = self.whole is None and not self.apart
         if first and (qw.kernel != OURS or qw.shape[0] == self.rows):
             self.apart.append(qw)
@@ -300,6 +343,22 @@ class Joined:
                 self.whole.scales = self.whole.scales.float()
             self.whole.scales[at:at + n] = qw.scales
         self.done += qw.shape[0]
+
+    def _add_rows(self, qw: QuantizedWeight) -> None:
+        """The GPU kernel's slices: its tensors are along the output rows, copied in as they come."""
+        if self.whole is None and qw.shape[0] == self.rows:
+            self.apart.append(qw)
+            return
+        if self.whole is None:
+            def whole(t):
+                return None if t is None or not t.numel() else t.new_empty((self.rows, *t.shape[1:]))
+            self.whole = QuantizedWeight(qw.kind, whole(qw.data), whole(qw.scales) if qw.scales.numel() else qw.scales,
+                                         (self.rows, qw.shape[1]), qw.group_size, TRITON, qw.dtype, whole(qw.zeros))
+        at, n = self.done, qw.shape[0]
+        for mine, theirs in ((self.whole.data, qw.data), (self.whole.scales, qw.scales), (self.whole.zeros, qw.zeros)):
+            if theirs is not None and theirs.numel():
+                mine[at:at + n] = theirs
+        self.done += n
 
     def weights(self) -> list[QuantizedWeight]:
         return [self.whole] if self.whole is not None else self.apart
@@ -381,6 +440,8 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
         return y if bias is None else y + bias
     if qw.kernel == OURS:
         return cpu_quant.linear(x, qw.data, qw.scales, bias, BITS[qw.kind])
+    if qw.kernel == TRITON:
+        return gpu_quant.linear(x, qw.stored(), bias)
     if qw.kind == INT4:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, qw.data, qw.group_size, qw.scales)
     else:
@@ -432,6 +493,8 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     the kernel's own arithmetic."""
     if isinstance(qw, StackedWeight):
         return torch.cat([dequantize(part) for part in qw.parts])
+    if qw.kernel == TRITON:
+        return gpu_quant.rows(qw.stored(), torch.arange(qw.shape[0], device=qw.data.device)).to(qw.dtype)
     if qw.kind in KQUANTS:
         return cpu_kquant.unpack(qw.data, BITS[qw.kind]).to(qw.dtype)
     if qw.kernel == OURS:
@@ -441,21 +504,26 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
 
 
 def can_look_up(qw) -> bool:
-    """Whether `rows` can read this weight's rows (our kernel's layout: an embedding tied to a
-    head served as stored needs no float table)."""
-    return all(part.kernel == OURS for part in getattr(qw, "parts", [qw]))
+    """Whether `rows` can read this weight's rows (our kernel's layout or the GPU kernel's: an
+    embedding tied to a head served as stored needs no float table)."""
+    return all(part.kernel in (OURS, TRITON) for part in getattr(qw, "parts", [qw]))
 
 
 def rows(qw, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the weight [out, in] (fp32, the values `dequantize` gives), for lookups."""
+    """Rows `ids` of the weight [out, in] (fp32, the values `dequantize` gives), for lookups, on
+    the weight's device."""
     if isinstance(qw, StackedWeight):
-        out, start = torch.empty(len(ids), qw.shape[1]), 0
+        ids = ids.to(qw.parts[0].data.device)
+        out, start = torch.empty(len(ids), qw.shape[1], device=ids.device), 0
         for part in qw.parts:
             inside = (ids >= start) & (ids < start + part.shape[0])
             if inside.any():
                 out[inside] = rows(part, ids[inside] - start)
             start += part.shape[0]
         return out
+    if qw.kernel == TRITON:
+        return gpu_quant.rows(qw.stored(), ids)
+    ids = ids.cpu()
     if qw.kind in KQUANTS:
         return cpu_kquant.rows(qw.data, BITS[qw.kind], ids)
     return cpu_quant.rows(qw.data, qw.scales, BITS[qw.kind], ids)
@@ -464,8 +532,14 @@ def rows(qw, ids: torch.Tensor) -> torch.Tensor:
 def _first_tiles(qw: QuantizedWeight, tiles: int) -> QuantizedWeight:
     """Our kernel's weight cut to its first `tiles` tiles of 16 output rows (each row is
     computed alone, so a row's bits are the same in the whole weight); torch's as it is."""
-    if qw.kernel != OURS or qw.shape[0] <= tiles * cpu_quant.COLS:
+    rows = tiles * cpu_quant.COLS
+    if qw.kernel not in (OURS, TRITON) or qw.shape[0] <= rows:
         return qw
+    if qw.kernel == TRITON:
+        def first(t):
+            return t[:rows] if t is not None and t.numel() else t
+        return QuantizedWeight(qw.kind, qw.data[:rows], first(qw.scales), (rows, qw.shape[1]), qw.group_size,
+                               qw.kernel, qw.dtype, first(qw.zeros))
     return QuantizedWeight(qw.kind, qw.data[:tiles], qw.scales[:tiles] if qw.scales.numel() else qw.scales,
                            (tiles * cpu_quant.COLS, qw.shape[1]), qw.group_size, qw.kernel, qw.dtype)
 
@@ -476,12 +550,12 @@ def check_rows(weights: list[QuantizedWeight]) -> str | None:
     gen = torch.Generator().manual_seed(0)
     seen = set()
     for qw in weights:
-        key = (qw.kind, qw.kernel, qw.shape, qw.group_size, qw.scales.dtype, qw.dtype)
+        key = (qw.kind, qw.kernel, qw.shape, qw.group_size, qw.scales.dtype, qw.dtype, qw.data.device)
         if key in seen:
             continue
         seen.add(key)
         qw = _first_tiles(qw, CHECK_TILES)
-        x = torch.randn(max(CHECK_ROWS), qw.shape[1], generator=gen).to(qw.dtype)
+        x = torch.randn(max(CHECK_ROWS), qw.shape[1], generator=gen).to(device=qw.data.device, dtype=qw.dtype)
         full = linear(x, qw, None)
         for n in CHECK_ROWS[:-1]:
             if not torch.equal(linear(x[:n], qw, None), full[:n]):

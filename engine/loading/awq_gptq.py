@@ -147,6 +147,11 @@ class AWQGPTQTensors:
         q, z, s = self._unpacked(hf_name, rows)
         return q, s, (8 - z) * s
 
+    def int4_zero_points(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [out, in] int32 0..15, z [out, groups] int32, s [out, groups]) with w = (q - z) * s,
+        as stored (the GPU kernel's form; `rows` as int4_groups)."""
+        return self._unpacked(hf_name, rows)
+
     def dequantized(self, hf_name: str, rows: slice = slice(None)) -> torch.Tensor:
         """The weight [out, in] in float32, w = (q - z) * s (exact); `rows`: only those (as int4_groups)."""
         q, z, s = self._unpacked(hf_name, rows)

@@ -225,11 +225,12 @@ class GGUFTensors:
         decode = self._decoder(hf_name, INT5_GROUPS)
         return self._decoded(hf_name, lambda stored: decode, rows=rows)
 
-    def kquant_blocks(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor]:
-        """(the file's super-blocks [out, in / 256 * bytes] uint8,) of a K-quant, rows in
-        transformers' order (`rows`: only those), read as stored."""
+    def blocks(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor]:
+        """(the file's blocks [out, in / values * bytes] uint8,) of a quantized tensor (a K-quant's
+        super-blocks, a Q8_0's blocks of 32), rows in transformers' order (`rows`: only those),
+        read as stored."""
         if self.type_of(hf_name) not in _DECODERS or self.moves_columns(hf_name):
-            raise ValueError(f"{hf_name} is {self.type_of(hf_name)}, not K-quant super-blocks in the file's column order")
+            raise ValueError(f"{hf_name} is {self.type_of(hf_name)}, not quantized blocks in the file's column order")
         return self._decoded(hf_name, lambda stored: _as_stored, rows=rows)
 
     def _decoder(self, hf_name: str, form: str):

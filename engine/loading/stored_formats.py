@@ -9,20 +9,20 @@ else reads this table: the plan (engine.loading.weight_quant), the GGUF reader
 layouts beside them), the loader's report. The kernels stay leaf ops: they say whether they
 take a weight of a shape here (quantized_linear.unsupported), never which format they serve.
 
-  format   CPU                                   CUDA          group  why
-  Q4_0     int4 groups                           dequantized   32     w = d(q - 8): 4-bit as stored
-  Q4_1     int4 groups                           dequantized   32     w = dq + m: 4-bit as stored
-  Q4_K     Q4_K super-blocks (else int4 groups)  dequantized   256    4.5 bits a weight as stored
-  Q5_0     int5 groups, u = q5, zero -16d        dequantized   32     5-bit as stored (6 bits a weight held)
-  Q5_1     int5 groups, u = q5, zero m           dequantized   32     the same, with its min (6 bits, as stored)
-  Q5_K     Q5_K super-blocks (else int8 groups)  dequantized   256    5.5 bits a weight as stored
-  Q6_K     Q6_K super-blocks (else int8 groups)  dequantized   256    6.5625 bits a weight as stored
-  Q8_0     int8 groups                           dequantized   32     8-bit as stored
-  MXFP4    dequantized (exact)                   dequantized   -      no MXFP4 kernel yet
-  AWQ      int4 groups                           dequantized   ckpt   w = (q - z)s: 4-bit as stored
-  GPTQ     int4 groups                           dequantized   ckpt   the same (no act-order)
-  int4     int4 groups, round-to-nearest         dequantized   32     weight_dtype int4 on a float weight
-  int8     int8 per channel, round-to-nearest    dequantized   0      weight_dtype int8 on any weight
+  format   CPU                                   CUDA                  group  why
+  Q4_0     int4 groups                           Q4_0 blocks           32     w = d(q - 8): 4-bit as stored
+  Q4_1     int4 groups                           Q4_1 blocks           32     w = dq + m: 4-bit as stored
+  Q4_K     Q4_K super-blocks (else int4 groups)  Q4_K blocks           256    4.5 bits a weight as stored
+  Q5_0     int5 groups, u = q5, zero -16d        Q5_0 blocks           32     5-bit as stored (6 bits a weight held)
+  Q5_1     int5 groups, u = q5, zero m           Q5_1 blocks           32     the same, with its min (6 bits, as stored)
+  Q5_K     Q5_K super-blocks (else int8 groups)  Q5_K blocks           256    5.5 bits a weight as stored
+  Q6_K     Q6_K super-blocks (else int8 groups)  Q6_K blocks           256    6.5625 bits a weight as stored
+  Q8_0     int8 groups                           Q8_0 blocks           32     8-bit as stored
+  MXFP4    dequantized (exact)                   dequantized           -      no MXFP4 kernel yet
+  AWQ      int4 groups                           int4 zero-point grps  ckpt   w = (q - z)s: 4-bit as stored
+  GPTQ     int4 groups                           int4 zero-point grps  ckpt   the same (no act-order)
+  int4     int4 groups, round-to-nearest         dequantized           32     weight_dtype int4 on a float weight
+  int8     int8 per channel, round-to-nearest    dequantized           0      weight_dtype int8 on any weight
   float, F32, F16, BF16: the compute dtype everywhere.
 Any other GGUF type (Q2_K, Q3_K, the IQ types, ...) has no row: it is dequantized to the
 compute dtype at load, "no kernel takes" it (`format_of`).
@@ -34,8 +34,12 @@ Q4_K in int4 groups of 32 (scale d·sc, zero 8·d·sc - dmin·m), Q5_K in int8 g
 
 On the CPU a form is served by our kernel (engine.kernels.cpu_quant), or for int4 groups and
 int8 per channel by torch's weight-only kernels where ours does not run; a form no kernel
-takes there, for a shape, falls back to the compute dtype and the report says why. On CUDA
-no quantized kernel runs in this release: every format is dequantized at load.
+takes there, for a shape, falls back to the compute dtype and the report says why. On CUDA a
+GGUF's blocks are held byte for byte as the file has them and an AWQ/GPTQ checkpoint's int4 in
+4 bits with its fp16 scale and integer zero per group (engine.kernels.gpu_quant), read by the
+Triton kernel where it passed its trial at load on the device; where it did not (no triton, a
+shape), the weight is dequantized to the compute dtype and "In effect" says why. The int4 /
+int8 a float weight is quantized to at load run on the CPU only.
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.quantized_linear import INT4, INT5_GROUPS, INT8, INT8_GROUPS, KQUANTS, Q4_K, Q5_K, Q6_K, WIDTHS
+from engine.layers.quantized_linear import (GPU_FORMS, GPU_INT4_ZP, INT4, INT5_GROUPS, INT8, INT8_GROUPS, KQUANTS, Q4_K, Q5_K,
+                                           Q6_K, WIDTHS, gpu_blocks)
 from engine.loading.awq_gptq import AWQ, GPTQ
 
 GGUF, CHECKPOINT, AT_LOAD, FLOAT = "GGUF", "AWQ/GPTQ", "at load", "float"      # where a format comes from
@@ -76,27 +81,35 @@ class StoredFormat:
 
     def describe(self, form: str, group: int) -> str:
         """How the report names it when served in `form`: "int8 as stored (group 32)",
-        "Q4_K super-blocks as stored"; a K-quant widened: "int4 groups of 32, widened"."""
+        "Q4_K super-blocks as stored"; a K-quant widened: "int4 groups of 32, widened"; on the
+        GPU "Q4_K blocks as stored (GPU)"."""
         if form in KQUANTS:
             return f"{form} as stored"
+        if form in GPU_FORMS:
+            return f"{form} as stored (GPU)" + (f", group {group}" if form == GPU_INT4_ZP else "")
         width = WIDTHS[form]
         if self.widened:
             return f"{width} groups of {group}, widened"
         return f"{width} as stored (group {group})"
 
 
-def _gpu(form: str | None) -> Serving | None:
-    """On CUDA: no quantized kernel in this release (None: as on the CPU, already float)."""
+def _gpu(name: str, source: str, form: str | None) -> Serving | None:
+    """On CUDA: a GGUF type the CPU serves quantized in its blocks as stored, an AWQ/GPTQ
+    checkpoint's int4 in zero-point groups; int4 / int8 at load dequantized (None: as on the
+    CPU, already float)."""
     if form is None:
         return None
-    what = f"{WIDTHS[form]} weights" if form in WIDTHS else "K-quant weights"
-    return Serving(None, f"{what} run on the CPU only in this release (CUDA keeps them dequantized)")
+    if source == GGUF:
+        return Serving(gpu_blocks(name), "as stored: the file's blocks byte for byte, read by the Triton kernel")
+    if source == CHECKPOINT:
+        return Serving(GPU_INT4_ZP, "as stored: 4-bit values, the fp16 scale and integer zero per group")
+    return Serving(None, f"{WIDTHS[form]} weights quantized at load run on the CPU only (CUDA keeps them dequantized)")
 
 
 def _row(name: str, source: str, form: str | None, group: int | None, why: str, zero: bool = False,
          widened: tuple[str, int] | None = None) -> StoredFormat:
     cpu = Serving(form, why)
-    return StoredFormat(name, source, group, zero, cpu, _gpu(form) or cpu, widened)
+    return StoredFormat(name, source, group, zero, cpu, _gpu(name, source, form) or cpu, widened)
 
 
 FORMATS: dict[str, StoredFormat] = {f.name: f for f in (

@@ -46,6 +46,11 @@ PRESETS: dict[str, dict] = {
                      num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
                      max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
                      tie_word_embeddings=False),
+    # Qwen3-14B's config.json: untied head
+    "qwen3-14b": dict(model_type="qwen3", hidden_size=5120, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=17408, vocab_size=151936,
+                      max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                      tie_word_embeddings=False),
     # The default model's vocabulary, so its tokenizer fits. Untied: with a tied head a
     # random model mostly predicts the token it just read, and greedy output goes constant.
     "tiny": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -60,6 +60,7 @@ TINY_QWEN3_MOE_Q4_K = {"preset": "tiny-qwen3-moe", "hidden_size": 256, "moe_inte
 SYNTHETIC_GGUF_PRESETS = {"qwen3-1.7b-q4_k_m": ("qwen3-1.7b", "Q4_K_M"),
                           "qwen3-1.7b-q5_k_m": ("qwen3-1.7b", "Q5_K_M"),
                           "qwen3-8b-q4_k_m": ("qwen3-8b", "Q4_K_M"),          # about 5 GB, as the released file
+                          "qwen3-14b-q4_k_m": ("qwen3-14b", "Q4_K_M"),        # about 9 GB, as the released file
                           "tiny-qwen3-moe-q4_k_m": (TINY_QWEN3_MOE_Q4_K, "Q4_K_M"),
                           "tiny-gpt-oss-mxfp4": ("tiny-gpt-oss", "MXFP4_MOE"),
                           "tiny-qwen3.5-q8_0": (hybrid_gguf.TINY_QWEN35_GGUF, "Q8_0"),
@@ -226,11 +227,9 @@ def write_gguf(path, preset: str | dict, recipe: str = "Q4_K_M", seed: int = 0) 
     path = Path(path)
     config = make_config(preset)
     source = _default_gguf()
-    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == GGUF_ARCHES.get(config.model_type, config.model_type))
-    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[_arch(config)])
     _add_metadata(writer, config, recipe, source)
-    entries = [e for s in gguf_tensor_specs(config) for e in _entries(s, config, names, recipe, seed)]
+    entries = _file_entries(config, recipe, seed)
     for name, shape, kind_name, _ in entries:
         kind = gguf.GGMLQuantizationType[kind_name]
         if kind.name == "F32":
@@ -245,6 +244,26 @@ def write_gguf(path, preset: str | dict, recipe: str = "Q4_K_M", seed: int = 0) 
         writer.write_tensor_data(np.concatenate(list(stored())))
     writer.close()
     return path
+
+
+def planned_tensors(preset: str | dict, recipe: str = "Q4_K_M") -> list[tuple[str, tuple[int, ...], str]]:
+    """(llama.cpp's name, shape in torch's order, stored type) of every tensor `write_gguf(path,
+    preset, recipe)` writes, in its order: what the file would hold, with nothing generated or
+    written (engine.bench.model_memory counts a preset's bytes from it)."""
+    return [(name, tuple(shape), kind) for name, shape, kind, _ in _file_entries(make_config(preset), recipe, 0)]
+
+
+def _arch(config):
+    """gguf's MODEL_ARCH of a config."""
+    import gguf
+    return next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == GGUF_ARCHES.get(config.model_type, config.model_type))
+
+
+def _file_entries(config, recipe: str, seed: int) -> list:
+    """_entries of every tensor of the config's file, in the file's order."""
+    import gguf
+    names = gguf.get_tensor_name_map(_arch(config), config.num_hidden_layers)
+    return [e for s in gguf_tensor_specs(config) for e in _entries(s, config, names, recipe, seed)]
 
 
 def _entries(spec, config, names, recipe: str, seed: int) -> list:

@@ -106,7 +106,7 @@ def plan_linears(model, weight_dtype: str, device: torch.device, stored, dtype: 
         kind, how = _choice(weight_dtype, types, device)
         forms = [_form(source_type, stored, part, shape, device, dtype) for (part, shape), source_type in zip(parts, types)]
         if how == "stored":
-            why_not = _why_not_stored(parts, forms, device, dtype, weight_dtype == AUTO)
+            why_not = _why_not_stored(parts, forms, device, dtype, weight_dtype == AUTO, stored)
         elif how == "rtn":
             why_not = _why_not_at_load(kind, tuple(m.weight.shape), device, dtype)
         else:       # auto, with a part the table gives no form here (a float checkpoint: none to give)
@@ -137,11 +137,13 @@ def _no_form(types: list[str], device: torch.device) -> str | None:
     return "; ".join(dict.fromkeys(s.why for s in servings if s.form is None)) or None
 
 
-def _why_not_stored(parts, forms, device, dtype, auto: bool) -> str | None:
+def _why_not_stored(parts, forms, device, dtype, auto: bool, stored) -> str | None:
     """Why some part of a linear cannot be served in its stored form here (None: all can)."""
-    for (_, shape), (form, group) in zip(parts, forms):
+    for (part, shape), (form, group) in zip(parts, forms):
+        if form in quantized_linear.GPU_FORMS and stored.moves_columns(part):
+            return "the file's columns are reordered (a hybrid's), which the GPU kernel's blocks cannot follow"
         why_not = quantized_linear.unsupported(form, tuple(shape), device, dtype, group)
-        if not why_not and auto:                    # auto never picks a slow kernel
+        if not why_not and auto and form not in quantized_linear.GPU_FORMS:     # auto never picks a slow kernel
             why_not = quantized_linear.slow_in(dtype)
         if why_not:
             return why_not
@@ -161,7 +163,7 @@ def served_as_stored(model, weight_dtype: str, device: torch.device, stored, dty
     read (`dtype`: the compute dtype the model is loaded in)."""
     plans = plan_linears(model, weight_dtype, device, stored, dtype)
     names = {f"{p.name}.weight" for p in plans if p.as_stored}
-    if any(_embedding_in_head(model, p) for p in plans) or embedding_plan(model, plans, device, stored, dtype):
+    if any(_embedding_in_head(model, p, device, dtype) for p in plans) or embedding_plan(model, plans, device, stored, dtype):
         names.add("embed_tokens.weight")          # looked up in stored bytes, never read in float
     return names
 
@@ -183,18 +185,18 @@ def embedding_plan(model, plans: list[LinearPlan], device: torch.device, stored,
         return None
     shape = tuple(embedding.weight.shape)
     form = _form(source_type, stored, name, shape, device, dtype)
-    if form[0] is None or not quantized_linear.ours_takes(form[0], shape, form[1]):
+    if form[0] is None or not quantized_linear.looks_up(form[0], shape, form[1], device, dtype):
         return None
     return LinearPlan("embed_tokens", embedding, [name], [source_type], "stored", "stored", None, [form], [shape[0]])
 
 
-def _embedding_in_head(model, plan: LinearPlan) -> bool:
+def _embedding_in_head(model, plan: LinearPlan, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the embedding's lookups come from this plan's weight: a head tied to it, served
-    as stored by our kernel (whose rows can be read), so no float table is held."""
+    as stored by a kernel whose rows can be read, so no float table is held."""
     if plan.name != "lm_head" or not plan.as_stored or model.lm_head.weight is not model.embed_tokens.weight:
         return False
     shape = tuple(model.lm_head.weight.shape)
-    return all(quantized_linear.ours_takes(form, shape, group) for form, group in plan.forms)
+    return all(quantized_linear.looks_up(form, shape, group, device, dtype) for form, group in plan.forms)
 
 
 def serve_weights(model, weight_dtype: str, device: torch.device, stored,
@@ -216,7 +218,7 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored,
                 f" (dequantized: {p.why_not})" if p.why_not else "" if p.source_type == FLOAT_SOURCE else " (dequantized)"))
             continue
         if p.how == "stored":
-            qw = stored_weight(p, stored, dtype)
+            qw = stored_weight(p, stored, dtype, device)
             packed(p)
             forms = {t: format_of(t).describe(form, group) for t, (form, group) in zip(p.types, p.forms)}
         else:
@@ -225,7 +227,7 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored,
         chosen.append((p, qw, forms))
     table = embedding_plan(model, plans, device, stored, dtype)
     if table is not None:           # looked up in its stored blocks: no float table
-        model.embed_tokens.serve_from(stored_weight(table, stored, dtype))
+        model.embed_tokens.serve_from(stored_weight(table, stored, dtype, device))
         packed(table)
         report.embedding = f"{table.source_type} looked up as stored"
     broken = _row_variant_kinds([qw for _, qw, _ in chosen])
@@ -233,7 +235,7 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored,
     for p, qw, forms in chosen:
         why = next((broken[k] for k in _kinds(qw) if k in broken), None)
         if why is None:
-            looked_up = _embedding_in_head(model, p) and quantized_linear.can_look_up(qw)
+            looked_up = _embedding_in_head(model, p, device, dtype) and quantized_linear.can_look_up(qw)
             p.module.quantize(qw, keep_plain=id(p.module.weight) in embeddings and not looked_up)
             if looked_up:
                 model.embed_tokens.serve_from(qw)
@@ -244,7 +246,7 @@ def serve_weights(model, weight_dtype: str, device: torch.device, stored,
         # a quantized row would depend on its batch: this linear is served in float instead
         if p.module.weight.is_meta:         # never read in float: its values from the stored groups
             p.module.weight = torch.nn.Parameter(quantized_linear.dequantize(qw).to(dtype), requires_grad=False)
-            if _embedding_in_head(model, p):        # the tied table comes back with it
+            if _embedding_in_head(model, p, device, dtype):        # the tied table comes back with it
                 model.embed_tokens.weight = p.module.weight
         report.served[p.source_type] = f"{float_name} (quantized kernels not batch-invariant here: {why})"
     report.quantized = served
@@ -269,10 +271,10 @@ def _row_variant_kinds(weights: list) -> dict[str, str]:
     return broken
 
 
-def stored_weight(plan: LinearPlan, stored, dtype: torch.dtype):
-    """The linear's weight from its stored parts: each run of parts of one form and group
-    concatenated into one kernel's weight, runs of different forms stacked (a q/k in Q4_K with
-    a v in Q6_K)."""
+def stored_weight(plan: LinearPlan, stored, dtype: torch.dtype, device: torch.device = torch.device("cpu")):
+    """The linear's weight from its stored parts on `device`: each run of parts of one form and
+    group concatenated into one kernel's weight, runs of different forms stacked (a q/k in Q4_K
+    with a v in Q6_K)."""
     runs: list[tuple[tuple[str, int], list[str]]] = []
     for part, form in zip(plan.parts, plan.forms):
         if runs and runs[-1][0] == form:
@@ -281,24 +283,37 @@ def stored_weight(plan: LinearPlan, stored, dtype: torch.dtype):
             runs.append((form, [part]))
     weights = []
     for (form, _), parts in runs:
-        groups = (stored.int4_groups if form == INT4 else stored.int5_groups if form == INT5_GROUPS
-                  else stored.kquant_blocks if form in quantized_linear.KQUANTS else stored.int8_groups)
+        groups = _reader(stored, form)
         joined = quantized_linear.Joined(sum(r for p, r in zip(plan.parts, plan.part_rows) if p in parts))
         for chunk in _row_chunks(plan, parts):
             tensors = _cat(form, [groups(part) if rows == slice(None) else groups(part, rows) for part, rows in chunk])
             if form in quantized_linear.KQUANTS:
                 joined.add_kquant(*tensors, form, dtype)
             else:
-                joined.add(_from_groups(form, tensors, dtype))
+                joined.add(_from_groups(form, tensors, dtype, device))
             del tensors
             release_freed_memory()
         weights.extend(joined.weights())
     return quantized_linear.stack(weights)
 
 
-def _from_groups(form: str, tensors: tuple[torch.Tensor, ...], dtype: torch.dtype):
+def _reader(stored, form: str):
+    """The stored source's method giving a part's (rows') tensors in `form`."""
+    if form == quantized_linear.GPU_INT4_ZP:
+        return stored.int4_zero_points
+    if form in quantized_linear.KQUANTS or form in quantized_linear.GPU_FORMS:
+        return stored.blocks
+    return getattr(stored, {INT4: "int4_groups", INT5_GROUPS: "int5_groups"}.get(form, "int8_groups"))
+
+
+def _from_groups(form: str, tensors: tuple[torch.Tensor, ...], dtype: torch.dtype, device: torch.device):
     """A kernel's weight from a stored form's tensors: int4 and int5 (q, scale, zero); 8-bit
-    groups (q, scale) or, where the format has a zero point (Q5_K widened), (q, scale, zero)."""
+    groups (q, scale) or, where the format has a zero point (Q5_K widened), (q, scale, zero);
+    on the GPU a GGUF's blocks (raw,) or AWQ/GPTQ's (q, z, s)."""
+    if form == quantized_linear.GPU_INT4_ZP:
+        return quantized_linear.from_int4_zero_points(*tensors, dtype, device)
+    if form in quantized_linear.GPU_FORMS:
+        return quantized_linear.from_gpu_blocks(*tensors, quantized_linear.GPU_FORMS[form], dtype, device)
     if form == INT4:
         return quantized_linear.from_int4_groups(*tensors, dtype)
     if form == INT5_GROUPS:

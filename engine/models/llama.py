@@ -148,7 +148,7 @@ class Embedding(nn.Embedding):
         return rows if self.scale is None else scale_rows(rows, self.scale)
 
     def _stored_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = quantized_linear.rows(self.rows_from, ids.reshape(-1).cpu())
+        flat = quantized_linear.rows(self.rows_from, ids.reshape(-1))
         return flat.to(self.weight.dtype).to(ids.device).view(*ids.shape, flat.shape[-1])
 
 
