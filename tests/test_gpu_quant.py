@@ -158,3 +158,35 @@ def test_a_gguf_loads_in_its_stored_blocks_as_on_a_gpu_with_the_files_values(tmp
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
     o_proj = gpu.model.layers[0].self_attn.o_proj
     torch.testing.assert_close(o_proj(x.to(DEVICE)).cpu(), exact.model.layers[0].self_attn.o_proj(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["awq", "gptq"])
+def test_an_awq_or_gptq_checkpoint_loads_with_its_zero_points_as_on_a_gpu(layout, tmp_path, monkeypatch):
+    """AWQ and GPTQ linears in the GPU's int4 with zero points, packed a slice of rows at a time
+    (a slice's scales and zeros land beside its values): every weight the checkpoint's
+    (q - z) * s bit for bit, the fused parts in order."""
+    from engine.loading import stored_formats, weight_quant
+    from engine.loading.loader import load_model
+    from engine.loading.synthetic import write_checkpoint
+    from tests.test_awq_gptq import GROUP, write_quantized
+    folder, reference = write_quantized(write_checkpoint(tmp_path / "float", "tiny", seed=0), tmp_path / layout, layout)
+    monkeypatch.setattr(stored_formats.StoredFormat, "on", lambda self, device: self.cuda)
+    monkeypatch.setattr(weight_quant, "PART_ROWS", 32)
+    monkeypatch.setattr(weight_quant, "PART_VALUES", 32 * 64)        # gate/up (2 x 128 rows) in slices of 32 rows
+    loaded = load_model(str(folder), device=DEVICE)
+    want = load_model(str(reference), weight_dtype="float")
+    method = layout.upper()
+    assert loaded.weights.served[method] == f"int4 zero-point groups as stored (GPU), group {GROUP}"
+    for ours, theirs in zip(loaded.model.layers, want.model.layers):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            linear = ours.get_submodule(name)
+            assert linear.quant.kind == "int4 zero-point groups" and linear.weight.is_meta
+            assert torch.equal(linear.dense_weight().cpu(), theirs.get_submodule(name).weight), name
+
+
+def test_the_linear_is_one_opaque_op_in_a_compiled_graph_with_the_same_bits():
+    """torch.compile (fullgraph, as a compiled step) records the kernel as one custom op."""
+    w = _k().random_weight("Q4_K", 32, 256, torch.Generator().manual_seed(0)).to(DEVICE)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    compiled = torch.compile(lambda x: gpu_quant.linear(x, w) * 2, fullgraph=True)
+    assert torch.equal(compiled(x), gpu_quant.linear(x, w) * 2)

@@ -147,6 +147,10 @@ class AWQGPTQTensors:
         q, z, s = self._unpacked(hf_name, rows)
         return q, s, (8 - z) * s
 
+    def moves_columns(self, hf_name: str) -> bool:
+        """False: a checkpoint's columns are the model's (a hybrid GGUF's may be reordered)."""
+        return False
+
     def int4_zero_points(self, hf_name: str, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [out, in] int32 0..15, z [out, groups] int32, s [out, groups]) with w = (q - z) * s,
         as stored (the GPU kernel's form; `rows` as int4_groups)."""
