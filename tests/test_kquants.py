@@ -297,6 +297,11 @@ def test_an_untied_embedding_is_looked_up_in_its_stored_blocks_with_the_same_log
     held = load_model(str(path), dtype=torch.bfloat16)
     assert not held.model.embed_tokens.weight.is_meta and held.weights.embedding is None
     assert torch.equal(our_logits(looked_up), our_logits(held))
+    # the memory plan counts the stored blocks the rows come from, not the float table
+    from engine.cache.memory_plan import weights_bytes
+    float_table = held.model.embed_tokens.weight
+    assert weights_bytes(looked_up.model) == (weights_bytes(held.model) - float_table.numel() * float_table.element_size()
+                                              + table.rows_from.nbytes)
 
 
 def test_a_load_shows_its_progress_through_the_weights_read_as_stored(mix_file):

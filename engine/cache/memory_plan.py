@@ -270,8 +270,9 @@ def weights_bytes(model: torch.nn.Module, shared_with: torch.nn.Module | None = 
                 if x.weight.is_meta:
                     held.pop(id(x.weight), None)
                 held[id(x.quant)] = x.quant.nbytes
-            if getattr(x, "rows_from", None) is not None and x.weight.is_meta:     # looked up in a head's bytes
+            if getattr(x, "rows_from", None) is not None and x.weight.is_meta:     # looked up in stored bytes
                 held.pop(id(x.weight), None)
+                held[id(x.rows_from)] = x.rows_from.nbytes          # a tied head's: the same key, counted once
         return held
     skip = storages(shared_with) if shared_with is not None else {}
     return sum(n for key, n in storages(model).items() if key not in skip)
