@@ -201,3 +201,35 @@ def test_the_compiled_steps_layer_op_stores_and_attends_as_the_python_op(kv_dtyp
                       (pools[1].v_scale, pools[0].v_scale)):
         if want is not None:
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8_DTYPE], ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("window", [0, 5, 40])
+def test_a_verify_passs_rows_read_their_shared_keys_once_with_each_rows_bits_alone(dtype, window):
+    """A verify pass's k + 1 rows of one sequence (positions c .. c + k) are attended together,
+    each shared key and value read once for all of them: every row's bits are the ones it gets
+    alone, with a window (some rows' windows start inside the shared keys) and sinks, on
+    every thread count."""
+    cache = _cache(dtype, 3, 64, 16)
+    table = torch.tensor([[4, 9, 2, 7, 11, 0]])
+    context, k = 70, 8
+    prefix = torch.arange(context + 1, context + k + 2)
+    rows = PassRows(table, torch.zeros(k + 1, dtype=torch.int64), prefix, torch.zeros(k + 2, dtype=torch.int64),
+                    torch.zeros(1, dtype=torch.int64))
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(k + 1, 9, 64, generator=gen).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    sinks = torch.randn(9, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, threads):
+            torch.set_num_threads(n_threads)
+            together = cpu_attention.attend(q, cache, rows, 0.125, window, sinks)
+            for r in range(k + 1):
+                alone = PassRows(table, torch.zeros(1, dtype=torch.int64), prefix[r:r + 1], torch.zeros(2, dtype=torch.int64),
+                                 torch.zeros(1, dtype=torch.int64))
+                assert torch.equal(cpu_attention.attend(q[r:r + 1], cache, alone, 0.125, window, sinks)[0], together[r]), r
+    finally:
+        torch.set_num_threads(threads)
+    want = reference(q, cache, rows, 0.125, window, sinks)
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(together.double(), want.double(), atol=tolerance, rtol=tolerance)

@@ -11,8 +11,9 @@
 // one logit per query head) add exp(sink - m) to the softmax's denominator, m the max over
 // the row's scores and its sink, after the keys' terms.
 //
-// Batch-invariant by construction: one (row, KV head) is one task, run by one thread, over
-// its keys in order. Scores are fp32 dot products over D in 8-lane vectors summed in a fixed
+// Batch-invariant by construction: a (row, KV head) is computed by one thread over its keys in
+// order; the rows of one sequence that a task attends together (a verify pass's k + 1 rows)
+// share each key's and value's read, never a sum (task). Scores are fp32 dot products over D in 8-lane vectors summed in a fixed
 // order, softmax takes two passes (max, then exp and sums in key order; exp is our own
 // vector polynomial, Cephes' expf, the same in every build), and nothing depends
 // on the other rows of the pass, the thread count or the instruction set: the vectors are
@@ -24,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include "cpu_bf16.h"
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -155,115 +157,245 @@ static inline __attribute__((always_inline)) float hsum(f8 a) {
 
 constexpr int64_t KT = 8;     // keys whose scores are computed together (independent sums)
 
-template <int64_t KIND>
-static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r, int64_t h,
-                                                        std::vector<float>& buf, std::vector<int64_t>& slots) {
-  const int64_t g_size = p.hq / p.hkv, d = p.d;
-  const int64_t seq = p.row_seq[r], prefix = p.prefix[r];
-  const int64_t e0 = p.extra_start[r], all_keys = prefix + p.extra_start[r + 1] - e0;
-  const int64_t first = p.window > 0 && all_keys > p.window ? all_keys - p.window : 0;   // the window's first key
-  const int64_t keys = all_keys - first;       // the keys attended: all_keys - keys .. all_keys - 1
-  const int64_t* table = p.tables + seq * p.table_width;
-  const int64_t stride = (keys + KT - 1) / KT * KT;   // a score row, padded to whole key tiles
-  buf.resize(static_cast<size_t>(g_size * (d + stride + d) + KT * d));
-  float* q = buf.data();                       // [G, D]
-  float* scores = q + g_size * d;              // [G, stride]
-  float* acc = scores + g_size * stride;       // [G, D]
-  float* tile = acc + g_size * d;              // [KT, D]: keys (or one value) as fp32
+// One row's keys as the task sees them: its cache indices first .. all - 1 in its key order
+// (the causal prefix, then a tree row's path), scores at `scores` [G, stride].
+struct RowKeys {
+  int64_t prefix, e0, all, first, keys, stride;
+  float* scores;
+};
+
+// The cache index of key t of a row (t < all).
+static inline __attribute__((always_inline)) int64_t key_index(const Pass& p, const RowKeys& k, int64_t t) {
+  return t < k.prefix ? t : p.extra_keys[k.e0 + t - k.prefix];
+}
+
+// Scores of n (<= KT) keys already in `tile` for query head g of a row: each key's dot product
+// its own chain of 8-lane sums over D, then a fixed horizontal sum (KT keys side by side only
+// so that the chains run together).
+static inline __attribute__((always_inline)) void tile_scores(const float* qg, const float* tile, int64_t d,
+                                                              float scale, float out[KT]) {
+  f8 sum[KT];
+  for (int64_t j = 0; j < KT; ++j) sum[j] = splat(0.0f);
+  for (int64_t i = 0; i < d; i += 8) {
+    f8 x;
+    std::memcpy(&x, qg + i, 32);
+    for (int64_t j = 0; j < KT; ++j) {
+      f8 y;
+      std::memcpy(&y, tile + j * d + i, 32);
+      sum[j] += x * y;
+    }
+  }
+  for (int64_t j = 0; j < KT; ++j) out[j] = hsum(sum[j]) * scale;
+}
+
+// acc[G, D] += w[g] * value, for one value row in `tile`, and each weight into total[g].
+static inline __attribute__((always_inline)) void add_value(float* acc, float* total, const float* scores,
+                                                            int64_t stride, int64_t at, const float* tile,
+                                                            int64_t g_size, int64_t d) {
   for (int64_t g = 0; g < g_size; ++g) {
-    int64_t at = (r * p.hq + h * g_size + g) * d;
-    for (int64_t i = 0; i < d; ++i)
-      q[g * d + lane_order<KIND>(i, d)] = p.q_bf16 ? workbench_bf16::bf16_to_float(static_cast<const uint16_t*>(p.q)[at + i])
-                                                  : static_cast<const float*>(p.q)[at + i];
-  }
-  slots.resize(static_cast<size_t>(keys));
-  for (int64_t t = first; t < all_keys; ++t) {
-    int64_t index = t < prefix ? t : p.extra_keys[e0 + t - prefix];
-    slots[t - first] = table[index / p.bs] * p.bs + index % p.bs;
-  }
-  // Scores: each key's dot product is its own chain of 8-lane sums over D, then a fixed
-  // horizontal sum; KT keys at a time only so that the chains run side by side.
-  for (int64_t t0 = 0; t0 < stride; t0 += KT) {
-    const int64_t n = keys - t0 < KT ? keys - t0 : KT;
-    for (int64_t j = t0 + KT; j < t0 + 2 * KT && j < keys; ++j) prefetch<KIND>(p, p.k, slots[j], h);
-    for (int64_t j = 0; j < n; ++j) load_kv<KIND>(p, p.k, p.ks, slots[t0 + j], h, tile + j * d);
-    for (int64_t j = n; j < KT; ++j) std::memset(tile + j * d, 0, d * 4);
-    for (int64_t g = 0; g < g_size; ++g) {
-      f8 sum[KT];
-      for (int64_t j = 0; j < KT; ++j) sum[j] = splat(0.0f);
-      for (int64_t i = 0; i < d; i += 8) {
-        f8 x;
-        std::memcpy(&x, q + g * d + i, 32);
-        for (int64_t j = 0; j < KT; ++j) {
-          f8 y;
-          std::memcpy(&y, tile + j * d + i, 32);
-          sum[j] += x * y;
-        }
-      }
-      for (int64_t j = 0; j < KT; ++j) scores[g * stride + t0 + j] = j < n ? hsum(sum[j]) * p.scale : 0.0f;
-    }
-  }
-  float sink_term[64] = {0};                   // G <= 64 query heads per KV head
-  for (int64_t g = 0; g < g_size; ++g) {
-    float* sg = scores + g * stride;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < keys; ++t) m = sg[t] > m ? sg[t] : m;
-    if (p.sinks) {
-      const float sink = p.sinks[h * g_size + g];
-      m = sink > m ? sink : m;
-      sink_term[g] = exp8(splat(sink - m))[0];
-    }
-    for (int64_t t = 0; t < stride; t += 8) {          // the padding lanes are computed, never summed
-      f8 x;
-      std::memcpy(&x, sg + t, 32);
-      x = exp8(x - splat(m));
-      std::memcpy(sg + t, &x, 32);
-    }
-  }
-  std::memset(acc, 0, g_size * d * 4);
-  float total[64] = {0};
-  for (int64_t t = 0; t < keys; ++t) {
-    if (t + KT < keys) prefetch<KIND>(p, p.v, slots[t + KT], h);
-    load_kv<KIND>(p, p.v, p.vs, slots[t], h, tile);
-    for (int64_t g = 0; g < g_size; ++g) {
-      float w = scores[g * stride + t];
-      total[g] += w;
-      const f8 wv = splat(w);
-      for (int64_t i = 0; i < d; i += 8) {
-        f8 a, x;
-        std::memcpy(&a, acc + g * d + i, 32);
-        std::memcpy(&x, tile + i, 32);
-        a += wv * x;
-        std::memcpy(acc + g * d + i, &a, 32);
-      }
-    }
-  }
-  if (p.sinks)
-    for (int64_t g = 0; g < g_size; ++g) total[g] += sink_term[g];
-  for (int64_t g = 0; g < g_size; ++g) {
-    int64_t at = (r * p.hq + h * g_size + g) * d;
-    for (int64_t i = 0; i < d; ++i) {
-      float o = acc[g * d + lane_order<KIND>(i, d)] / total[g];
-      if (p.q_bf16) static_cast<uint16_t*>(p.out)[at + i] = workbench_bf16::float_to_bf16(o);
-      else static_cast<float*>(p.out)[at + i] = o;
+    float w = scores[g * stride + at];
+    total[g] += w;
+    const f8 wv = splat(w);
+    for (int64_t i = 0; i < d; i += 8) {
+      f8 a, x;
+      std::memcpy(&a, acc + g * d + i, 32);
+      std::memcpy(&x, tile + i, 32);
+      a += wv * x;
+      std::memcpy(acc + g * d + i, &a, 32);
     }
   }
 }
 
-static inline __attribute__((always_inline)) void run_tasks(const Pass& p, int64_t begin, int64_t end) {
+// Rows r0 .. r1 - 1 of one sequence (consecutive in the pass) at KV head h: a verify pass's
+// k + 1 rows, a prefill chunk's rows. The keys the rows share (cache indices below the least
+// prefix) are read once, for every row that sees them; each row's own keys after. A row's
+// arithmetic is exactly what it is alone: each score its own chain, the softmax over its keys
+// in order, its values summed in its key order (the shared keys come first in every row's
+// order), so which rows share a task changes no bit.
+template <int64_t KIND>
+static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r0, int64_t r1, int64_t h,
+                                                        std::vector<float>& buf, std::vector<int64_t>& slots,
+                                                        std::vector<RowKeys>& rows) {
+  const int64_t g_size = p.hq / p.hkv, d = p.d, n_rows = r1 - r0;
+  const int64_t* table = p.tables + p.row_seq[r0] * p.table_width;
+  rows.resize(static_cast<size_t>(n_rows));
+  int64_t shared_end = std::numeric_limits<int64_t>::max(), lo = shared_end, score_floats = 0;
+  for (int64_t j = 0; j < n_rows; ++j) {
+    const int64_t r = r0 + j;
+    RowKeys& k = rows[j];
+    k.prefix = p.prefix[r];
+    k.e0 = p.extra_start[r];
+    k.all = k.prefix + p.extra_start[r + 1] - k.e0;
+    k.first = p.window > 0 && k.all > p.window ? k.all - p.window : 0;     // the window's first key
+    k.keys = k.all - k.first;
+    k.stride = (k.keys + KT - 1) / KT * KT;         // a score row, padded to whole key tiles
+    score_floats += g_size * k.stride;
+    shared_end = k.prefix < shared_end ? k.prefix : shared_end;
+    lo = k.first < lo ? k.first : lo;
+  }
+  if (lo > shared_end) lo = shared_end;             // every window starts after the shared keys: none shared
+  buf.resize(static_cast<size_t>(2 * n_rows * g_size * d + score_floats + KT * d + 2 * n_rows * g_size));
+  float* q = buf.data();                            // [R, G, D]
+  float* acc = q + n_rows * g_size * d;             // [R, G, D]
+  float* tile = acc + n_rows * g_size * d;          // [KT, D]: keys (or one value) as fp32
+  float* total = tile + KT * d;                     // [R, G]
+  float* sink_term = total + n_rows * g_size;       // [R, G]
+  float* scores = sink_term + n_rows * g_size;
+  for (int64_t j = 0; j < n_rows; ++j) {
+    rows[j].scores = scores;
+    std::memset(scores, 0, rows[j].stride * g_size * 4);    // the padding lanes: computed, never summed
+    scores += g_size * rows[j].stride;
+    for (int64_t g = 0; g < g_size; ++g) {
+      int64_t at = ((r0 + j) * p.hq + h * g_size + g) * d;
+      for (int64_t i = 0; i < d; ++i)
+        q[(j * g_size + g) * d + lane_order<KIND>(i, d)] =
+            p.q_bf16 ? workbench_bf16::bf16_to_float(static_cast<const uint16_t*>(p.q)[at + i])
+                     : static_cast<const float*>(p.q)[at + i];
+    }
+  }
+  // the shared keys' slots (cache indices lo .. shared_end - 1: every row's causal prefix)
+  slots.resize(static_cast<size_t>(shared_end - lo));
+  for (int64_t t = lo; t < shared_end; ++t) slots[t - lo] = table[t / p.bs] * p.bs + t % p.bs;
+  float s[KT];
+  for (int64_t t0 = lo; t0 < shared_end; t0 += KT) {
+    const int64_t n = shared_end - t0 < KT ? shared_end - t0 : KT;
+    for (int64_t t = t0 + KT; t < t0 + 2 * KT && t < shared_end; ++t) prefetch<KIND>(p, p.k, slots[t - lo], h);
+    for (int64_t j = 0; j < n; ++j) load_kv<KIND>(p, p.k, p.ks, slots[t0 - lo + j], h, tile + j * d);
+    for (int64_t j = n; j < KT; ++j) std::memset(tile + j * d, 0, d * 4);
+    for (int64_t j = 0; j < n_rows; ++j) {
+      const RowKeys& k = rows[j];
+      if (t0 + n <= k.first) continue;              // all before this row's window
+      for (int64_t g = 0; g < g_size; ++g) {
+        tile_scores(q + (j * g_size + g) * d, tile, d, p.scale, s);
+        for (int64_t i = 0; i < n; ++i)
+          if (t0 + i >= k.first) k.scores[g * k.stride + t0 + i - k.first] = s[i];
+      }
+    }
+  }
+  for (int64_t j = 0; j < n_rows; ++j) {            // each row's own keys
+    const RowKeys& k = rows[j];
+    const int64_t own = k.first > shared_end ? k.first : shared_end;
+    for (int64_t t0 = own; t0 < k.all; t0 += KT) {
+      const int64_t n = k.all - t0 < KT ? k.all - t0 : KT;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t index = key_index(p, k, t0 + i);
+        load_kv<KIND>(p, p.k, p.ks, table[index / p.bs] * p.bs + index % p.bs, h, tile + i * d);
+      }
+      for (int64_t i = n; i < KT; ++i) std::memset(tile + i * d, 0, d * 4);
+      for (int64_t g = 0; g < g_size; ++g) {
+        tile_scores(q + (j * g_size + g) * d, tile, d, p.scale, s);
+        for (int64_t i = 0; i < n; ++i) k.scores[g * k.stride + t0 + i - k.first] = s[i];
+      }
+    }
+  }
+  for (int64_t j = 0; j < n_rows; ++j) {            // each row's softmax numerators
+    const RowKeys& k = rows[j];
+    for (int64_t g = 0; g < g_size; ++g) {
+      float* sg = k.scores + g * k.stride;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < k.keys; ++t) m = sg[t] > m ? sg[t] : m;
+      sink_term[j * g_size + g] = 0.0f;
+      if (p.sinks) {
+        const float sink = p.sinks[h * g_size + g];
+        m = sink > m ? sink : m;
+        sink_term[j * g_size + g] = exp8(splat(sink - m))[0];
+      }
+      for (int64_t t = 0; t < k.stride; t += 8) {
+        f8 x;
+        std::memcpy(&x, sg + t, 32);
+        x = exp8(x - splat(m));
+        std::memcpy(sg + t, &x, 32);
+      }
+    }
+  }
+  std::memset(acc, 0, n_rows * g_size * d * 4);
+  std::memset(total, 0, n_rows * g_size * 4);
+  for (int64_t t = lo; t < shared_end; ++t) {       // the shared values, each read once
+    if (t + KT < shared_end) prefetch<KIND>(p, p.v, slots[t + KT - lo], h);
+    load_kv<KIND>(p, p.v, p.vs, slots[t - lo], h, tile);
+    for (int64_t j = 0; j < n_rows; ++j)
+      if (t >= rows[j].first)
+        add_value(acc + j * g_size * d, total + j * g_size, rows[j].scores, rows[j].stride, t - rows[j].first, tile,
+                  g_size, d);
+  }
+  for (int64_t j = 0; j < n_rows; ++j) {            // then each row's own, in its key order
+    const RowKeys& k = rows[j];
+    const int64_t own = k.first > shared_end ? k.first : shared_end;
+    for (int64_t t = own; t < k.all; ++t) {
+      if (t + KT < k.all) {
+        const int64_t ahead = key_index(p, k, t + KT);
+        prefetch<KIND>(p, p.v, table[ahead / p.bs] * p.bs + ahead % p.bs, h);
+      }
+      const int64_t index = key_index(p, k, t);
+      load_kv<KIND>(p, p.v, p.vs, table[index / p.bs] * p.bs + index % p.bs, h, tile);
+      add_value(acc + j * g_size * d, total + j * g_size, k.scores, k.stride, t - k.first, tile, g_size, d);
+    }
+  }
+  for (int64_t j = 0; j < n_rows; ++j)
+    for (int64_t g = 0; g < g_size; ++g) {
+      const float sum = total[j * g_size + g] + (p.sinks ? sink_term[j * g_size + g] : 0.0f);
+      int64_t at = ((r0 + j) * p.hq + h * g_size + g) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        float o = acc[(j * g_size + g) * d + lane_order<KIND>(i, d)] / sum;
+        if (p.q_bf16) static_cast<uint16_t*>(p.out)[at + i] = workbench_bf16::float_to_bf16(o);
+        else static_cast<float*>(p.out)[at + i] = o;
+      }
+    }
+}
+
+// Task i is group i / H_kv (rows groups[g] .. groups[g + 1] - 1) at KV head i % H_kv.
+static inline __attribute__((always_inline)) void run_tasks(const Pass& p, const int64_t* groups, int64_t begin,
+                                                            int64_t end) {
   thread_local std::vector<float> buf;
   thread_local std::vector<int64_t> slots;
+  thread_local std::vector<RowKeys> rows;
   for (int64_t i = begin; i < end; ++i) {
-    if (p.kind == KIND_F32) task<KIND_F32>(p, i / p.hkv, i % p.hkv, buf, slots);
-    else if (p.kind == KIND_BF16) task<KIND_BF16>(p, i / p.hkv, i % p.hkv, buf, slots);
-    else task<KIND_FP8>(p, i / p.hkv, i % p.hkv, buf, slots);
+    const int64_t g = i / p.hkv, r0 = groups[g], r1 = groups[g + 1], h = i % p.hkv;
+    if (p.kind == KIND_F32) task<KIND_F32>(p, r0, r1, h, buf, slots, rows);
+    else if (p.kind == KIND_BF16) task<KIND_BF16>(p, r0, r1, h, buf, slots, rows);
+    else task<KIND_FP8>(p, r0, r1, h, buf, slots, rows);
   }
 }
 
-static void run_range(const Pass& p, int64_t begin, int64_t end) { run_tasks(p, begin, end); }
+static void run_range(const Pass& p, const int64_t* groups, int64_t begin, int64_t end) {
+  run_tasks(p, groups, begin, end);
+}
 
-__attribute__((target("avx2,fma"))) static void run_range_avx2(const Pass& p, int64_t begin, int64_t end) {
-  run_tasks(p, begin, end);
+__attribute__((target("avx2,fma"))) static void run_range_avx2(const Pass& p, const int64_t* groups, int64_t begin,
+                                                               int64_t end) {
+  run_tasks(p, groups, begin, end);
+}
+
+constexpr int64_t GROUP_ROWS = 16;                 // rows of one sequence a task attends together, at most...
+constexpr int64_t GROUP_SCORE_BYTES = 1 << 20;     // ...whose scores fit this (they are written, then read twice)
+
+// The pass's first n rows cut into groups of consecutive rows of one sequence (group g: rows
+// groups[g] .. groups[g + 1] - 1), each sequence's rows in groups of equal size as large as
+// GROUP_ROWS and GROUP_SCORE_BYTES allow, smaller until there are two tasks a thread (or one
+// row a group). Any grouping gives the same bits (see task); this one only spreads the work.
+std::vector<int64_t> row_groups(const Pass& p, int64_t n) {
+  const int64_t g_size = p.hq / p.hkv, threads = at::get_num_threads();
+  // runs of consecutive rows of one sequence
+  std::vector<int64_t> runs{0};
+  for (int64_t r = 1; r < n; ++r)
+    if (p.row_seq[r] != p.row_seq[r - 1]) runs.push_back(r);
+  runs.push_back(n);
+  for (int64_t most = GROUP_ROWS;; most = (most + 1) / 2) {
+    std::vector<int64_t> groups{0};
+    for (size_t i = 0; i + 1 < runs.size(); ++i) {
+      const int64_t a = runs[i], b = runs[i + 1];
+      int64_t keys = 1;                 // the longest row's scores bound the rows a group may take
+      for (int64_t r = a; r < b; ++r) {
+        const int64_t all = p.prefix[r] + p.extra_start[r + 1] - p.extra_start[r];
+        keys = std::max(keys, p.window > 0 && all > p.window ? p.window : all);
+      }
+      const int64_t row_bytes = g_size * ((keys + KT - 1) / KT * KT) * 4;
+      const int64_t per = std::min(most, std::max<int64_t>(1, GROUP_SCORE_BYTES / row_bytes));
+      const int64_t parts = (b - a + per - 1) / per;            // groups of the run, as equal as can be
+      for (int64_t k = 1; k <= parts; ++k) groups.push_back(a + (b - a) * k / parts);
+    }
+    if (most == 1 || static_cast<int64_t>(groups.size() - 1) * p.hkv >= 2 * threads) return groups;
+  }
 }
 
 // The pass's rows as the kernel reads them (cpu_attention.PassRows), and n, the rows attended
@@ -297,9 +429,11 @@ void attend(const at::Tensor& q, int64_t n, const void* k_data, const void* v_da
          rows.extra_keys.data_ptr<int64_t>(), hq, hkv, d, bs, static_cast<float>(scale),
          window, sinks.has_value() ? sinks->data_ptr<float>() : nullptr,
          q.scalar_type() == at::kBFloat16, kind};
-  at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
-    if (isa >= 1) run_range_avx2(p, begin, end);
-    else run_range(p, begin, end);
+  const std::vector<int64_t> groups = row_groups(p, n);
+  const int64_t tasks = static_cast<int64_t>(groups.size() - 1) * hkv;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    if (isa >= 1) run_range_avx2(p, groups.data(), begin, end);
+    else run_range(p, groups.data(), begin, end);
   });
 }
 
