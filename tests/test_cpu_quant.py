@@ -34,14 +34,14 @@ def _int8_activations(x):
 
 @pytest.mark.parametrize("bits,group", FORMATS, ids=["4bit", "8bit-g32", "8bit-g16"])
 def test_any_row_count_gets_the_same_bits_on_every_instruction_set(bits, group):
-    """1 row (decode), 5 to 8 (a verify pass: AVX-512 reads the tile once for all of them), 17
-    and 64 (groups of rows and a remainder)."""
+    """1 row (decode), 5 to 8 (a verify pass: AVX-512 reads the tile once for all of them), 9
+    and 13 to 15 (eight, then one or a one-pass group), 17 and 64 (groups of rows and a remainder)."""
     w, scales = cpu_quant.pack(*_weight(bits, group), bits)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(64, 320, generator=gen) * torch.rand(320, generator=gen) * 4      # uneven channels, as in a model
     reference = torch.ops.workbench_cpu.linear_q(x, w, scales, None, bits, group, cpu_quant.ISAS["scalar"])
     for isa in RUNNABLE:
-        for rows in (1, 2, 5, 6, 7, 8, 17, 64):
+        for rows in (1, 2, 5, 6, 7, 8, 9, 13, 14, 15, 17, 64):
             got = torch.ops.workbench_cpu.linear_q(x[:rows], w, scales, None, bits, group, cpu_quant.ISAS[isa])
             assert torch.equal(got, reference[:rows]), f"{isa}, {rows} rows"
 

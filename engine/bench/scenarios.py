@@ -24,6 +24,7 @@ from engine.workload import edit_chat
 from engine.workload import system_prompt_of as _system_prompt
 
 # bench speculative's prompts per set (messages), each served once per arm
+LONG_CHAT_CONTEXT = 1024       # bench decode's verify cost at a long chat's context too
 SPECULATIVE_PROMPTS = {"chat": [chat(p) for p in CHAT_PROMPTS[:8]], "repeat": [chat(p) for p in REPEAT_PROMPTS],
                        "edit": [edit_chat(i) for i in range(8)]}
 
@@ -338,7 +339,8 @@ def _human(n: int) -> str:
 def bench_decode(args) -> dict:
     """Ours (at --dtype, --compile; and at the other of fp32 / bf16) against transformers
     `generate` in fp32 (its CPU default), the same threads, interleaved; plus the roofline
-    fraction, the verify costs and the CPU dtype probe's timings."""
+    fraction, the verify costs (at 64 tokens of context, and by context: at the timed chat's
+    prompt plus half its tokens, and at LONG_CHAT_CONTEXT) and the CPU dtype probe's timings."""
     from engine import SamplingParams
     from engine.runtime import cpu_dtype
     from engine.speculative.step_costs import read_bandwidths, tree_verify_costs, verify_costs, weight_bytes_per_token
@@ -399,6 +401,9 @@ def bench_decode(args) -> dict:
             "weight_bytes_per_token": weight_bytes, "read_bandwidth_best_gb_s": bandwidth / 1e9,
             "read_bandwidth_reads_gb_s": [round(r / 1e9, 2) for r in reads],
             "verify_cost": verify_costs(eng.runner), "tree_verify_cost": tree_verify_costs(eng.runner),
+            # where a chat's drafts are verified: its prompt and half its reply; and a longer chat
+            "verify_cost_by_context": {str(c): verify_costs(eng.runner, context=c)
+                                       for c in (len(ids) + n // 2, LONG_CHAT_CONTEXT)},
             "compile": eng.settings()["compile"],
             "other_dtype": {"dtype": other_name, "ours_tok_s": tok_s["ours_other_dtype"],
                             "compile": other.settings()["compile"]},

@@ -16,8 +16,9 @@
 // output columns, never across k, so a row's bits depend neither on the row count nor on the
 // instruction set nor on the thread count (threads split column tiles, never K). Each weight
 // tile is decoded once per call for every group of rows that uses it (llama.cpp's CPU method,
-// written for this project): on AVX-512, 5 to 8 rows in one group over one tile, else groups of
-// up to 4 rows over two tiles; on the 256-bit paths (cpu_quant_tile256.h) groups of up to 8.
+// written for this project): on AVX-512, 5 to 8 rows in one group over one tile, past 8 groups of
+// 8 (then the rest) over one tile, up to 4 rows in a group; on the 256-bit paths
+// (cpu_quant_tile256.h) groups of up to 8.
 // AVX-512 keeps a 4-bit tile read by more than one group decoded for the later groups, where
 // the 256-bit paths re-decode it from L1 (faster there).
 //
@@ -574,6 +575,14 @@ void vnni_rows(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t 
     }
     i += RN;
   };
+  if constexpr (T == 1 && BITS != KQ6) {
+    // past 8 rows (a verify pass of 8 drafts is 9): eight at a time over the tile, as one pass
+    // takes 5 to 8 (groups of 4 decoded the tile a third time for the ninth row)
+    while (i + 8 <= M) group_of(std::integral_constant<int, 8>{});
+    if (M - i == 7) group_of(std::integral_constant<int, 7>{});
+    if (M - i == 6) group_of(std::integral_constant<int, 6>{});
+    if (M - i == 5) group_of(std::integral_constant<int, 5>{});
+  }
   while (i + 4 <= M) group_of(std::integral_constant<int, 4>{});
   if (M - i == 3) group_of(std::integral_constant<int, 3>{});
   if (M - i == 2) group_of(std::integral_constant<int, 2>{});

@@ -96,10 +96,10 @@ def pass_seconds(runner, n: int, context: int = 64, repeats: int = 9, tree=None)
     return statistics.median(times)
 
 
-def verify_costs(runner, ks=(1, 2, 4, 8), repeats: int = 9) -> dict[str, float]:
-    """{k: time of a (k+1)-token pass / time of a 1-token pass}."""
-    one = pass_seconds(runner, 1, repeats=repeats)
-    return {str(k): pass_seconds(runner, k + 1, repeats=repeats) / one for k in ks}
+def verify_costs(runner, ks=(1, 2, 4, 8), repeats: int = 9, context: int = 64) -> dict[str, float]:
+    """{k: time of a (k+1)-token pass / time of a 1-token pass}, both at `context` tokens."""
+    one = pass_seconds(runner, 1, context=context, repeats=repeats)
+    return {str(k): pass_seconds(runner, k + 1, context=context, repeats=repeats) / one for k in ks}
 
 
 def _synchronize(device) -> None:
