@@ -23,9 +23,10 @@ import torch
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import CacheTooSmallError
 from engine.layers.sampler import greedy, make_generator, probabilities, sample
-from engine.metrics import TARGET, RequestStats, StepEvent, speculation_report
+from engine.metrics import TARGET, ProposerCounts, RequestStats, StepEvent, speculation_report
 from engine.runtime.detokenizer import Detokenizer
 from engine.runtime.model_runner import ModelRunner, RunnerSeq
+from engine.speculative.proposer_choice import shadow_verdict
 from engine.speculative.spec_decode import Proposal, Proposer, rejection_sample
 from engine.speculative.speculator import Speculator
 from engine.speculative.tree import TreeShape, Verdict, greedy_verify, sample_verify
@@ -63,6 +64,8 @@ class Request:
         self.stats = RequestStats(prompt_tokens=len(token_ids))
         self.detok = Detokenizer(engine.tokenizer)
         self.proposers: dict[str, Proposer] = {}
+        self.shadows: dict[str, tuple[list[int], float, int]] = {}     # proposer auto's shadow drafts (tokens, s, at)
+        self.shadowed_at: dict[str, int] = {}                          # the step_index of each one's last
         self.last_pass: tuple | None = None    # (start position, hidden states) of the last target pass
         self.seq: RunnerSeq | None = None      # its KV blocks while RUNNING
         self.step_index = 0                    # events emitted
@@ -149,6 +152,38 @@ class Request:
             return None
         proposal.proposer = self.engine.speculator.proposer_in_effect()
         return proposal
+
+    def shadow_propose(self, names: list[str], k: int, every: int) -> None:
+        """Ask each of these proposers what it would draft now, without verifying it (proposer
+        auto measures a retrieval proposer so: engine.speculative.proposer_choice), one draft
+        pending per proposer, at most one every `every` of this request's steps."""
+        if k < 1 or self.room < 2:
+            return
+        for name in names:
+            if name in self.shadows or self.step_index - self.shadowed_at.get(name, -every) < every:
+                continue
+            proposer = self._proposer(name)
+            if proposer is None:
+                continue
+            proposal = proposer.propose(self.token_ids, min(k, self.room - 1), self.params, None)
+            self.shadows[name] = (proposal.tokens, proposal.time_s, len(self.token_ids))
+            self.shadowed_at[name] = self.step_index
+
+    def settle_shadows(self) -> list[tuple[str, ProposerCounts]]:
+        """The shadow drafts the tokens produced since have settled: per proposer, the step it
+        would have made (its tokens up to the first the target did not produce were accepted;
+        under greedy decoding, a verify pass's verdict). One still matching what has come so far
+        waits for more; one cut short by the request's end is dropped."""
+        settled = []
+        for name, (tokens, seconds, at) in list(self.shadows.items()):
+            accepted = shadow_verdict(tokens, self.token_ids[at:at + len(tokens)], self.finished)
+            if accepted is None:
+                continue
+            del self.shadows[name]
+            if accepted >= 0:
+                settled.append((name, ProposerCounts(asked=1, drafted=int(bool(tokens)), proposed=len(tokens),
+                                                     accepted=accepted, draft_s=seconds)))
+        return settled
 
     def start_proposers(self, names: list[str]) -> None:
         """Start these proposers now (proposer auto: each follows every pass, whichever drafts)."""

@@ -9,7 +9,7 @@ from engine import SamplingParams
 from engine.metrics import ProposerCounts, decode_step_rate
 from engine.speculative import proposer_choice
 from engine.speculative.proposer_choice import (EXPLORE_EVERY, EXPLORE_STEPS, MAX_EXPLORE_EVERY, MIN_STEPS, OFF,
-                                               ProposerChoice)
+                                               ProposerChoice, shadow_verdict)
 from tests.conftest import assert_second_token_follows_the_target, chat, together
 
 GREEDY = SamplingParams(max_tokens=24, stop_on_eos=False)
@@ -53,6 +53,35 @@ def test_counters_add_up_and_their_ratios_are_per_asked_sequence():
 
 
 # ---- the choice (pure) ------------------------------------------------------------------------
+def test_a_shadow_draft_is_settled_as_a_verify_pass_would_and_waits_while_it_still_matches():
+    assert shadow_verdict([5, 6, 7, 8], [5, 9], ended=False) == 1           # the second token differs: 1 accepted
+    assert shadow_verdict([5, 6, 7, 8], [4], ended=False) == 0
+    assert shadow_verdict([5, 6, 7, 8], [5, 6], ended=False) is None        # all as drafted so far: wait
+    assert shadow_verdict([5, 6, 7, 8], [5, 6], ended=True) == -1           # cut short by the request's end
+    assert shadow_verdict([5, 6, 7, 8], [5, 6, 7, 8], ended=False) == 4
+    assert shadow_verdict([], [], ended=False) == 0                         # nothing to draft: a plain step
+
+
+def test_shadowed_candidates_never_draft_to_be_measured_and_win_only_when_their_shadows_pay():
+    """Where nothing pays, a shadowed (retrieval) candidate is never verified to find it out:
+    the choice measures only the others, then keeps "off"; shadows that accept take over."""
+    choice = ProposerChoice(shadowed=("suffix", "ngram"))
+    picks, at = [], 0
+    rejected = step(proposed=4, accepted=0, draft_s=0.0001)
+    for at in range(400):
+        name = choice.choose(CANDIDATES, at, pass_s)
+        picks.append(name)
+        choice.record(name, at, step())
+        for shadowed in ("suffix", "ngram"):
+            if at % 8 == 0:
+                choice.record_shadow(shadowed, at, rejected)
+    assert set(picks) == {OFF}                                         # nothing drafted, ever
+    for at in range(400, 440):
+        choice.record_shadow("suffix", at, step(proposed=4, accepted=3, draft_s=0.0001))
+    assert choice.choose(CANDIDATES, 440, pass_s) == "suffix" and not choice.is_measuring
+
+
+
 def test_a_fresh_choice_measures_each_candidate_in_order_then_picks_the_best_payoff():
     choice = ProposerChoice()
     counts = {"suffix": step(proposed=4, accepted=3, draft_s=0.0002),   # tau 4 over 5 rows: 4 / 15.2 ms
@@ -159,8 +188,11 @@ def test_greedy_with_auto_is_token_identical_alone_and_batched(make_tiny_engine)
     assert outs == expected + expected
     assert together(eng, prompts, GREEDY) == expected                        # all four in the same steps
     totals = eng.speculator.proposer_choice.total
-    assert {"suffix", "ngram", "off"} <= set(totals) and totals["suffix"].accepted > 0
-    assert "ngram" in drafted_by and set(drafted_by) <= {"suffix", "ngram"}    # each event says who drafted it
+    assert {"suffix", "off"} <= set(totals) and totals["suffix"].accepted > 0
+    assert "suffix" in drafted_by and set(drafted_by) <= {"suffix", "ngram"}    # each event says who drafted it
+    # the retrieval proposers were measured by their shadow drafts (the steps they would have made)
+    shadowed = eng.speculator.proposer_choice.recent
+    assert all(len(shadowed.get(name, ())) > 0 for name in ("suffix", "ngram"))
     settings = eng.settings()
     assert settings["proposer"] == "auto"
     choice = settings["proposer_choice"]
@@ -184,13 +216,15 @@ def test_sampled_output_with_auto_keeps_the_target_distribution(make_tiny_engine
     """Temperature 1: the second token is verified from whichever proposer auto chose for that
     step (suffix trees of earlier replies' second tokens, n-gram chains, or none); its
     frequencies match the target's own probabilities (chi-square). Every candidate is measured
-    again after 4 steps without drafting here (no backoff), so the measurements take turns and
-    each candidate drafts a steady share of the second tokens whatever the timings (which one
-    the payoffs favour depends on the machine: a faster step moved it)."""
+    again after 4 steps without drafting here (no backoff, and no shadow drafts: each drafts to
+    be measured), so the measurements take turns and each candidate drafts a steady share of
+    the second tokens whatever the timings (which one the payoffs favour depends on the
+    machine: a faster step moved it)."""
     monkeypatch.setattr(proposer_choice, "EXPLORE_EVERY", 4)
     monkeypatch.setattr(proposer_choice, "MAX_EXPLORE_EVERY", 4)
     eng = make_tiny_engine()
     eng.reconfigure(proposer="auto", num_speculative_tokens=4)
+    eng.speculator.proposer_choice.shadowed = ()
     seen = []
     step_fn = eng.step
 

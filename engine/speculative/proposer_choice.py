@@ -22,6 +22,15 @@ order; after that, one that has not drafted for EXPLORE_EVERY engine steps draft
 next EXPLORE_STEPS steps, so a proposer that lost is measured again as the text changes.
 Each re-measurement that loses again doubles that candidate's wait (up to MAX_EXPLORE_EVERY),
 and a win resets it: where nothing pays, measuring costs less and less of the run.
+
+A retrieval proposer (SHADOWED: n-gram, suffix; drafting is a lookup, no model pass) is never
+made to draft just to be measured: on the steps it does not draft, it is asked what it would
+draft (at most once every SHADOW_EVERY steps of a request), and that draft, held against the
+tokens the target then produces, is the step it would have made (`record_shadow`: the tokens it
+would have had accepted, its lookup's seconds; under greedy decoding exactly the verdict a
+verify pass would give). So where nothing pays, nothing is verified to find that out: the
+lookups are all it costs. Its payoff is trusted after MIN_STEPS such steps, and a shadowed
+candidate that pays is chosen and drafts for real.
 """
 from __future__ import annotations
 
@@ -36,10 +45,24 @@ EXPLORE_EVERY = 64     # engine steps without drafting before a candidate is mea
 EXPLORE_STEPS = 4      # steps such a re-measurement lasts
 MAX_EXPLORE_EVERY = 1024   # the longest wait of a candidate that lost every re-measurement
 KEEP = 16              # recent steps per candidate its payoff is measured over
+SHADOWED = ("ngram", "suffix")     # measured on the steps they do not draft (see the module doc)
+SHADOW_EVERY = 8       # a request's steps between two shadow drafts of one candidate
+
+
+def shadow_verdict(drafted: list[int], produced: list[int], ended: bool) -> int | None:
+    """How many of a shadow draft's tokens a verify pass would have accepted, given the tokens
+    the target produced since it was drafted: its tokens up to the first the target did not
+    produce. None while every token produced so far is as drafted and more are to come (or,
+    with the request `ended`, never: -1, drop it)."""
+    matched = next((i for i, (a, b) in enumerate(zip(drafted, produced)) if a != b), len(produced))
+    if matched == len(produced) and len(produced) < len(drafted):
+        return -1 if ended else None
+    return matched
 
 
 class ProposerChoice:
-    def __init__(self):
+    def __init__(self, shadowed: tuple[str, ...] = ()):
+        self.shadowed = shadowed                              # candidates measured by shadow drafts
         self.recent: dict[str, deque[ProposerCounts]] = {}    # per candidate: its recent steps' counts
         self.total: dict[str, ProposerCounts] = {}            # per candidate: every step's (the bench's)
         self.last_step: dict[str, int] = {}                   # the engine step it last drafted (or ran plain) in
@@ -50,7 +73,7 @@ class ProposerChoice:
         self.remeasured: str | None = None                    # the candidate the last re-measurement was of
 
     def clear(self) -> None:
-        self.__init__()
+        self.__init__(self.shadowed)
 
     # ---- measurements --------------------------------------------------------------
     def record(self, name: str, step: int, counts: ProposerCounts) -> None:
@@ -59,6 +82,12 @@ class ProposerChoice:
             return
         self.recent.setdefault(name, deque(maxlen=KEEP)).append(counts)
         self.total.setdefault(name, ProposerCounts()).add(counts)
+        self.last_step[name] = step
+
+    def record_shadow(self, name: str, step: int, counts: ProposerCounts) -> None:
+        """A shadowed candidate's would-be step at engine step `step`: its draft held against the
+        tokens the target produced (not drafted, so not in `total`)."""
+        self.recent.setdefault(name, deque(maxlen=KEEP)).append(counts)
         self.last_step[name] = step
 
     def counts(self, name: str) -> ProposerCounts:
@@ -71,7 +100,7 @@ class ProposerChoice:
     def rate(self, name: str, pass_s: Callable[[int], float | None], batch: int, other_rows: int = 0) -> float | None:
         """Expected tokens per second of this step drafted by `name` (None: not measured)."""
         counts = self.counts(name)
-        if counts.asked == 0:
+        if counts.asked == 0 or (name in self.shadowed and len(self.recent.get(name, ())) < MIN_STEPS):
             return None
         seconds = pass_s(round(batch * (1 + counts.verified_per_step)) + other_rows)
         if seconds is None:
@@ -105,10 +134,11 @@ class ProposerChoice:
             self.exploring = (name, left - 1) if left > 1 else None
             if name in candidates:
                 return name, f"measuring {name} again ({EXPLORE_STEPS} steps after {self.wait(name)} without)"
-        for name in candidates:
+        measured = [c for c in candidates if c not in self.shadowed]         # a shadowed one never drafts to be measured
+        for name in measured:
             if len(self.recent.get(name, ())) < MIN_STEPS:
                 return name, f"measuring {name} (step {len(self.recent.get(name, ())) + 1} of {MIN_STEPS})"
-        stale = [c for c in candidates if step - self.last_step.get(c, step) >= self.wait(c)]
+        stale = [c for c in measured if step - self.last_step.get(c, step) >= self.wait(c)]
         if not stale:
             return None, ""
         name = min(stale, key=lambda c: self.last_step[c])                 # the longest unmeasured

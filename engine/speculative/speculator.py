@@ -27,7 +27,7 @@ from engine.runtime.model_runner import ModelRunner, RunnerSeq, prepare_model
 from engine.speculative.assistant_proposer import AssistantProposer
 from engine.speculative.eagle_proposer import EagleProposer
 from engine.speculative.policy import SpeculationPolicy
-from engine.speculative.proposer_choice import OFF, ProposerChoice
+from engine.speculative.proposer_choice import OFF, SHADOW_EVERY, SHADOWED, ProposerChoice
 from engine.speculative.spec_decode import DraftModelProposer, NgramProposer, Proposal, Proposer
 from engine.speculative.step_costs import PlainStepClock
 from engine.speculative.suffix_proposer import SuffixCache, SuffixProposer
@@ -53,7 +53,7 @@ class Speculator:
         self.host, self.on_settings_changed = host, on_settings_changed
         self.policy = SpeculationPolicy()
         self.suffix_cache = SuffixCache(host.config.suffix_cache_tokens)   # earlier replies, for proposer `suffix`
-        self.proposer_choice = ProposerChoice()                            # proposer `auto`'s counters and choice
+        self.proposer_choice = ProposerChoice(SHADOWED)                    # proposer `auto`'s counters and choice
         self.eagle: tuple[str | None, EagleHead] | None = None     # (reference, head) once loaded
         self.eagle_step: EagleStep | None = None      # the head's passes, compiled as the target's step is
         self.eagle_refused: tuple[str | None, str] | None = None   # (head, why) auto could not load
@@ -215,6 +215,10 @@ class Speculator:
             # every candidate follows the request from its first pass: the EAGLE head sees the prompt's
             # features, and a reply joins the suffix index whichever proposer drafted it
             request.start_proposers([name for name in self.auto_candidates() if name != OFF])
+        if self.host.config.proposer == "auto" and request.decoding:
+            shadows = [c for c in self.auto_candidates()
+                       if c in self.proposer_choice.shadowed and c != self.proposer_in_effect()]
+            request.shadow_propose(shadows, self.host.config.num_speculative_tokens, SHADOW_EVERY)
         if not max_drafts:
             return None
         tree, auto = self.tree_in_effect(), self.host.config.speculation_policy == "auto"
@@ -235,6 +239,8 @@ class Speculator:
         pass_rows: the pass's rows (0: no pass ran), pass_s its seconds; step: the step's index."""
         drafted = ProposerCounts()
         for share, event in settled:
+            for name, counts in share.request.settle_shadows():
+                self.proposer_choice.record_shadow(name, step, counts)
             self._record_verdict(share.proposal, event, pass_s)
             if share.proposal is not None or (share.decode and self.proposer_in_effect() == OFF):
                 drafted.add(_drafted(share.proposal, event))
