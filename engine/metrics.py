@@ -87,6 +87,30 @@ def break_even_alpha(k: int, draft_cost: float, verify_cost: float) -> float | N
     return hi
 
 
+def expected_chain_accepted(rates: list[float], length: int) -> float:
+    """Expected accepted tokens of a chain of `length` drafts, per-position acceptance `rates`
+    (P(token i accepted | the ones before were)): sum over i <= length of P(the first i all
+    accepted). A position never reached has rate 0."""
+    reach, total = 1.0, 0.0
+    for i in range(length):
+        reach *= rates[i] if i < len(rates) else 0.0
+        total += reach
+    return total
+
+
+def expected_tokens_per_step(draft_lengths: dict, rates: list[float], tree_steps: int = 0,
+                             tree_accepted: int = 0) -> float | None:
+    """Tokens a decode step emits, as the measurement's model: each chain step by the drafts it
+    really verified (`draft_lengths`: steps by length, 0 where nothing was drafted) under the
+    per-position acceptance, 1 + expected_chain_accepted; each tree step its measured
+    1 + accepted. None before any step."""
+    steps = sum(draft_lengths.values()) + tree_steps
+    if not steps:
+        return None
+    chains = sum(n * (1 + expected_chain_accepted(rates, int(length))) for length, n in draft_lengths.items())
+    return (chains + tree_steps + tree_accepted) / steps
+
+
 def speculation_report(running: dict, k: int, plain_step_s: float | None, plain_source: str | None = None) -> dict | None:
     """Does speculation pay? From a request's (or several requests') aggregates
     (RequestStats.as_dict) and the wall time of a plain decode step with the same model and
@@ -94,16 +118,28 @@ def speculation_report(running: dict, k: int, plain_step_s: float | None, plain_
       measured_speedup  = decode tok/s with speculation / plain decode tok/s
       draft_cost        = draft time per drafted token / plain step
       verify_cost       = target time per target pass / plain step
-      predicted_speedup = predicted_speedup(alpha, k, draft_cost, verify_cost)
-      break_even_alpha  = the alpha where predicted_speedup is 1.0
+      predicted_speedup = the measurement's model: expected_tokens_per_step (the per-position
+                          acceptance over the drafts each step really proposed, none counted
+                          as none) / (the measured pass and drafting seconds a step / plain step);
+                          without per-step counts (a server's), predicted_speedup(alpha, k,
+                          draft_cost, verify_cost): k drafts every step (`prediction_model` says which)
+      break_even_alpha  = the per-token alpha at which k drafts every step would pay 1.0
+                          (predicted_speedup(alpha, k, draft_cost, verify_cost), i.i.d.)
     None until a draft token was proposed and a plain step time is known."""
     if not running.get("proposed") or not plain_step_s or not running.get("target_passes"):
         return None
     alpha = running.get("alpha")
     draft_cost = (ratio(running["draft_time_s"], running["proposed"]) or 0.0) / plain_step_s
     verify_cost = running["target_time_s"] / running["target_passes"] / plain_step_s
+    step_cost = (running["target_time_s"] + running["draft_time_s"]) / running["target_passes"] / plain_step_s
+    tokens = expected_tokens_per_step(running.get("draft_lengths") or {}, running.get("per_position") or [],
+                                      running.get("tree_steps", 0), running.get("tree_accepted", 0))
+    if tokens is not None:
+        predicted, model = tokens / step_cost, "per step"
+    else:       # no per-step counts (a server's counters): k drafts every step, i.i.d.
+        predicted, model = (None if alpha is None else predicted_speedup(alpha, k, draft_cost, verify_cost)), "i.i.d."
     return {"measured_speedup": running["decode_tok_s"] * plain_step_s if running["decode_tok_s"] else None,
-            "predicted_speedup": None if alpha is None else predicted_speedup(alpha, k, draft_cost, verify_cost),
+            "predicted_speedup": predicted, "prediction_model": model,
             "alpha": alpha, "k": k, "draft_cost": draft_cost, "verify_cost": verify_cost,
             "break_even_alpha": break_even_alpha(k, draft_cost, verify_cost),
             "plain_tok_s": 1.0 / plain_step_s, "plain_source": plain_source}
@@ -305,6 +341,8 @@ class RequestStats:
     compile_tokens: int = 0           # tokens those steps emitted
     compile_steps: int = 0            # its steps whose pass compiled, prefill included (0 once the step is warm)
     drafted_by: dict[str, int] = field(default_factory=dict)   # decode steps each proposer drafted (proposer auto's choices)
+    draft_lengths: dict[int, int] = field(default_factory=dict)  # chain decode steps by drafts verified (0: none)
+    tree_accepted: int = 0            # nodes the tree steps accepted
 
     def record_step(self, event: StepEvent) -> None:
         self.generated_tokens = event.generated_tokens
@@ -324,6 +362,10 @@ class RequestStats:
         self.accepted += event.accepted
         if event.proposer and event.proposed:
             self.drafted_by[event.proposer] = self.drafted_by.get(event.proposer, 0) + 1
+        if event.tree_nodes:
+            self.tree_accepted += event.accepted
+        elif event.target_passes:
+            self.draft_lengths[event.proposed] = self.draft_lengths.get(event.proposed, 0) + 1
         if event.tree_nodes:
             self.tree_steps += 1
             self.tree_nodes += event.tree_nodes
@@ -378,14 +420,15 @@ class RequestStats:
                 "preemptions": self.preemptions, "compile_s": self.compile_s, "compile_tokens": self.compile_tokens,
                 "compile_steps": self.compile_steps, "tree_steps": self.tree_steps, "tree_nodes": self.tree_nodes,
                 "tree_predicted": self.tree_predicted,
-                "tree_time_s": self.tree_time_s, "drafted_by": dict(self.drafted_by)}
+                "tree_time_s": self.tree_time_s, "drafted_by": dict(self.drafted_by),
+                "draft_lengths": dict(self.draft_lengths), "tree_accepted": self.tree_accepted}
 
 
 # RequestStats' additive counters (its positions add up apart, by PositionCounts.merge).
 COUNTERS = ("prompt_tokens", "prefix_hit_tokens", "generated_tokens", "ttft_s", "decode_tokens",
             "decode_time_s", "target_passes", "proposed", "accepted", "draft_time_s", "target_time_s",
             "compile_s", "compile_tokens", "compile_steps", "tree_steps", "tree_nodes", "tree_predicted",
-            "tree_time_s")
+            "tree_time_s", "tree_accepted")
 
 
 def combined(stats: list[RequestStats]) -> RequestStats:
@@ -397,6 +440,8 @@ def combined(stats: list[RequestStats]) -> RequestStats:
         total.positions.merge(s.positions)
         for proposer, steps in s.drafted_by.items():
             total.drafted_by[proposer] = total.drafted_by.get(proposer, 0) + steps
+        for length, steps in s.draft_lengths.items():
+            total.draft_lengths[int(length)] = total.draft_lengths.get(int(length), 0) + steps
     return total
 
 
@@ -406,7 +451,8 @@ def combine_running(runnings: list[dict], positions: PositionCounts | None = Non
     again: the session's figures for speculation_report. Those dicts carry per-position
     rates, not counts, so alpha and per_position come from `positions`, the same replies'
     PositionCounts merged (missing without it, never guessed from the rates)."""
-    total = combined([RequestStats(**{name: running[name] for name in COUNTERS}) for running in runnings])
+    total = combined([RequestStats(**{name: running.get(name, 0) for name in COUNTERS},
+                                   draft_lengths=running.get("draft_lengths") or {}) for running in runnings])
     if positions is not None:
         total.positions.merge(positions)
     return total.as_dict()

@@ -9,7 +9,7 @@ import pytest
 
 from app.formatting import message_stats, speculation_verdict
 from app.metrics_history import SERVER, STEPS, MetricsHistory
-from engine.metrics import PositionCounts, combine_running, combined, speculation_report
+from engine.metrics import PositionCounts, RequestStats, combine_running, combined, speculation_report
 from test_app import (REPLY_TIMEOUT_MS, FakeRequest, open_workbench, send, set_options,  # noqa: F401 - fixtures
                       tiny_bench, tiny_profile)
 
@@ -193,3 +193,27 @@ def test_a_speculative_reply_shows_its_speedup_and_the_plot_says_whether_it_pays
     send(bench, qtbot, "And three animals?")
     assert "speedup" not in bench.window.chat.transcript.toPlainText().splitlines()[-1]
     qtbot.waitUntil(lambda: "speculation" not in plots.acceptance_title.text, timeout=REPLY_TIMEOUT_MS)
+
+
+def test_the_prediction_is_the_measurements_model_steps_that_drafted_nothing_count_as_plain():
+    """Predicted speedup = tokens a step emits under the measured per-position acceptance, each
+    step by the drafts it really verified (none where it drafted nothing), over the measured
+    pass and drafting seconds a step: 10 steps drafted nothing and 10 drafted 4 with per-position
+    rates 1/2, 1/2, 0 -> (10 x 1 + 10 x (1 + 1/2 + 1/4)) / 20 tokens a step; the i.i.d. model,
+    which has every step draft k, predicts more."""
+    from engine.metrics import expected_chain_accepted, expected_tokens_per_step, predicted_speedup
+    assert expected_chain_accepted([0.5, 0.5, 0.0], 4) == pytest.approx(0.75)
+    assert expected_tokens_per_step({0: 10, 4: 10}, [0.5, 0.5, 0.0]) == pytest.approx(1.375)
+    assert expected_tokens_per_step({2: 3}, [1.0, 1.0], tree_steps=1, tree_accepted=5) == pytest.approx((3 * 3 + 6) / 4)
+    stats = RequestStats(decode_tokens=27, decode_time_s=0.4, target_passes=20, proposed=40, accepted=7,
+                         draft_time_s=0.02, target_time_s=0.36, draft_lengths={0: 10, 4: 10},
+                         positions=PositionCounts(attempts=[10, 5, 2], accepts=[5, 2, 0]))
+    report = speculation_report(stats.as_dict(), K, 0.015, "session")
+    per_step = (0.36 + 0.02) / 20 / 0.015
+    assert report["prediction_model"] == "per step"
+    assert report["predicted_speedup"] == pytest.approx(expected_tokens_per_step({0: 10, 4: 10}, [0.5, 0.4, 0.0]) / per_step)
+    assert report["predicted_speedup"] < 0.9 * predicted_speedup(stats.positions.alpha(), K, report["draft_cost"],
+                                                                 report["verify_cost"])
+    # the lengths add up across replies (a session's figures)
+    assert combined([stats, stats]).draft_lengths == {0: 20, 4: 20}
+    assert combine_running([stats.as_dict(), stats.as_dict()], stats.positions)["draft_lengths"] == {0: 20, 4: 20}
