@@ -19,6 +19,8 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
         speculation += f", draft tree {escape(str(settings['draft_tree']))}"
     if settings.get("proposer_choice"):          # proposer auto: which one drafts now, and why
         speculation += f"; now {escape(settings['proposer_choice']['chosen'])}: {escape(settings['proposer_choice']['why'])}"
+    if settings.get("speculation_paused"):      # the policy found it loses: plain steps, by itself
+        speculation += f"; <i>off by itself: {escape(settings['speculation_paused'])}</i>"
     if chosen and chosen.get("proposer") == "draft" and proposer == "off":
         speculation += " <i>(the draft proposer needs a draft model)</i>"
     draft = settings.get("draft_model")

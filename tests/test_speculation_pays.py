@@ -10,6 +10,7 @@ import pytest
 from app.formatting import message_stats, speculation_verdict
 from app.metrics_history import SERVER, STEPS, MetricsHistory
 from engine.metrics import PositionCounts, RequestStats, combine_running, combined, speculation_report
+from tests.conftest import chat
 from test_app import (REPLY_TIMEOUT_MS, FakeRequest, open_workbench, send, set_options,  # noqa: F401 - fixtures
                       tiny_bench, tiny_profile)
 
@@ -217,3 +218,32 @@ def test_the_prediction_is_the_measurements_model_steps_that_drafted_nothing_cou
     # the lengths add up across replies (a session's figures)
     assert combined([stats, stats]).draft_lengths == {0: 20, 4: 20}
     assert combine_running([stats.as_dict(), stats.as_dict()], stats.positions)["draft_lengths"] == {0: 20, 4: 20}
+
+
+def test_speculation_that_loses_switches_itself_off_within_64_steps_and_the_app_says_why(make_tiny_engine, monkeypatch):
+    """A proposer the user turned on, on a machine where a wider pass costs far more than its
+    drafts can earn (each extra row 40 ms against a 1 ms plain step): the policy measures it,
+    drafts nothing from then on, within 64 steps, and the settings the app shows say
+    speculation is off by itself and why, in numbers; greedy output stays the target's."""
+    from app.formatting import describe_settings
+    from engine import SamplingParams
+    from engine.speculative.policy import SpeculationPolicy
+    record_pass = SpeculationPolicy.record_pass
+    monkeypatch.setattr(SpeculationPolicy, "record_pass",
+                        lambda self, rows, seconds: record_pass(self, rows, 0.001 + 0.040 * (rows - 1)))
+    base = make_tiny_engine()
+    params = SamplingParams(max_tokens=64, stop_on_eos=False)
+    first = base.encode(chat("Count to five."))
+    prompt = first + base.generate_text(first, params)[1] + first         # repeats itself: n-gram matches
+    expected = base.generate_text(prompt, params)[1]
+    eng = make_tiny_engine(speculation_policy="auto")        # the default (the tiny engines' is fixed)
+    eng.reconfigure(proposer="ngram", num_speculative_tokens=4)
+    events = list(eng.generate(prompt, params))
+    assert [t for e in events for t in e.token_ids] == expected
+    drafted = [i for i, e in enumerate(events) if e.proposed]
+    assert drafted and drafted[-1] < 64                              # it tried, then stopped by itself
+    paused = eng.settings()["speculation_paused"]
+    assert paused.startswith("ngram's drafts lose here: at α") and "x a plain step" in paused
+    assert f"off by itself: {paused}" in describe_settings(eng.settings()).replace("&#x27;", "'")
+    eng.reconfigure(proposer="off")
+    assert eng.settings()["speculation_paused"] is None

@@ -27,6 +27,8 @@ the recent trimmed trees reached (drafting a depth costs a head pass). Whether t
 tree at all is measured too:
 the recent tree steps' tokens per second (drafting included) against a plain step's; when
 trees lose, plain steps run, with one tree every PROBE_EVERY steps to keep measuring.
+Where the choice is to draft nothing (k = 0, or no tree), `paused` says why, in numbers; the
+engine's settings carry it, so the app shows speculation switched off by itself.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class SpeculationPolicy:
         self.trees: deque = deque(maxlen=KEEP)     # (predicted accepted, accepted, tokens, seconds) per tree step
         self.tree_depths: deque = deque(maxlen=KEEP)   # the depth each verified (trimmed) tree reached
         self.skipped_trees = 0                     # plain steps in a row since trees last lost
+        self.paused: str | None = None             # why the last choice drafts nothing (None: it drafts)
 
     # ---- measurements --------------------------------------------------------------
     def record_pass(self, rows: int, seconds: float) -> None:
@@ -107,7 +110,10 @@ class SpeculationPolicy:
         def throughput(k: int) -> float:
             return decode_step_rate(batch, expected_accepted_len(alpha, k),
                                     self.predicted_pass_s(batch * (k + 1) + other_rows), k * draft)
-        return max(range(k_max + 1), key=throughput)
+        best = max(range(k_max + 1), key=throughput)
+        self.paused = None if best else (f"{proposer}'s drafts lose here: at α {alpha:.2f}, {k_max} a step would run at "
+                                         f"{throughput(k_max) / throughput(0):.2f}x a plain step")
+        return best
 
     # ---- trees -----------------------------------------------------------------------
     def record_tree(self, predicted: float, accepted: int, tokens: int, seconds: float, depth: int = 0) -> None:
@@ -139,8 +145,9 @@ class SpeculationPolicy:
             return True
         tree_rate = sum(t[2] for t in self.trees) / sum(t[3] for t in self.trees)
         if tree_rate > 1.0 / plain:
-            self.skipped_trees = 0
+            self.skipped_trees, self.paused = 0, None
             return True
+        self.paused = f"draft trees lose here: {tree_rate:.0f} tok/s against {1.0 / plain:.0f} plain"
         self.skipped_trees += 1
         if self.skipped_trees >= PROBE_EVERY:
             self.skipped_trees = 0

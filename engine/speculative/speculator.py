@@ -54,6 +54,7 @@ class Speculator:
         self.policy = SpeculationPolicy()
         self.suffix_cache = SuffixCache(host.config.suffix_cache_tokens)   # earlier replies, for proposer `suffix`
         self.proposer_choice = ProposerChoice(SHADOWED)                    # proposer `auto`'s counters and choice
+        self._paused_said: str | None = None                               # the `paused` the settings last carried
         self.eagle: tuple[str | None, EagleHead] | None = None     # (reference, head) once loaded
         self.eagle_step: EagleStep | None = None      # the head's passes, compiled as the target's step is
         self.eagle_refused: tuple[str | None, str] | None = None   # (head, why) auto could not load
@@ -183,11 +184,24 @@ class Speculator:
             return 0
         tree = self.tree_in_effect()
         if tree is not None:
-            return self._tree_nodes(tree, running, auto)
-        if c.speculation_policy == "fixed" or (auto and self.proposer_choice.is_measuring):
+            k = self._tree_nodes(tree, running, auto)
+        elif c.speculation_policy == "fixed" or (auto and self.proposer_choice.is_measuring):
             return c.num_speculative_tokens
-        own_draft_s = self.proposer_choice.counts(proposer).draft_s_per_token if auto else None
-        return self.policy.choose_k(proposer, decoding, c.num_speculative_tokens, draft_token_s=own_draft_s)
+        else:
+            own_draft_s = self.proposer_choice.counts(proposer).draft_s_per_token if auto else None
+            k = self.policy.choose_k(proposer, decoding, c.num_speculative_tokens, draft_token_s=own_draft_s)
+        if not auto and self.paused != self._paused_said:          # switched off or on by itself: say so
+            self._paused_said = self.paused
+            self.on_settings_changed()
+        return k
+
+    @property
+    def paused(self) -> str | None:
+        """Why speculation drafts nothing by itself now (a proposer chosen by the user, policy
+        auto: its measured payoff says plain steps are faster), None while it drafts."""
+        if self.host.config.proposer in ("off", "auto") or self.host.config.speculation_policy == "fixed":
+            return None
+        return self.policy.paused
 
     def _tree_nodes(self, tree: TreeShape, running: list, auto: bool) -> int:
         """A tree step's nodes: the tree's, or 0 while the policy says trees lose."""
