@@ -3,6 +3,6 @@
 attention.py           paged attention: the torch reference, and dispatch to engine.kernels
 attention_metadata.py  what a pass tells attention: positions, slots, block tables, mask
 packed_linear.py       linear weights prepacked in oneDNN's layout for CPU inference
-quantized_linear.py    weight-only int4 / int8 (grouped, per channel) linears: our CPU kernel, else torch's
+quantized_linear.py    weight-only quantized linears: our CPU kernel, else torch's; on CUDA the stored blocks (Triton)
 sampler.py             greedy / temperature / top-k / top-p with a seeded generator
 """
