@@ -362,11 +362,10 @@ class RequestStats:
         self.accepted += event.accepted
         if event.proposer and event.proposed:
             self.drafted_by[event.proposer] = self.drafted_by.get(event.proposer, 0) + 1
-        if event.tree_nodes:
-            self.tree_accepted += event.accepted
-        elif event.target_passes:
+        if not event.tree_nodes and event.target_passes:
             self.draft_lengths[event.proposed] = self.draft_lengths.get(event.proposed, 0) + 1
         if event.tree_nodes:
+            self.tree_accepted += event.accepted
             self.tree_steps += 1
             self.tree_nodes += event.tree_nodes
             self.tree_predicted += event.tree_predicted_accepted or 0.0

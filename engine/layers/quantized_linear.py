@@ -350,10 +350,7 @@ class Joined:
             self.apart.append(qw)
             return
         if self.whole is None:
-            def whole(t):
-                return None if t is None or not t.numel() else t.new_empty((self.rows, *t.shape[1:]))
-            self.whole = QuantizedWeight(qw.kind, whole(qw.data), whole(qw.scales) if qw.scales.numel() else qw.scales,
-                                         (self.rows, qw.shape[1]), qw.group_size, TRITON, qw.dtype, whole(qw.zeros))
+            self.whole = _rowwise(qw, lambda t: t.new_empty((self.rows, *t.shape[1:])), self.rows)
         at, n = self.done, qw.shape[0]
         for mine, theirs in ((self.whole.data, qw.data), (self.whole.scales, qw.scales), (self.whole.zeros, qw.zeros)):
             if theirs is not None and theirs.numel():
@@ -529,6 +526,15 @@ def rows(qw, ids: torch.Tensor) -> torch.Tensor:
     return cpu_quant.rows(qw.data, qw.scales, BITS[qw.kind], ids)
 
 
+def _rowwise(qw: QuantizedWeight, per_tensor, rows: int) -> QuantizedWeight:
+    """A TRITON weight of `rows` output rows whose tensors (all along the rows; the empty or
+    missing ones kept) are per_tensor(each of qw's)."""
+    def each(t):
+        return per_tensor(t) if t is not None and t.numel() else t
+    return QuantizedWeight(qw.kind, each(qw.data), each(qw.scales), (rows, qw.shape[1]), qw.group_size, TRITON,
+                           qw.dtype, each(qw.zeros))
+
+
 def _first_tiles(qw: QuantizedWeight, tiles: int) -> QuantizedWeight:
     """Our kernel's weight cut to its first `tiles` tiles of 16 output rows (each row is
     computed alone, so a row's bits are the same in the whole weight); torch's as it is."""
@@ -536,10 +542,7 @@ def _first_tiles(qw: QuantizedWeight, tiles: int) -> QuantizedWeight:
     if qw.kernel not in (OURS, TRITON) or qw.shape[0] <= rows:
         return qw
     if qw.kernel == TRITON:
-        def first(t):
-            return t[:rows] if t is not None and t.numel() else t
-        return QuantizedWeight(qw.kind, qw.data[:rows], first(qw.scales), (rows, qw.shape[1]), qw.group_size,
-                               qw.kernel, qw.dtype, first(qw.zeros))
+        return _rowwise(qw, lambda t: t[:rows], rows)
     return QuantizedWeight(qw.kind, qw.data[:tiles], qw.scales[:tiles] if qw.scales.numel() else qw.scales,
                            (tiles * cpu_quant.COLS, qw.shape[1]), qw.group_size, qw.kernel, qw.dtype)
 

@@ -80,13 +80,13 @@ class ProposerChoice:
         """One engine step's counts of the candidate that drafted in it."""
         if not counts.asked:
             return
-        self.recent.setdefault(name, deque(maxlen=KEEP)).append(counts)
+        self.record_shadow(name, step, counts)
         self.total.setdefault(name, ProposerCounts()).add(counts)
-        self.last_step[name] = step
 
     def record_shadow(self, name: str, step: int, counts: ProposerCounts) -> None:
-        """A shadowed candidate's would-be step at engine step `step`: its draft held against the
-        tokens the target produced (not drafted, so not in `total`)."""
+        """A candidate's step in its recent payoff (`record` adds a drafted one to `total` too): a
+        shadowed candidate's would-be step at engine step `step`, its draft held against the tokens
+        the target produced (not drafted, so not in `total`)."""
         self.recent.setdefault(name, deque(maxlen=KEEP)).append(counts)
         self.last_step[name] = step
 
