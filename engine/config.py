@@ -17,6 +17,7 @@ from engine.errors import ConfigError
 LIVE = "live"                   # at the next step, even in the middle of a reply
 NEXT_REQUEST = "next request"   # when the running reply ends (reallocates the cache, loads a draft)
 LOAD = "load"                   # when a model is loaded
+LOADED = "as loaded"            # Setting.exact: the value the loaded model has
 
 # The settings panel's groups, in order.
 SPECULATION_GROUP, CACHE_GROUP, SAMPLING_GROUP = "Speculative decoding", "KV cache", "Sampling (next message)"
@@ -45,6 +46,13 @@ class Setting:
     group: str | None = None     # the settings panel's group for it (None: not in the panel)
     rebuilds_pool: bool = False  # a change reallocates the KV pool (and drops the prefix cache)
     help: str = ""
+    # A setting that changes what the model computes (engine.quality measures what it costs):
+    # its most exact value, the quality reference's (LOADED: the value the model was loaded with).
+    exact: Any = None
+
+    @property
+    def lossy(self) -> bool:
+        return self.exact is not None
 
     def validate(self, value):
         """The value as stored (ints accepted for floats), or ConfigError naming the setting."""
@@ -184,7 +192,7 @@ SETTINGS: tuple[Setting, ...] = (
             choices={"auto": "Model dtype (auto)", "fp8_when_short": "FP8 E4M3 when the pool runs short",
                      "fp8_e4m3": "FP8 E4M3",
                      "fp8_e4m3_hadamard": "FP8 E4M3, Hadamard-rotated", "bfloat16": "bfloat16",
-                     "float16": "float16", "float32": "float32"}, group=CACHE_GROUP, rebuilds_pool=True,
+                     "float16": "float16", "float32": "float32"}, group=CACHE_GROUP, rebuilds_pool=True, exact="auto",
             help="FP8 when short: the model's dtype until the pool in it holds less than one full context, "
             "or a request is preempted for want of blocks; then FP8 (half the bytes or less), rebuilt when idle"),
     Setting("block_size", int, 16, ENGINE, NEXT_REQUEST, "Block size", choices={b: str(b) for b in BLOCK_SIZES},
@@ -216,12 +224,12 @@ SETTINGS: tuple[Setting, ...] = (
             help="the share of the GPU's memory the engine may use (weights, KV pool, activations), "
             "as vLLM's gpu_memory_utilization"),
     Setting("dtype", str, "auto", ENGINE, LOAD, "Weights dtype",
-            choices={"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"},
+            choices={"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}, exact=LOADED,
             help="auto = bf16 on CUDA; on the CPU the dtype whose decode step runs the model faster, measured "
                  "once per CPU and model format (engine.runtime.cpu_dtype)"),
     Setting("weight_dtype", str, "auto", ENGINE, LOAD, "Weights as served",
             choices={"auto": "as stored (a 4-bit GGUF stays 4-bit)", "float": "dequantized (the dtype above)",
-                     "int8": "int8 (per channel)", "int4": "int4 (groups of 32)"},
+                     "int8": "int8 (per channel)", "int4": "int4 (groups of 32)"}, exact="float",
             help="auto: a GGUF's or AWQ/GPTQ checkpoint's quantized weights run as stored where a kernel takes "
             "them (Q4_K, Q5_K, Q6_K in their super-blocks; Q4_0, Q4_1, AWQ, GPTQ as int4; Q5_0, Q5_1, Q8_0 as 8-bit "
             "groups); every other weight in the dtype above. "

@@ -1,5 +1,5 @@
 """Data shipped with the workbench: built-in profiles, the style sheet, icons and the
-draft for the default model. A package (data only, no code) so that a plain, non-editable
+draft for the default model, the quality measurement's reference text. A package (data only, no code) so that a plain, non-editable
 `pip install .` installs these files next to `engine` and `app`."""
 from pathlib import Path
 
@@ -8,3 +8,4 @@ PROFILES_DIR = RESOURCES_DIR / "profiles"
 DRAFTS_DIR = RESOURCES_DIR / "drafts"
 STYLE_SHEET = RESOURCES_DIR / "style.qss"
 APP_ICON = RESOURCES_DIR / "icons" / "workbench.svg"
+QUALITY_TEXT = RESOURCES_DIR / "quality" / "reference_text.txt"

@@ -126,9 +126,14 @@ def read_chunks(path: Path):
     offset = len(MAGIC) + 12 + 4 * len(tokens)
     for i in range(n_chunk):
         stored = np.fromfile(path, dtype="<u2", count=rows * width, offset=offset + 2 * i * rows * width)
-        stored = stored.reshape(rows, width)
-        head = np.ascontiguousarray(stored[:, :4]).view("<f4").astype(np.float64)      # [rows, 2]
-        yield head[:, :1] * stored[:, 4:4 + n_vocab] + head[:, 1:2]
+        yield expand_log_probs(stored.reshape(rows, width), n_vocab)
+
+
+def expand_log_probs(stored: np.ndarray, n_vocab: int) -> np.ndarray:
+    """compressed_log_probs' rows read back as llama.cpp's kl_divergence reads them
+    (scale * q + min_log_prob): [rows, n_vocab] float64."""
+    head = np.ascontiguousarray(stored[:, :4]).view("<f4").astype(np.float64)      # [rows, 2]
+    return head[:, :1] * stored[:, 4:4 + n_vocab] + head[:, 1:2]
 
 
 def kld_between(base: Path, test: Path) -> dict:

@@ -6,6 +6,13 @@ in the same compute dtype, in one run:
   - greedy agreement over the chat prompt set: how many tokens each reply shares with the
     float reply before the first difference (the median, and every prompt's count).
 
+`--compare KEY=A,B` (a setting, e.g. kv_cache_dtype=auto,fp8_e4m3 or weight_dtype=float,int4) or
+`--compare profile=A,B` (two profiles' engine settings): each arm against the loaded model's most
+exact configuration (its weights dequantized, its cache in the compute dtype) on the shipped
+reference text (--eval-tokens of it, windows of --window): KL divergence, same top token,
+perplexity and its change with 95% intervals, the lossless settings checked token for token, and
+decode tok/s; the app's Quality tab runs the same code (engine.quality).
+
 `--against llama.cpp --model FILE.gguf` (or --synthetic with a GGUF preset): our engine (fp32 compute unless --dtype, weights as
 stored) beside llama.cpp on the same file (bench_against_llama_cpp):
   - perplexity by llama-perplexity's protocol (engine.remote.llama_tools) on the same token ids
@@ -29,7 +36,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from engine.bench.scenarios import CHAT_PROMPTS, _engine, _perplexity, chat, held_out_text
+from engine.bench.scenarios import CHAT_PROMPTS, _engine, _progress, chat, held_out_text
+from engine.quality import perplexity as _perplexity
 
 AGAINST = ("llama.cpp",)
 PPL_TOLERANCE_PCT = 0.5        # issue 40's target: ours within 0.5% of llama-perplexity
@@ -52,6 +60,8 @@ def bench_quality(args) -> dict:
     from engine import SamplingParams
     if getattr(args, "against", None):
         return bench_against_llama_cpp(args)
+    if getattr(args, "compare", None):
+        return bench_quality_compare(args)
     weight_dtype = args.weight_dtype or "auto"
     engines = {name: _engine(argparse.Namespace(**{**vars(args), "weight_dtype": name}), enable_prefix_caching=False)
                for name in ("float", weight_dtype)}
@@ -74,6 +84,31 @@ def bench_quality(args) -> dict:
             "greedy_agreement_tokens_median": statistics.median(agree), "greedy_agreement_tokens": agree,
             "greedy_tokens": args.tokens, "prompts": len(CHAT_PROMPTS), "eval_tokens": len(ids) - 1,
             "window": args.window, "eval_text": "pydoc_data.topics (ships with Python)"}
+
+
+def bench_quality_compare(args) -> dict:
+    """--compare: the arms through engine.quality.QualityRun, as the app's Quality tab runs them."""
+    from engine.bench.serve import PROFILE_KEY, parse_compare
+    from engine.quality import Configuration, QualityRun, pareto_front
+    key, values = parse_compare(args.compare)          # before the load: fails fast
+    eng = _engine(args, compile=args.compile)
+    arms = [Configuration(f"{key}={v}", _profile_settings(v.profile) if key == PROFILE_KEY else {key: v})
+            for v in values]
+    run = QualityRun(eng, arms, tokens=args.eval_tokens, window=args.window)
+    for step in run.steps():
+        if step.result is not None:
+            _progress(step.message, step.fraction)
+    rows = run.results
+    return {"model": eng.target_model.display_name, "reference": rows[0]["reference"], "text": rows[0]["text"],
+            "window": args.window, "rows": rows, "pareto_front": [rows[i]["label"] for i in pareto_front(rows)]}
+
+
+def _profile_settings(profile) -> dict:
+    """A profile's engine settings, and the lossy load-time ones it sets away from their defaults."""
+    from engine.config import BY_KEY, ENGINE, LOAD
+    loads = {k: getattr(profile, k) for k, s in BY_KEY.items()
+             if s.section == ENGINE and s.applies == LOAD and s.lossy and getattr(profile, k) != s.default}
+    return profile.engine_settings() | loads
 
 
 # ---- against llama.cpp on the same file -----------------------------------------------------

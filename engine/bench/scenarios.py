@@ -18,6 +18,7 @@ import torch
 
 from engine.bench.model_flags import model_path
 from engine.metrics import combined, speculation_report
+from engine.quality import perplexity
 # The prompt sets are the serving workload's (engine.workload), shared with the app's load panel.
 from engine.workload import CHAT_PROMPTS, PASSAGE, REPEAT_PROMPTS, chat, held_out_text  # noqa: F401
 from engine.workload import edit_chat
@@ -177,7 +178,7 @@ def bench_kv(args) -> dict:
     for name in ("auto", "bfloat16", "fp8_e4m3", "fp8_e4m3_hadamard"):
         runner = ModelRunner(eng.target_model, EngineConfig(kv_cache_dtype=name, num_blocks=args.window // 16 + 2),
                              eng.device)
-        ppl[name] = _perplexity(runner, ids, args.window)
+        ppl[name] = perplexity(runner, ids, args.window)
     result.update({"ppl_model_dtype": ppl["auto"], "ppl_bf16": ppl["bfloat16"], "ppl_fp8": ppl["fp8_e4m3"],
                    "ppl_increase_pct": 100 * (ppl["fp8_e4m3"] / ppl["auto"] - 1),
                    "ppl_increase_pct_vs_bf16": 100 * (ppl["fp8_e4m3"] / ppl["bfloat16"] - 1),
@@ -187,25 +188,6 @@ def bench_kv(args) -> dict:
                    "eval_tokens": len(ids) - 1, "window": args.window,
                    "eval_text": "pydoc_data.topics (ships with Python)"})
     return result
-
-
-def _perplexity(runner, ids: list[int], window: int) -> float:
-    """Non-overlapping windows; each window is fed in chunks so later tokens attend to keys
-    read back (dequantized) from the cache."""
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, window):
-        chunk = ids[start:start + window + 1]
-        seq = runner.start(chunk[:-1])
-        try:
-            for c in range(0, len(chunk) - 1, 256):
-                piece = chunk[c:c + 256 + 1]
-                logits = runner.forward(seq, piece[:-1], logits_for="all")
-                targets = torch.tensor(piece[1:], device=logits.device)
-                nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
-                count += len(piece) - 1
-        finally:
-            runner.end(seq)
-    return float(torch.exp(torch.tensor(nll / count)))
 
 
 # ---- analytic memory ---------------------------------------------------------------
