@@ -2,9 +2,11 @@
 
 A profile file is plain data, never code:
     {"format": "inference-workbench-profile", "version": 2, "name": ..., "model": ..., ...}
-with one key per row of engine.config.SETTINGS (the settings table), and "workload": the
+with one key per row of engine.config.SETTINGS (the settings table), "workload": the
 load panel's serving workload (engine.workload.Workload, its fields; missing ones at their
-defaults).
+defaults), and "quality": what these settings were measured to cost in quality (a row of
+engine.quality: on which model and text, when, KL divergence, perplexity change, decode tok/s),
+or null where never measured.
 Profiles live in platformdirs' user_config_dir("inference-workbench")/profiles; the
 environment variable WORKBENCH_CONFIG_DIR replaces the config dir (tests use tmp dirs).
 Writes are atomic (temp file + os.replace), so a crash never leaves half a profile.
@@ -30,7 +32,8 @@ FORMAT = "inference-workbench-profile"
 # 1: the first 14 settings. 2: every row of engine.config.SETTINGS (n-gram sizes, pool,
 # device, dtype, ...); a version 1 file reads as is, the new settings at their defaults.
 # 3: "workload" (engine.workload); an older file reads with the default workload.
-VERSION = 3
+# 4: "quality" (engine.quality's row for these settings, or null); an older file reads with none.
+VERSION = 4
 APP_NAME = "inference-workbench"
 LAST_SESSION_FILE = "last_session.json"
 RECENT_FILE = "recent.json"
@@ -47,10 +50,12 @@ class _ProfileMethods:
         # Every value is checked against its row of the settings table, so a profile can
         # never hold a setting the engine would refuse.
         for key in self.__dataclass_fields__:
-            if key != WORKLOAD_KEY:
+            if key not in (WORKLOAD_KEY, QUALITY_KEY):
                 object.__setattr__(self, key, config.validate(key, getattr(self, key)))
         if not isinstance(self.workload, Workload):          # plain data from a file
             object.__setattr__(self, WORKLOAD_KEY, Workload.from_dict(self.workload))
+        if self.quality is not None and not isinstance(self.quality, dict):
+            raise ConfigError(f"quality must be a measurement (an object) or null, got {type(self.quality).__name__}")
         self.engine_config()
 
     def engine_config(self, **overrides) -> EngineConfig:
@@ -70,7 +75,7 @@ class _ProfileMethods:
     def from_json_dict(cls, data, source: str = "profile") -> "SessionProfile":
         _check_header(data, source)
         values = {k: v for k, v in data.items() if k not in ("format", "version")}
-        unknown = sorted(set(values) - set(config.BY_KEY) - {WORKLOAD_KEY})
+        unknown = sorted(set(values) - set(config.BY_KEY) - {WORKLOAD_KEY, QUALITY_KEY})
         if unknown:
             raise ProfileError(f"{source}: unknown settings {unknown}; remove them or fix their spelling")
         # An older version lacks the settings added since: they take their defaults.
@@ -80,11 +85,14 @@ class _ProfileMethods:
             raise ProfileError(f"{source}: {exc}") from exc
 
 
-# Every row of the settings table is a profile field, with the table's default; and the workload.
+# Every row of the settings table is a profile field, with the table's default; the workload;
+# and the measured quality.
 WORKLOAD_KEY = "workload"
+QUALITY_KEY = "quality"
 SessionProfile = make_dataclass(
     "SessionProfile", [(s.key, s.type if not s.optional else s.type | None, field(default=s.default))
-                       for s in config.SETTINGS] + [(WORKLOAD_KEY, Workload, field(default_factory=Workload))],
+                       for s in config.SETTINGS] + [(WORKLOAD_KEY, Workload, field(default_factory=Workload)),
+                                                    (QUALITY_KEY, dict | None, field(default=None))],
     bases=(_ProfileMethods,), frozen=True,
     namespace={"__doc__": "Every setting of a session (engine.config.SETTINGS) as plain data.",
                "__module__": __name__})

@@ -77,15 +77,16 @@ class Progress:
 
 
 # ---- the text ---------------------------------------------------------------------------------
-def reference_text(path: Path | None = None) -> str:
-    """The shipped reference text, checked against its digest."""
+def reference_text(path: Path | None = None, check_digest: bool | None = None) -> str:
+    """The reference text: the shipped one (checked against its digest), or the file given."""
+    check = path is None if check_digest is None else check_digest
     path = Path(path or QUALITY_TEXT_FILE)
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise QualityTextError(f"the quality reference text {path} cannot be read ({exc.strerror or exc}); "
                                "reinstall the workbench to restore it") from exc
-    if path == Path(QUALITY_TEXT_FILE) and hashlib.sha256(data).hexdigest() != QUALITY_TEXT_SHA256:
+    if check and hashlib.sha256(data).hexdigest() != QUALITY_TEXT_SHA256:
         raise QualityTextError(f"the quality reference text {path} is not the one shipped (its SHA-256 differs), "
                                "so its figures would not compare with anyone's; reinstall the workbench to restore it")
     try:
@@ -318,75 +319,108 @@ def summary(row: dict) -> str:
 
 # ---- the lossless check -------------------------------------------------------------------------
 def lossless_check(eng, prompts: int, tokens: int, progress) -> Iterator[Progress]:
-    """Greedy replies to `prompts` chat prompts through the engine as configured (batched, then
-    each alone: prefix-cache hits, decode tok/s) against the eager step with one prompt alone,
-    no speculation and no prefix cache, token for token."""
+    """Greedy replies to `prompts` chat prompts through the engine as configured, each alone
+    (decode tok/s) and then all at once (batched, prefix-cache hits), against the plain path:
+    the same engine with no speculation and no prefix cache, one prompt alone; in float32,
+    where the compiled step promises the eager step's tokens, the eager step too. Token for
+    token. The suffix proposer starts from an empty index (restored after): no configuration
+    drafts from the replies another one just gave."""
+    from engine.speculative.suffix_proposer import SuffixCache
     from engine.workload import CHAT_PROMPTS, chat
     asks = [eng.encode(chat(p)) for p in CHAT_PROMPTS[:prompts]]
     params = SamplingParams(max_tokens=tokens, stop_on_eos=False)
-    total = 3 * prompts * tokens
+    eager = eng.runner.compiled is not None and eng.runner.model_dtype == torch.float32
+    total = (3 + eager) * prompts * tokens
     done = [0]
 
     def tick(message):
         done[0] += 1
         return progress(min(1.0, done[0] / total), message)
 
-    plain = scoring_runner(eng.target_model, eng.runner.kv_dtype_name, eng.device, max(map(len, asks)) + tokens)
-    expected = []
-    for ask in asks:
-        seq, out = plain.start(ask), []
-        try:
-            logits = plain.forward(seq, ask)
-            for _ in range(tokens):
-                out.append(int(logits[-1].argmax()))
-                yield tick("the plain path: eager, alone, no speculation")
-                if len(out) < tokens:
-                    logits = plain.forward(seq, out[-1:])
-        finally:
-            plain.end(seq)
-        expected.append(out)
-    del plain
+    spec, kept_index = eng.speculator, eng.speculator.suffix_cache
+    spec.suffix_cache = SuffixCache(eng.config.suffix_cache_tokens)
+    asked = {"proposer": eng.config.proposer, "enable_prefix_caching": eng.config.enable_prefix_caching}
+    s = eng.settings()
+    try:
+        alone, rates, hits = [], [], 0
+        for ask in asks:
+            out, stats = yield from _reply(eng, ask, params, tick, "as configured, one at a time")
+            alone.append(out)
+            hits += stats.prefix_hit_tokens
+            if stats.decode_time_s > 0:
+                rates.append(stats.decode_tokens / stats.decode_time_s)
+        batched, batched_hits = yield from _together(eng, asks, params, tick)
+        hits += batched_hits
+        eng.reconfigure(proposer="off", enable_prefix_caching=False)
+        plain = []
+        for ask in asks:
+            plain.append((yield from _reply(eng, ask, params, tick, "the plain path: alone, no speculation"))[0])
+    finally:
+        eng.reconfigure(**asked)
+        spec.suffix_cache = kept_index
+    replies = {"one at a time": alone, "batched": batched}
+    checked = [f"speculation ({s['proposer']})" if s["proposer"] != "off" else None,
+               f"prefix caching ({hits} tokens hit)" if asked["enable_prefix_caching"] else None, f"{len(asks)} requests batched"]
+    if eager:
+        replies["the compiled step"] = plain
+        plain = yield from _eager(eng, asks, tokens, tick)
+        checked.insert(0, "the compiled step (against the eager one)")
+    checked = [c for c in checked if c]
+    diverged = [{"prompt": i, "first_divergence": _first_difference(e, o), "path": path}
+                for path, outs in replies.items() for i, (e, o) in enumerate(zip(plain, outs)) if e != o]
+    identical = not diverged
+    said = (f"token for token identical to the plain path ({len(asks)} prompts x {tokens} tokens; "
+            f"{', '.join(checked)})" if identical else
+            f"DIFFERS from the plain path in {len(diverged)} of {len(replies) * len(asks)} replies ({', '.join(checked)})")
+    return {"checked": checked, "identical": identical, "prompts": len(asks), "tokens_each": tokens,
+            "divergences": diverged, "said": said,
+            "decode_tok_s": float(np.median(rates)) if rates else None}
+
+
+def _reply(eng, ask: list[int], params, tick, message) -> Iterator[Progress]:
+    stream, out = eng.start(ask, params), []
+    try:
+        while not stream.finished:
+            out.extend(stream.step().token_ids)
+            yield tick(message)
+        return out, stream.stats
+    finally:
+        stream.close()
+
+
+def _together(eng, asks: list[list[int]], params, tick) -> Iterator[Progress]:
     streams = [eng.start(ask, params) for ask in asks]
-    batched = [[] for _ in asks]
+    outs = [[] for _ in asks]
     try:
         while not all(s.finished for s in streams):
             for i, s in enumerate(streams):
                 if not s.finished:
-                    batched[i].extend(s.step().token_ids)
+                    outs[i].extend(s.step().token_ids)
                     yield tick(f"as configured, {len(asks)} at once")
+        return outs, sum(s.stats.prefix_hit_tokens for s in streams)
     finally:
         for s in streams:
             s.close()
-    alone, rates, hits = [], [], 0
+
+
+def _eager(eng, asks: list[list[int]], tokens: int, tick) -> Iterator[Progress]:
+    """Greedy replies through an eager runner of the same weights and cache dtype."""
+    runner = scoring_runner(eng.target_model, eng.runner.kv_dtype_name, eng.device, max(map(len, asks)) + tokens)
+    outs = []
     for ask in asks:
-        stream, out = eng.start(ask, params), []
+        seq, out = runner.start(ask), []
         try:
-            while not stream.finished:
-                out.extend(stream.step().token_ids)
-                yield tick("as configured, one at a time")
-            stats = stream.stats
+            logits = runner.forward(seq, ask)
+            while True:
+                out.append(int(logits[-1].argmax()))
+                yield tick("the eager step, alone")
+                if len(out) == tokens:
+                    break
+                logits = runner.forward(seq, out[-1:])
         finally:
-            stream.close()
-        alone.append(out)
-        hits += stats.prefix_hit_tokens
-        if stats.decode_time_s > 0:
-            rates.append(stats.decode_tokens / stats.decode_time_s)
-    s = eng.settings()
-    paths = ["the compiled step" if eng.runner.compiled is not None else None,
-             f"speculation ({s['proposer']})" if s["proposer"] != "off" else None,
-             f"prefix caching ({hits} tokens hit)" if eng.config.enable_prefix_caching else None,
-             f"{len(asks)} requests batched"]
-    checked = [p for p in paths if p]
-    diverged = [{"prompt": i, "first_divergence": _first_difference(e, o), "path": path}
-                for path, outs in (("batched", batched), ("alone", alone))
-                for i, (e, o) in enumerate(zip(expected, outs)) if e != o]
-    identical = not diverged
-    said = (f"token for token identical to the plain path ({len(asks)} prompts x {tokens} tokens; "
-            f"{', '.join(checked)})" if identical else
-            f"DIFFERS from the plain path at {len(diverged)} of {2 * len(asks)} replies ({', '.join(checked)})")
-    return {"checked": checked, "identical": identical, "prompts": len(asks), "tokens_each": tokens,
-            "divergences": diverged, "said": said,
-            "decode_tok_s": float(np.median(rates)) if rates else None}
+            runner.end(seq)
+        outs.append(out)
+    return outs
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
