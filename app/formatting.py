@@ -21,6 +21,8 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
         speculation += f"; now {escape(settings['proposer_choice']['chosen'])}: {escape(settings['proposer_choice']['why'])}"
     if settings.get("speculation_paused"):      # the policy found it loses: plain steps, by itself
         speculation += f"; <i>off by itself: {escape(settings['speculation_paused'])}</i>"
+    if proposer == "off" and settings.get("proposer_forecast"):
+        speculation += f"; {forecast(settings['proposer_forecast'])}"
     if chosen and chosen.get("proposer") == "draft" and proposer == "off":
         speculation += " <i>(the draft proposer needs a draft model)</i>"
     draft = settings.get("draft_model")
@@ -53,6 +55,18 @@ def describe_settings(settings: dict, chosen: dict | None = None) -> str:
     if settings.get("chat_template") is False:
         lines.append("<b>Chat template</b>: none in the model folder; messages are sent as plain text")
     return "<br>".join(lines)
+
+
+def forecast(figures: dict) -> str:
+    """Speculation off: each retrieval proposer's predicted speedup on the replies so far
+    (engine.speculative.speculator.Speculator.forecast)."""
+    parts = []
+    for name, f in figures.items():
+        if f.get("speedup") is None:
+            parts.append(f"{escape(name)} not yet ({f.get('steps', 0)} drafts asked)")
+        else:
+            parts.append(f"{escape(name)} {f['speedup']:.2f}x (tau {f['tokens_per_step']:.2f}, {f['steps']} drafts)")
+    return "<i>predicted if on, from this chat's replies: " + ", ".join(parts) + "</i>"
 
 
 def _busy_cores(settings: dict) -> str:

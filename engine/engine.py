@@ -314,7 +314,7 @@ class LLMEngine:
                 "enable_prefix_caching": c.enable_prefix_caching, "prefix_caching": self.runner.prefix_state,
                 "proposer": "auto" if auto else spec.proposer_in_effect(),
                 "proposer_choice": spec.describe_choice() if auto else None,
-                "speculation_paused": spec.paused,
+                "speculation_paused": spec.paused, "proposer_forecast": spec.forecast(),
                 "num_speculative_tokens": c.num_speculative_tokens, "draft_model": self.draft_name,
                 "draft_tree": str(parse_tree(c.draft_tree) or "off") if auto else str(spec.tree_in_effect() or "off"),
                 "eagle_head": None if spec.eagle is None else (spec.eagle[0] or "shipped"),

@@ -247,3 +247,34 @@ def test_speculation_that_loses_switches_itself_off_within_64_steps_and_the_app_
     assert f"off by itself: {paused}" in describe_settings(eng.settings()).replace("&#x27;", "'")
     eng.reconfigure(proposer="off")
     assert eng.settings()["speculation_paused"] is None
+
+
+def test_before_speculation_is_on_the_panel_predicts_what_each_retrieval_proposer_would_pay(make_engine, monkeypatch):
+    """Speculation off: the n-gram and suffix proposers follow each reply and are asked, every
+    few steps, what they would draft; held against the tokens the target then produced, those
+    drafts give each one's tokens a step, and with the measured pass times its predicted
+    speedup (the formula proposer auto weighs candidates by), which the side panel shows."""
+    from app.formatting import describe_settings
+    from engine import SamplingParams
+    from engine.metrics import decode_step_rate
+    from engine.speculative.policy import SpeculationPolicy
+    record_pass = SpeculationPolicy.record_pass
+    monkeypatch.setattr(SpeculationPolicy, "record_pass",          # wider passes cost little here
+                        lambda self, rows, seconds: record_pass(self, rows, 0.010 + 0.001 * (rows - 1)))
+    from engine.workload import REPEAT_PROMPTS
+    eng = make_engine(compile="off")
+    assert eng.config.proposer == "off"
+    eng.generate_text(eng.encode(chat(REPEAT_PROMPTS[0])), SamplingParams(max_tokens=48, stop_on_eos=False))
+    forecast = eng.settings()["proposer_forecast"]
+    assert set(forecast) == {"ngram", "suffix"}
+    ngram = forecast["ngram"]
+    assert ngram["steps"] >= 4 and ngram["tokens_per_step"] > 1.5
+    counts = eng.speculator.proposer_choice.counts("ngram")
+    pass_s = eng.speculator.policy.predicted_pass_s
+    expected = decode_step_rate(1, counts.tokens_per_step, pass_s(round(1 + counts.verified_per_step)),
+                                counts.draft_s_per_step) * pass_s(1)
+    assert ngram["speedup"] == pytest.approx(expected) and ngram["speedup"] > 1.2
+    shown = describe_settings(eng.settings())
+    assert "predicted if on, from this chat's replies:" in shown and f"ngram {ngram['speedup']:.2f}x" in shown
+    eng.reconfigure(proposer="ngram")
+    assert eng.settings()["proposer_forecast"] is None

@@ -457,6 +457,7 @@ def bench_speculative(args) -> dict:
 
     run("off"), run(args.proposer)                   # warm-up (and compile, if on) both paths
     base_out, base = run("off")
+    forecast = eng.speculator.forecast()             # what the plain arm's shadow drafts predicted
     spec_out, spec = run(args.proposer)
     plain_step_s = base.decode_time_s / base.target_passes
     # None when the timed arm drafted nothing (an adaptive policy that found speculation losing
@@ -474,7 +475,8 @@ def bench_speculative(args) -> dict:
             "draft_target_cost_ratio": report.get("draft_cost"), "verify_vs_decode_step": report.get("verify_cost"),
             "proposal_ms_per_step": 1e3 * spec.draft_time_s / spec.target_passes if spec.target_passes else None,
             "dtype": _dtype(eng), "compile": eng.settings()["compile"], "threads": torch.get_num_threads(),
-            "greedy_identical": spec_out == base_out, "drafted_by": spec.drafted_by, **_tree_figures(spec, plain_step_s, eng),
+            "greedy_identical": spec_out == base_out, "drafted_by": spec.drafted_by,
+            "forecast_by_plain_arm": forecast, **_tree_figures(spec, plain_step_s, eng),
             **_suffix_figures(eng, args.proposer), **_auto_figures(eng, args.proposer),
             "ceiling": _ceiling_figures(encoded, base_out, args.k, spec, plain_step_s, report.get("verify_cost"))}
 

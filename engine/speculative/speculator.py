@@ -104,6 +104,24 @@ class Speculator:
             left_out["eagle"] = self.eagle_refused[1] if self.eagle_refused else "no EAGLE head loaded"
         return self.proposer_choice.describe() | {"left_out": left_out}
 
+    def forecast(self) -> dict | None:
+        """Speculation off: what each retrieval proposer would pay one sequence here, predicted
+        from its shadow drafts on the replies so far (proposer_choice: its tokens a step and
+        lookup seconds) and the measured pass times (the policy's), as proposer auto would weigh
+        it: {name: {"speedup": its rate over a plain step's (None: fewer than MIN_STEPS drafts
+        yet), "tokens_per_step", "steps"}}. None while a proposer is on."""
+        if self.host.config.proposer != OFF:
+            return None
+        plain = self.policy.predicted_pass_s(1)
+        out = {}
+        for name in SHADOWED:
+            counts = self.proposer_choice.counts(name)
+            rate = self.proposer_choice.rate(name, self.policy.predicted_pass_s, 1)
+            out[name] = {"speedup": rate * plain if rate is not None and plain else None,
+                         "tokens_per_step": counts.tokens_per_step if counts.asked else None,
+                         "steps": len(self.proposer_choice.recent.get(name, ()))}
+        return out
+
     def plain_step_key(self) -> tuple:
         """What changes a plain decode step's time (the proposer does not)."""
         runner = self.host.runner
@@ -229,7 +247,9 @@ class Speculator:
             # every candidate follows the request from its first pass: the EAGLE head sees the prompt's
             # features, and a reply joins the suffix index whichever proposer drafted it
             request.start_proposers([name for name in self.auto_candidates() if name != OFF])
-        if self.host.config.proposer == "auto" and request.decoding:
+        if self.host.config.proposer == OFF and not request.proposers:
+            request.start_proposers(list(SHADOWED))          # the forecast's: each follows the reply
+        if self.host.config.proposer in ("auto", OFF) and request.decoding:
             shadows = [c for c in self.auto_candidates()
                        if c in self.proposer_choice.shadowed and c != self.proposer_in_effect()]
             request.shadow_propose(shadows, self.host.config.num_speculative_tokens, SHADOW_EVERY)
