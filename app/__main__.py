@@ -19,7 +19,10 @@ from app.main_thread_gc import MainThreadGarbageCollector
 from app.main_window import MainWindow
 from app.metrics_history import MetricsHistory
 from app.platform_check import platform_problem
+from app.quality_controller import QualityController
+from app.quality_history import QualityHistory
 from app.theme import APP_ICON, style_sheet
+from engine.quality.figures import pareto_front
 from app.window_geometry import LAYOUT_FILE
 from engine.profiles import ProfileStore
 
@@ -34,6 +37,7 @@ class Workbench:
     history: MetricsHistory
     collector: MainThreadGarbageCollector
     load: LoadController
+    quality: QualityController
 
     def shutdown(self, save_session: bool = True) -> None:
         """Save the session, stop the worker thread, give garbage collection back."""
@@ -54,16 +58,18 @@ def build(profile_path: str | None = None, store: ProfileStore | None = None, st
     store = store or ProfileStore()
     profile, warning = store.startup_profile(profile_path)
     profile = with_models(profile, model, draft)
-    history, load_history = MetricsHistory(), LoadHistory()
-    window = MainWindow(history, layout_file=store.root / LAYOUT_FILE, load_history=load_history)
+    history, load_history, quality_history = MetricsHistory(), LoadHistory(), QualityHistory(front=pareto_front)
+    window = MainWindow(history, layout_file=store.root / LAYOUT_FILE, load_history=load_history,
+                        quality_history=quality_history)
     host = EngineHost()
     controller = Controller(window, host.worker, store, history, profile, host.model_lister)
     load = LoadController(controller, host.worker, window.load_panel, load_history)
+    quality = QualityController(controller, host.worker, window.quality_panel, quality_history, load)
     if warning:
         window.show_error(warning)
     if start:
         controller.start()
-    return Workbench(window, controller, host, store, history, collector, load)
+    return Workbench(window, controller, host, store, history, collector, load, quality)
 
 
 def with_models(profile, model: str | None, draft: str | None):

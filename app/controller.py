@@ -6,15 +6,16 @@ methods are safe to call from this (the GUI) thread.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 
-from PySide6.QtCore import QObject, QTimer
+from PySide6.QtCore import QObject, QTimer, Signal
 
-from app.engine_worker import (GENERATE, GENERATING, IDLE, LOAD_DRAFT, LOAD_MODEL, LOADING, LOADING_DRAFT,
+from app.engine_worker import (GENERATE, GENERATING, IDLE, LOAD_DRAFT, LOAD_MODEL, LOADING, LOADING_DRAFT, MEASURING,
                                EngineWorker, ServerModelLister)
 from app.formatting import describe_deferred, describe_settings, message_stats
 from app.main_window import MainWindow
 from app.metrics_history import MetricsHistory
+from app.quality_history import session_snapshot
 from engine import config
 from engine.errors import WorkbenchError
 from engine.profiles import ProfileError, ProfileStore, SessionProfile, builtin_profiles
@@ -23,11 +24,13 @@ UNNAMED = ("untitled", "last_session")
 # Where the session's model runs: the load-time session settings other than the local model.
 CONNECTION_KEYS = tuple(k for k in config.keys(config.SESSION, applies=(config.LOAD,)) if k != "model")
 BUSY_TEXT = {IDLE: "Ready", LOADING: "Loading model…", GENERATING: "Generating…",
-             LOADING_DRAFT: "Loading draft model…"}
+             LOADING_DRAFT: "Loading draft model…", MEASURING: "Measuring quality…"}
 SAVE_SESSION_DELAY_MS = 400     # typing in the system prompt saves once, not per key
 
 
 class Controller(QObject):
+    profileShown = Signal(object)               # a SessionProfile now shown (loaded, or the session's at start)
+
     def __init__(self, window: MainWindow, worker: EngineWorker, store: ProfileStore,
                  history: MetricsHistory, profile: SessionProfile, model_lister: ServerModelLister):
         super().__init__(window)
@@ -45,6 +48,7 @@ class Controller(QObject):
         self.busy = IDLE
         self.effective: dict = {}               # engine.settings() as last reported
         self.deferred: dict = {}                # changes waiting for the running reply to end
+        self.busy_reason = ""                   # why a message cannot be sent now (a quality measurement runs)
         self._save_timer = QTimer(self, singleShot=True, interval=SAVE_SESSION_DELAY_MS)
         self._save_timer.timeout.connect(self.save_last_session)
         self._connect_window()
@@ -116,6 +120,9 @@ class Controller(QObject):
         text = text.strip()
         if not text or not self.model_ready or self.request_id is not None:
             return
+        if self.busy_reason:
+            self.window.show_message(self.busy_reason)      # the message stays in the box
+            return
         try:
             params = self.current_profile().sampling_params()
         except WorkbenchError as exc:
@@ -170,8 +177,7 @@ class Controller(QObject):
             self._return_unanswered_message()
         self.chat.finish_assistant_message(message_stats(done["summary"], done["finish_reason"], done["settings"],
                                                          self.reply_speculation))
-        self.deferred = {}
-        self.panel.show_deferred("")
+        self.settle_deferred()
         self._show_effective(done["settings"])
         self._refresh_state()
 
@@ -199,6 +205,11 @@ class Controller(QObject):
     def _defer(self, changes: dict) -> None:
         self.deferred.update(changes)
         self.panel.show_deferred(describe_deferred(self.deferred))
+
+    def settle_deferred(self) -> None:
+        """What waited for a reply (or a measurement) has applied."""
+        self.deferred = {}
+        self.panel.show_deferred("")
 
     def _show_effective(self, settings: dict) -> None:
         if settings:
@@ -267,13 +278,20 @@ class Controller(QObject):
 
     def save_profile_as(self, name: str) -> None:
         try:
-            path = self.store.save(self.current_profile(), name)
+            path = self.store.save(self.with_quality(self.current_profile()), name)
         except (ProfileError, WorkbenchError) as exc:
             self.window.show_error(f"Saving the profile failed: {exc}")
             return
         self.profile_name = name
         self._show_title()
         self.window.show_message(f"Saved profile {name!r} to {path}")
+
+    def with_quality(self, profile: SessionProfile) -> SessionProfile:
+        """The profile with the newest quality measured on exactly its settings (or none), so a
+        shared profile says what it costs."""
+        if "quality" not in {f.name for f in fields(profile)}:
+            return profile
+        return replace(profile, quality=self.window.quality_panel.history.latest_for(session_snapshot(profile)))
 
     def load_profile(self, name_or_path: str) -> None:
         try:
@@ -304,6 +322,7 @@ class Controller(QObject):
         self.window.load_panel.set_workload(profile.workload)
         self.chat.set_system_prompt(profile.system_prompt)
         self._show_title()
+        self.profileShown.emit(profile)
 
     def delete_profile(self, name: str) -> None:
         try:
@@ -318,7 +337,7 @@ class Controller(QObject):
 
     def save_last_session(self) -> None:
         try:
-            self.store.save_last_session(self.current_profile())
+            self.store.save_last_session(self.with_quality(self.current_profile()))
         except WorkbenchError as exc:
             self.window.show_message(f"Could not save the session: {exc}")
 

@@ -13,6 +13,11 @@ A load run (engine.workload.WorkloadRun, the load panel's Start or Run A/B) is d
 way: one engine step per turn. While it runs it steps the engine for everyone, the chat's
 reply included (its events are routed to the chat as before), so the chat keeps working.
 
+A quality measurement (engine.quality.QualityRun, the quality panel's Measure) is pumped one
+bounded piece of work per turn, so Stop gets through between pieces. It runs alone: no chat
+reply and no load run beside it (each is refused with the reason), and a setting changed
+meanwhile waits for it to end (the run measures the settings it started with), then applies.
+
 ServerModelLister asks a server for its models ("Connect to server…") on a pool thread of
 its own: the GUI thread never waits on the network, and a listing never waits behind a
 model load or a reply on the worker.
@@ -31,6 +36,7 @@ import torch
 from engine import LLMEngine
 from engine.config import EngineConfig, SamplingParams
 from engine.errors import WorkbenchError
+from engine.quality import Configuration, QualityRun
 from engine.remote.backend import RemoteBackend, list_served_models
 from engine.stream import RequestStream
 from engine.thread_policy import choose_threads
@@ -41,9 +47,11 @@ log = logging.getLogger(__name__)
 # engine runs with (or what the user set before starting the app).
 MAIN_THREAD_TORCH_THREADS = torch.get_num_threads()
 IDLE, LOADING, GENERATING, LOADING_DRAFT = "", "loading", "generating", "loading draft"
+MEASURING = "measuring quality"
 # What failed (the first argument of `failed`): the controller reacts by kind, not by text.
 LOAD_MODEL, LOAD_DRAFT, CHANGE_SETTINGS, GENERATE = "load model", "load draft", "change settings", "generate"
 LOAD_TEST = "load test"
+QUALITY_RUNNING = "a quality measurement is running: wait for it to end, or Stop it in the Quality tab"
 # The settings a results-table row shows (engine.settings() keys).
 RUN_SETTINGS = ("kv_cache_dtype", "enable_prefix_caching", "proposer", "num_speculative_tokens", "speculation_policy",
                 "kv_pool_blocks", "compile", "threads")
@@ -62,6 +70,9 @@ class EngineWorker(QObject):
     loadArmStarted = Signal(dict)               # {"arm": label, "t": load time, "settings": in effect}
     loadDone = Signal(dict)                     # a finished arm: its row of the results table (see _arm_row)
     loadFinished = Signal(bool)                 # the whole load ended (True: stopped)
+    qualityProgress = Signal(str, float)        # what the quality run is doing, fraction 0..1
+    qualityResult = Signal(dict)                # a measured configuration: engine.quality's result row
+    qualityFinished = Signal(bool, str)         # the run ended: stopped, and a readable error ("" when none)
 
     # ---- in (queued to the worker thread) ------------------------------------------
     _loadRequested = Signal(str, object)
@@ -74,6 +85,9 @@ class EngineWorker(QObject):
     _loadRequested_ = Signal(object, object, object)
     _loadStopRequested = Signal()
     _loadStepRequested = Signal()
+    _qualityRequested = Signal(object, object, object)
+    _qualityStopRequested = Signal()
+    _qualityStepRequested = Signal()
 
     def __init__(self):
         super().__init__()
@@ -93,7 +107,12 @@ class EngineWorker(QObject):
         self._loadRequested_.connect(self._start_load, queued)
         self._loadStopRequested.connect(self._stop_load, queued)
         self._loadStepRequested.connect(self._load_step, queued)
+        self._qualityRequested.connect(self._start_quality, queued)
+        self._qualityStopRequested.connect(self._stop_quality, queued)
+        self._qualityStepRequested.connect(self._quality_step, queued)
         self.load: LoadTest | None = None
+        self.quality: QualityRun | None = None
+        self.quality_deferred: dict = {}        # settings changed during a quality run: applied after it
 
     # ---- public API: safe from any thread ---------------------------------------
     def load_model(self, reference: str, config: EngineConfig) -> None:
@@ -132,10 +151,22 @@ class EngineWorker(QObject):
         """End the load run at its next step: every request cancelled, the finished ones kept."""
         self._loadStopRequested.emit()
 
+    def start_quality(self, configurations: list[dict], chat: list[dict] | None = None,
+                      tokens: int | None = None) -> None:
+        """Measure each configuration ({"label", "settings": engine settings by key, {} for the
+        settings in effect}) against the reference (engine.quality), on the shipped text's first
+        `tokens` (None: engine.quality's default) and the chat so far when given."""
+        self._qualityRequested.emit([dict(c) for c in configurations], [dict(m) for m in chat] if chat else None, tokens)
+
+    def stop_quality(self) -> None:
+        """End the quality run after the piece it is on; the engine gets its settings back."""
+        self._qualityStopRequested.emit()
+
     # ---- worker thread: loading ----------------------------------------------------
     @Slot(str, object)
     def _load(self, reference: str, config: EngineConfig) -> None:
         self._end_load(stopped=True)
+        self._end_quality(stopped=True)
         if self.request is not None:
             self._close_request("cancelled")
         self.busyChanged.emit(LOADING)
@@ -169,6 +200,7 @@ class EngineWorker(QObject):
     @Slot(str, str, str)
     def _connect_server(self, url: str, model: str, api_key_env: str) -> None:
         self._end_load(stopped=True)
+        self._end_quality(stopped=True)
         if self.request is not None:
             self._close_request("cancelled")
         self.busyChanged.emit(LOADING)
@@ -192,6 +224,9 @@ class EngineWorker(QObject):
         """Close what the engine holds outside this process (a server's HTTP connections and
         stream). Called once the worker's thread has ended (EngineHost.stop): nothing else
         touches the engine then."""
+        if self.quality is not None:
+            self.quality.close()                  # a second engine it loaded is freed
+            self.quality = None
         self.request, self.request_id = None, None
         self._replace_engine(None)
 
@@ -199,9 +234,10 @@ class EngineWorker(QObject):
     def _set_draft(self, reference: str | None) -> None:
         if not self._need_engine(LOAD_DRAFT, "Setting the draft model"):
             return
-        if self.request is not None or self.load is not None:
+        if self.request is not None or self.load is not None or self.quality is not None:
             self.pending_draft = (reference,)
-            self.settingsChanged.emit(self.engine.settings(), {}, {"draft_model": reference})
+            settings = {} if self.quality is not None else self.engine.settings()     # {}: as last reported
+            self.settingsChanged.emit(settings, {}, {"draft_model": reference})
             return
         self.busyChanged.emit(LOADING_DRAFT)
         self._load_draft(reference)
@@ -222,6 +258,10 @@ class EngineWorker(QObject):
         if not self._need_engine(CHANGE_SETTINGS, "Changing settings"):
             return
         changes = dict(changes)
+        if self.quality is not None:              # the run measures the settings it started with
+            self.quality_deferred.update(changes)
+            self.settingsChanged.emit({}, {}, changes)       # {}: the settings as last reported
+            return
         if "draft_model" in changes:
             draft = changes.pop("draft_model")
             if draft != self.engine.settings().get("draft_model"):
@@ -249,6 +289,10 @@ class EngineWorker(QObject):
         if self.request is not None:              # "New chat" during a reply, then a message
             self.request.cancel()
             self._close_request("cancelled")
+        if self.quality is not None:
+            self.failed.emit(GENERATE, "Generating", QUALITY_RUNNING)
+            self.requestDone.emit({"request_id": request_id, "finish_reason": "error", "summary": None, "settings": {}})
+            return
         if not self._need_engine(GENERATE, "Generating"):
             self.requestDone.emit({"request_id": request_id, "finish_reason": "error", "summary": None, "settings": {}})
             return
@@ -309,6 +353,10 @@ class EngineWorker(QObject):
     @Slot(object, object, object)
     def _start_load(self, workload: Workload, arms: list[dict], restore: dict) -> None:
         if not self._need_engine(LOAD_TEST, "Starting the load test"):
+            self.loadFinished.emit(True)
+            return
+        if self.quality is not None:
+            self.failed.emit(LOAD_TEST, "Starting the load test", QUALITY_RUNNING)
             self.loadFinished.emit(True)
             return
         if not isinstance(self.engine, LLMEngine):
@@ -396,6 +444,81 @@ class EngineWorker(QObject):
             self._load_draft(draft)
         self.loadFinished.emit(stopped)
 
+    # ---- worker thread: a quality run, one piece of work per turn ------------------------------
+    @Slot(object, object, object)
+    def _start_quality(self, configurations: list[dict], chat: list[dict] | None, tokens: int | None) -> None:
+        refusal = self._quality_refusal()
+        if refusal:
+            self.qualityFinished.emit(False, refusal)
+            return
+        try:
+            run = QualityRun(self.engine, [Configuration(c["label"], c["settings"]) for c in configurations],
+                             chat=chat, tokens=tokens)
+        except Exception as exc:                  # noqa: BLE001 - any failure becomes a message
+            self.qualityFinished.emit(False, self._message("Measuring quality", exc))
+            return
+        self.quality = run
+        self.busyChanged.emit(MEASURING)
+        self._qualityStepRequested.emit()
+
+    def _quality_refusal(self) -> str:
+        """Why a quality run cannot start now ("" when it can)."""
+        if self.engine is None:
+            return "no model is loaded yet: wait for loading to finish, or pick a model"
+        if not isinstance(self.engine, LLMEngine):
+            return ("quality is measured on the local engine; against a server, run python -m engine.bench "
+                    "quality on the model it serves")
+        if self.quality is not None:
+            return "a quality measurement is already running"
+        if self.load is not None:
+            return "a load test is running: wait for it to end, or Stop it"
+        if self.request is not None:
+            return "a reply is being generated: wait for it to end, or Stop it"
+        return ""
+
+    @Slot()
+    def _quality_step(self) -> None:
+        run = self.quality
+        if run is None:
+            return                                # stopped, or a model load ended it
+        try:
+            progress = next(run.steps())
+        except StopIteration:
+            self._end_quality(stopped=False)
+            return
+        except Exception as exc:                  # noqa: BLE001
+            self._end_quality(stopped=True, error=self._message("Measuring quality", exc))
+            return
+        self.qualityProgress.emit(progress.message, progress.fraction)
+        if progress.result is not None:
+            self.qualityResult.emit(dict(progress.result))
+        self._qualityStepRequested.emit()        # behind anything queued meanwhile (a Stop)
+
+    @Slot()
+    def _stop_quality(self) -> None:
+        self._end_quality(stopped=True)
+
+    def _end_quality(self, stopped: bool, error: str = "") -> None:
+        """Close the run (the engine's settings restored, a second engine freed), then apply
+        what the user changed meanwhile."""
+        run, self.quality = self.quality, None
+        if run is None:
+            return
+        try:
+            run.close()
+        except Exception as exc:                  # noqa: BLE001
+            error = error or self._message("Restoring the settings after the quality run", exc)
+        deferred, self.quality_deferred = self.quality_deferred, {}
+        if deferred:
+            self._reconfigure(deferred)
+        if self.pending_draft is not None:
+            (draft,), self.pending_draft = self.pending_draft, None
+            self._load_draft(draft)
+        self._warm_compiled_step()                # the settings it restored may want a graph: not the next reply's
+        self.settingsChanged.emit(self.engine.settings(), {}, {})
+        self.busyChanged.emit(IDLE)
+        self.qualityFinished.emit(stopped, error)
+
     # ---- helpers ---------------------------------------------------------------
     def _need_engine(self, kind: str, doing: str) -> bool:
         if self.engine is None:
@@ -403,12 +526,15 @@ class EngineWorker(QObject):
         return self.engine is not None
 
     def _fail(self, kind: str, doing: str, exc: Exception) -> None:
+        self.failed.emit(kind, doing, self._message(doing, exc))
+
+    @staticmethod
+    def _message(doing: str, exc: Exception) -> str:
+        """A readable message: a WorkbenchError's own; anything else named, with the trace in the log."""
         if isinstance(exc, WorkbenchError):
-            message = str(exc)
-        else:
-            log.exception("%s failed", doing)
-            message = f"unexpected {type(exc).__name__}: {exc} (details are in the log)"
-        self.failed.emit(kind, doing, message)
+            return str(exc)
+        log.exception("%s failed", doing)
+        return f"unexpected {type(exc).__name__}: {exc} (details are in the log)"
 
 
 class LoadTest:

@@ -85,6 +85,9 @@ class LoadController(QObject):
     def _ready(self) -> bool:
         if not self.controller.model_ready:
             self.panel.show_status("Load a model first.")
+        elif self.controller.busy_reason:               # a quality measurement runs alone
+            self.panel.show_status(self.controller.busy_reason)
+            return False
         return self.controller.model_ready
 
     def _profile(self, name: str):

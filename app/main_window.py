@@ -18,6 +18,8 @@ from app.load_history import LoadHistory
 from app.load_panel import LoadPanel
 from app.metrics_history import MetricsHistory
 from app.plots_panel import PlotsPanel
+from app.quality_history import QualityHistory
+from app.quality_panel import QualityPanel
 from app.settings_panel import SettingsPanel
 from app.theme import APP_ICON
 from app.window_geometry import initial_geometry, restore_layout, save_layout
@@ -41,9 +43,10 @@ class MainWindow(QMainWindow):
     closing = Signal()
 
     def __init__(self, history: MetricsHistory, parent=None, layout_file: Path | None = None,
-                 load_history: LoadHistory | None = None):
+                 load_history: LoadHistory | None = None, quality_history: QualityHistory | None = None):
         """`layout_file`: where the window's geometry and docks are kept between runs
-        (app.window_geometry); None keeps nothing. `load_history`: what the load panel draws."""
+        (app.window_geometry); None keeps nothing. `load_history`, `quality_history`: what the
+        load and quality panels draw."""
         super().__init__(parent)
         self.setWindowTitle("Inference Workbench")
         self.setWindowIcon(QIcon(str(APP_ICON)))
@@ -53,6 +56,7 @@ class MainWindow(QMainWindow):
         self.settings = SettingsPanel()
         self.plots = PlotsPanel(history)
         self.load_panel = LoadPanel(load_history if load_history is not None else LoadHistory())
+        self.quality_panel = QualityPanel(quality_history if quality_history is not None else QualityHistory())
         self._build_central()
         self._build_docks()
         self._build_status_bar()
@@ -100,8 +104,9 @@ class MainWindow(QMainWindow):
         self.settings_dock = self._dock("Settings", scroll, Qt.DockWidgetArea.RightDockWidgetArea)
         self.plots_dock = self._dock("Live metrics", self.plots, Qt.DockWidgetArea.BottomDockWidgetArea)
         self.load_dock = self._dock("Load test", self.load_panel, Qt.DockWidgetArea.BottomDockWidgetArea)
+        self.quality_dock = self._dock("Quality", self.quality_panel, Qt.DockWidgetArea.BottomDockWidgetArea)
         self.plots_beside: bool | None = None         # not placed yet
-        for dock in (self.plots_dock, self.load_dock):
+        for dock in (self.plots_dock, self.load_dock, self.quality_dock):
             # Wherever the dock goes (placed, restored, or dragged by the user), its plots fit it.
             dock.dockLocationChanged.connect(self._fit_panels_to_docks)
         self.size_docks()
@@ -115,16 +120,16 @@ class MainWindow(QMainWindow):
         settings_width = max(self.settings_dock.widget().minimumWidth(), int(size.width() * SETTINGS_WIDTH_SHARE))
         if self.plots_beside:
             plots_width = int(size.width() * PLOTS_WIDTH_SHARE)
-            self.resizeDocks([self.plots_dock, self.load_dock, self.settings_dock],
-                             [plots_width, plots_width, settings_width], Qt.Orientation.Horizontal)
+            self.resizeDocks([self.plots_dock, self.load_dock, self.quality_dock, self.settings_dock],
+                             [plots_width, plots_width, plots_width, settings_width], Qt.Orientation.Horizontal)
             return
-        self.resizeDocks([self.plots_dock, self.load_dock], [int(size.height() * PLOTS_HEIGHT_SHARE)] * 2,
-                         Qt.Orientation.Vertical)
+        self.resizeDocks([self.plots_dock, self.load_dock, self.quality_dock],
+                         [int(size.height() * PLOTS_HEIGHT_SHARE)] * 3, Qt.Orientation.Vertical)
         self.resizeDocks([self.settings_dock], [settings_width], Qt.Orientation.Horizontal)
 
     def _place_plots(self, beside: bool) -> None:
-        """The live metrics and the load test, as two tabs of one dock: under the chat, or
-        in the right area beside the chat, left of the settings (all three stay in view)."""
+        """The live metrics, the load test and the quality, as three tabs of one dock: under the
+        chat, or in the right area beside the chat, left of the settings (all stay in view)."""
         if beside == self.plots_beside:
             return
         if beside:
@@ -133,6 +138,7 @@ class MainWindow(QMainWindow):
         else:
             self.addDockWidget(Qt.DockWidgetArea.BottomDockWidgetArea, self.plots_dock)
         self.tabifyDockWidget(self.plots_dock, self.load_dock)
+        self.tabifyDockWidget(self.load_dock, self.quality_dock)
         self.plots_dock.raise_()
         self.plots_beside = beside
         self._fit_panels_to_docks()
@@ -140,7 +146,8 @@ class MainWindow(QMainWindow):
     def _fit_panels_to_docks(self, *_area) -> None:
         """A panel docked at a side is narrow (one plot a row); under the chat or floating, wide."""
         sides = (Qt.DockWidgetArea.LeftDockWidgetArea, Qt.DockWidgetArea.RightDockWidgetArea)
-        for panel, dock in ((self.plots, self.plots_dock), (self.load_panel, self.load_dock)):
+        for panel, dock in ((self.plots, self.plots_dock), (self.load_panel, self.load_dock),
+                            (self.quality_panel, self.quality_dock)):
             panel.set_narrow(not dock.isFloating() and self.dockWidgetArea(dock) in sides)
 
     def _dock(self, title: str, widget: QWidget, area) -> QDockWidget:
@@ -188,6 +195,7 @@ class MainWindow(QMainWindow):
         view_menu.addAction(self.settings_dock.toggleViewAction())
         view_menu.addAction(self.plots_dock.toggleViewAction())
         view_menu.addAction(self.load_dock.toggleViewAction())
+        view_menu.addAction(self.quality_dock.toggleViewAction())
 
     # ---- what the controller shows ----------------------------------------------
     def show_error(self, text: str) -> None:
@@ -220,7 +228,9 @@ class MainWindow(QMainWindow):
         _fill(self.saved_menu, [(name, name) for name in saved], self.loadProfileRequested.emit)
         _fill(self.recent_menu, [(p.stem, str(p)) for p in recent], self.loadProfileRequested.emit)
         _fill(self.builtin_menu, [(name, name) for name in builtins], self.loadProfileRequested.emit)
-        self.load_panel.set_profiles(saved + [name for name in builtins if name not in saved])     # A/B's choices
+        offered = saved + [name for name in builtins if name not in saved]
+        self.load_panel.set_profiles(offered)          # A/B's choices
+        self.quality_panel.set_profiles(offered)       # the configurations to measure
 
     # ---- dialogs (they only ask; the answer goes out as an intent) ----------------------
     def ask_profile_name(self, suggestion: str = "") -> str | None:

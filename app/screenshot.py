@@ -7,6 +7,7 @@
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --load [--out docs/screenshot-load.png]
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --plots [--out docs/screenshot-plots.png]
     QT_QPA_PLATFORM=offscreen python -m app.screenshot --moe [--out docs/screenshot-moe.png]
+    QT_QPA_PLATFORM=offscreen python -m app.screenshot --quality [--out docs/screenshot-quality.png]
 
 The default mode chats with the default model, turning optimizations on between replies (so
 the plots show markers and their effect), then grabs the window while the last reply
@@ -21,19 +22,24 @@ weights as float safetensors (engine.bench.float_folder), with ngram speculation
 counters, KV usage from its /metrics gauge; it takes minutes to start. --moe loads a tiny
 random mixture-of-experts model (engine.loading.synthetic "tiny-qwen3-moe"), answers one
 message and serves a load run, then grabs the window: "In effect" with its MoE row, the load
-panel with the experts each step woke. Settings go to a temporary config folder, never the user's.
+panel with the experts each step woke. --quality measures, in a 1366x768 window, the current
+settings, the built-in all_optimizations and an FP8 KV cache against the reference, then turns
+n-gram speculation on and measures the current settings again (the plot marks the change), and
+grabs the window with the Quality tab raised. Settings go to a temporary config folder, never the user's.
 """
 from __future__ import annotations
 
 import argparse
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
 from app.__main__ import build
+from app.quality_panel import CURRENT
 from app.theme import style_sheet
 from engine.bench.float_folder import float_folder
 from engine.loading.loader import default_gguf_path
@@ -72,6 +78,11 @@ LAPTOP_SIZE = (1366, 768)
 LOAD_WORKLOAD = {"num_prompts": 16, "max_concurrency": 4, "output_len": 32, "request_rate": None}
 LOAD_DOCK_SHARE = 0.68            # --load: the load panel's plots and its table both in view
 MOE_PRESET = "tiny-qwen3-moe"     # --moe: a random mixture-of-experts model of 8 experts, top-2
+# --quality: the configurations measured (a profile saved for the picture: the FP8 cache alone)
+QUALITY_FP8_PROFILE = "fp8 KV cache"
+QUALITY_PROFILES = ("all_optimizations", QUALITY_FP8_PROFILE)
+QUALITY_TOKENS = 1024             # of the shipped text: a minute or two a configuration on a laptop CPU
+QUALITY_DOCK_SHARE = 0.62         # of the window's width: the table's columns in view beside the chat
 
 
 def wait_until(predicate, timeout_s: float = 600) -> None:
@@ -103,6 +114,8 @@ def run(out: Path, remote: str | None = None, mode: str = "chat") -> None:
                 serve_and_grab(workbench, out)
             elif mode == "moe":
                 moe_and_grab(workbench, out)
+            elif mode == "quality":
+                measure_and_grab(workbench, out)
             else:
                 chat_and_grab(workbench, out, LAPTOP_SIZE if mode == "laptop" else WINDOW_SIZE,
                               whole_plots=mode == "plots")
@@ -225,6 +238,32 @@ def moe_and_grab(workbench, out: Path) -> None:
     grab(window, out)
 
 
+def measure_and_grab(workbench, out: Path) -> None:
+    """Measure three configurations, change a setting, measure the current settings again."""
+    window, controller, quality = workbench.window, workbench.controller, workbench.quality
+    show(window, LAPTOP_SIZE)
+    window.quality_dock.raise_()
+    window.resizeDocks([window.quality_dock], [int(LAPTOP_SIZE[0] * QUALITY_DOCK_SHARE)], Qt.Orientation.Horizontal)
+    wait_until(lambda: controller.model_ready and controller.busy == "")
+    fp8 = replace(controller.current_profile(), kv_cache_dtype="fp8_e4m3")
+    workbench.store.save(fp8, QUALITY_FP8_PROFILE)
+    controller._show_title()                                # the new profile offered
+    quality.tokens = QUALITY_TOKENS
+    panel = window.quality_panel
+    for names in ([CURRENT, *QUALITY_PROFILES], [CURRENT]):
+        if names == [CURRENT]:
+            apply(window.settings, {"proposer": "ngram"})      # a change between two measurements
+            wait_until(lambda: controller.effective.get("proposer") == "ngram")
+        panel.set_checked(names)
+        panel.measure_button.click()
+        wait_until(lambda: quality.running)
+        wait_until(lambda: not quality.running, timeout_s=1800)
+        if window.error_text():
+            raise RuntimeError(f"the quality measurement failed: {window.error_text()}")
+    panel.refresh()
+    grab(window, out)
+
+
 def chat_with_server_and_grab(workbench, out: Path, engine: str = "llama-server") -> None:
     window, controller = workbench.window, workbench.controller
     show(window)
@@ -262,13 +301,15 @@ def main() -> None:
     parser.add_argument("--plots", action="store_true", help="the chat session and a turn drafting trees, then the "
                         "whole live plots panel")
     parser.add_argument("--moe", action="store_true", help="a tiny mixture-of-experts model: a reply and a load run")
+    parser.add_argument("--quality", action="store_true", help="the Quality tab at 1366x768 after measuring three "
+                        "configurations and the current settings again after a change")
     parser.add_argument("--out", type=Path, help="default: docs/screenshot.png, -remote, -vllm, -1366x768, -load, "
-                        "-plots or -moe.png")
+                        "-plots, -moe or -quality.png")
     args = parser.parse_args()
     mode = ("load" if args.load else "laptop" if args.laptop else "plots" if args.plots else "moe" if args.moe
-            else "chat")
+            else "quality" if args.quality else "chat")
     default = {"chat": "screenshot.png", "laptop": "screenshot-1366x768.png", "load": "screenshot-load.png",
-               "plots": "screenshot-plots.png", "moe": "screenshot-moe.png"}[mode]
+               "plots": "screenshot-plots.png", "moe": "screenshot-moe.png", "quality": "screenshot-quality.png"}[mode]
     remote_picture = {"llama-server": "screenshot-remote.png", "vllm": "screenshot-vllm.png"}.get(args.remote)
     run(args.out or Path("docs") / (remote_picture or default), args.remote, mode)
 

@@ -47,6 +47,7 @@ def test_on_a_desktop_window_the_plots_sit_under_the_chat(window, qtbot):
     assert not window.plots_beside
     assert window.dockWidgetArea(window.plots_dock) == Qt.DockWidgetArea.BottomDockWidgetArea
     assert window.dockWidgetArea(window.load_dock) == Qt.DockWidgetArea.BottomDockWidgetArea
+    assert window.dockWidgetArea(window.quality_dock) == Qt.DockWidgetArea.BottomDockWidgetArea
     assert window.plots_dock.geometry().top() > window.chat.transcript.mapTo(window, window.chat.transcript.rect().bottomLeft()).y()
     assert window.chat.transcript.viewport().height() / window.chat.transcript.fontMetrics().lineSpacing() >= 12
 
@@ -55,12 +56,13 @@ def test_a_window_made_short_moves_the_plots_beside_the_chat_and_back(window, qt
     shown_at(window, qtbot, DESKTOP)
     shown_at(window, qtbot, LAPTOP)
     assert window.dockWidgetArea(window.plots_dock) == Qt.DockWidgetArea.RightDockWidgetArea
-    assert window.tabifiedDockWidgets(window.plots_dock) == [window.load_dock]       # still one dock, two tabs
-    assert window.plots.narrow and window.load_panel.narrow
+    tabs = [window.load_dock, window.quality_dock]
+    assert window.tabifiedDockWidgets(window.plots_dock) == tabs        # still one dock, three tabs
+    assert window.plots.narrow and window.load_panel.narrow and window.quality_panel.narrow
     shown_at(window, qtbot, DESKTOP)
     assert window.dockWidgetArea(window.plots_dock) == Qt.DockWidgetArea.BottomDockWidgetArea
-    assert window.tabifiedDockWidgets(window.plots_dock) == [window.load_dock]
-    assert not window.plots.narrow and not window.load_panel.narrow
+    assert window.tabifiedDockWidgets(window.plots_dock) == tabs
+    assert not window.plots.narrow and not window.load_panel.narrow and not window.quality_panel.narrow
 
 
 def test_export_png_beside_the_chat_still_draws_the_plots_wide(window, qtbot, tmp_path):

@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 QT = ("PySide6", "pyqtgraph", "PyQt5", "PyQt6", "shiboken6")
 # The engine's plain-data modules: settings, metrics, profiles, errors. The app may read them.
 # engine.workload: the workload's fields (its driver runs only the engine it is handed: the worker's).
-PLAIN_DATA = {"engine", "engine.config", "engine.metrics", "engine.profiles", "engine.errors", "engine.workload"}
+# engine.quality.figures: the quality figures' formulas and the Pareto front (numpy only).
+PLAIN_DATA = {"engine", "engine.config", "engine.metrics", "engine.profiles", "engine.errors", "engine.workload",
+              "engine.quality.figures"}
 RUNS_THE_ENGINE = {"app.engine_worker", "app.fidelity", "app.screenshot"}
 
 
@@ -84,7 +86,8 @@ def test_engine_never_imports_qt():
 TOP_LEVEL = {"engine", "engine.engine", "engine.request", "engine.scheduler", "engine.stream", "engine.config", "engine.metrics", "engine.errors",
              "engine.profiles", "engine.backend", "engine.workload", "engine.cpu_features", "engine.thread_policy",
              "engine.user_cache"}
-SUBPACKAGES = {"cache", "kernels", "layers", "models", "loading", "runtime", "speculative", "remote", "bench", "training"}
+SUBPACKAGES = {"cache", "kernels", "layers", "models", "loading", "runtime", "speculative", "remote", "bench", "training",
+               "quality"}
 REQUEST_PATH = ("engine.engine", "engine.request", "engine.scheduler", "engine.stream")
 OFFLINE_TOOLS = ("engine.bench", "engine.training")
 RUNS_MODELS = ("engine.layers", "engine.models", "engine.runtime", "engine.speculative", "engine.loading")
@@ -105,6 +108,7 @@ CONTRACTS = [
     ("engine.loading", REQUEST_PATH + ("engine.runtime", "engine.speculative"), "loading ends where running starts", ()),
     ("engine.runtime", REQUEST_PATH + ("engine.speculative",), "the runner knows no proposer", ()),
     ("engine.speculative", REQUEST_PATH, "proposers are driven by the request path, never the reverse", ()),
+    ("engine.quality.figures", ("engine.",), "plain data: the figures from per-token arrays", ()),
     ("engine.remote", REQUEST_PATH + RUNS_MODELS + ("engine.cache", "engine.kernels"),
      "the remote backend runs nothing locally", ()),
 ]
@@ -173,6 +177,8 @@ def test_only_the_worker_runs_the_engine():
     for path in (ROOT / "app").rglob("*.py"):
         name = module_name(path)
         engine_imports = {m for m in imports_of(path) if m == "engine" or m.startswith("engine.")}
-        running = {m for m in engine_imports if m not in PLAIN_DATA and not m.startswith(tuple(f"{p}." for p in PLAIN_DATA))}
+        # "engine" is plain data itself (its public names), not a prefix: every module starts with "engine."
+        running = {m for m in engine_imports if m not in PLAIN_DATA
+                   and not m.startswith(tuple(f"{p}." for p in PLAIN_DATA - {"engine"}))}
         if name not in RUNS_THE_ENGINE:
             assert not running, f"{name} imports {sorted(running)}: only the worker may"

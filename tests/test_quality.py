@@ -8,10 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from engine import quality
+from engine.quality import figures, text
 from engine.errors import WorkbenchError
 from engine.profiles import ProfileError, ProfileStore, SessionProfile, read_profile
-from engine.quality import Configuration, QualityRun, QualityTextError, compare, pareto_front
+from engine.quality import Configuration, QualityRun, QualityTextError, pareto_front
+from engine.quality.figures import compare
 
 TOKENS = 96          # scored tokens: enough to tell FP8 from exact, short enough for CI
 CHECK = dict(check_prompts=2, check_tokens=6)
@@ -88,16 +89,16 @@ def test_bad_configurations_and_a_missing_or_changed_text_get_clear_messages(mak
     with pytest.raises(WorkbenchError, match="kv_cache_dtype must be one of"):
         QualityRun(eng, [Configuration("x", {"kv_cache_dtype": "fp4"})])
     missing = tmp_path / "gone.txt"
-    monkeypatch.setattr(quality, "QUALITY_TEXT_FILE", missing)
+    monkeypatch.setattr(text, "QUALITY_TEXT_FILE", missing)
     with pytest.raises(QualityTextError, match="cannot be read.*reinstall"):
         list(QualityRun(eng, [Configuration("current")], tokens=TOKENS).steps())
     changed = tmp_path / "reference_text.txt"
-    changed.write_text(quality.reference_text(quality.QUALITY_TEXT) + "x")
+    changed.write_text(text.reference_text(text.QUALITY_TEXT) + "x")
     with pytest.raises(QualityTextError, match="not the one shipped"):
-        quality.reference_text(changed, check_digest=True)
+        text.reference_text(changed, check_digest=True)
     changed.write_bytes(b"\xff\xfe broken")
     with pytest.raises(QualityTextError, match="not UTF-8"):
-        quality.reference_text(changed)
+        text.reference_text(changed)
     assert eng.config.kv_cache_dtype == "auto"
 
 
@@ -110,12 +111,12 @@ def test_the_figures_follow_llama_perplexitys_formulas():
     d = nll - ref
     se = np.std(d, ddof=1) / 2
     assert f["ppl_change_pct"] == pytest.approx(100 * (math.exp(d.mean()) - 1))
-    assert f["ppl_change_pct_ci95"] == pytest.approx([100 * (math.exp(d.mean() - quality.Z95 * se) - 1),
-                                                      100 * (math.exp(d.mean() + quality.Z95 * se) - 1)])
+    assert f["ppl_change_pct_ci95"] == pytest.approx([100 * (math.exp(d.mean() - figures.Z95 * se) - 1),
+                                                      100 * (math.exp(d.mean() + figures.Z95 * se) - 1)])
     assert f["ppl"] == pytest.approx(math.exp(nll.mean())) and f["ppl_reference"] == pytest.approx(math.exp(2.0))
     assert f["kld_mean"] == pytest.approx(0.02) and f["kld_max"] == pytest.approx(0.03)
     assert f["same_top_pct"] == pytest.approx(75.0)
-    assert f["same_top_pct_ci95"][0] == pytest.approx(100 * (0.75 - quality.Z95 * math.sqrt(0.75 * 0.25 / 3)))
+    assert f["same_top_pct_ci95"][0] == pytest.approx(100 * (0.75 - figures.Z95 * math.sqrt(0.75 * 0.25 / 3)))
 
 
 def test_the_pareto_front_keeps_what_nothing_beats_on_both_axes():

@@ -52,9 +52,9 @@ import numpy as np
 import torch
 
 from engine.errors import WorkbenchError
+from engine.quality.log_probs import LOG_PROB_FLOOR, compressed_log_probs, expand_log_probs, row_width
 
 MAGIC = b"_logits_"
-LOG_PROB_FLOOR = 16.0        # llama.cpp keeps log-probs within 16 nats of the top one
 PATHS = ("auto", "float")
 ISAS = ("native",)
 SAME_TOP_TARGET, KLD_SHARE_TARGET, KLD_FLOOR, F32_TARGET = 0.98, 0.25, 0.001, 1e-4
@@ -66,11 +66,6 @@ STATS = {"mean_kld": r"Mean\s+KLD:\s+(-?[\d.]+)", "kld_99": r"99\.0%\s+KLD:\s+(-
 
 
 # ---- llama.cpp's base file ------------------------------------------------------------------
-def row_width(n_vocab: int) -> int:
-    """uint16s per scored position: scale and min log-prob (two floats), then n_vocab, padded even."""
-    return 2 * ((n_vocab + 1) // 2) + 4
-
-
 def read_header(path: Path) -> tuple[int, int, int, list[int]]:
     """(n_ctx, n_vocab, n_chunk, tokens) of a --kl-divergence-base file: "_logits_", u32 n_ctx,
     i32 n_vocab, i32 n_chunk, then n_chunk x n_ctx i32 tokens (the text as llama.cpp tokenized it)."""
@@ -82,28 +77,6 @@ def read_header(path: Path) -> tuple[int, int, int, list[int]]:
     if len(tokens) != n_ctx * n_chunk:
         raise WorkbenchError(f"{path} ends inside its tokens")
     return n_ctx, n_vocab, n_chunk, tokens
-
-
-def compressed_log_probs(logits: torch.Tensor) -> np.ndarray:
-    """llama-perplexity's log_softmax with uint16 output, row by row ([rows, V] logits ->
-    [rows, row_width(V)] uint16): the top logit m, the floor f = max(min logit, m - 16), the
-    scale (m - f) / 65535 and the floor's log-prob f - m - log sum exp(x - m) stored as two
-    floats, then each logit above the floor as round((x - f) / scale), the rest 0. Float32
-    arithmetic as its, the exp sum in double."""
-    x = logits.float()
-    rows, n_vocab = x.shape
-    top = x.max(-1, keepdim=True).values
-    floor = torch.maximum(x.min(-1, keepdim=True).values, top - LOG_PROB_FLOOR)
-    log_sum_exp = torch.exp(x - top).double().sum(-1, keepdim=True).log().float()
-    min_log_prob = floor - top - log_sum_exp
-    scale = (top - floor) / 65535.0
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.where(x > floor, torch.round(inv * (x - floor)), torch.zeros_like(x)).clamp(0, 65535)
-    out = np.zeros((rows, row_width(n_vocab)), dtype="<u2")
-    head = torch.cat([scale, min_log_prob], -1).numpy().astype("<f4")
-    out[:, :4] = head.view("<u2")
-    out[:, 4:4 + n_vocab] = q.to(torch.int32).numpy().astype("<u2")
-    return out
 
 
 def write_base(path: Path, n_ctx: int, n_vocab: int, tokens: list[int], chunk_rows) -> None:
@@ -127,13 +100,6 @@ def read_chunks(path: Path):
     for i in range(n_chunk):
         stored = np.fromfile(path, dtype="<u2", count=rows * width, offset=offset + 2 * i * rows * width)
         yield expand_log_probs(stored.reshape(rows, width), n_vocab)
-
-
-def expand_log_probs(stored: np.ndarray, n_vocab: int) -> np.ndarray:
-    """compressed_log_probs' rows read back as llama.cpp's kl_divergence reads them
-    (scale * q + min_log_prob): [rows, n_vocab] float64."""
-    head = np.ascontiguousarray(stored[:, :4]).view("<f4").astype(np.float64)      # [rows, 2]
-    return head[:, :1] * stored[:, 4:4 + n_vocab] + head[:, 1:2]
 
 
 def kld_between(base: Path, test: Path) -> dict:

@@ -37,7 +37,7 @@ import argparse
 import statistics
 
 from engine.bench.scenarios import CHAT_PROMPTS, _engine, _progress, chat, held_out_text
-from engine.quality import perplexity as _perplexity
+from engine.quality.forced import perplexity as _perplexity
 
 AGAINST = ("llama.cpp",)
 PPL_TOLERANCE_PCT = 0.5        # issue 40's target: ours within 0.5% of llama-perplexity

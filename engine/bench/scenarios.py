@@ -18,7 +18,7 @@ import torch
 
 from engine.bench.model_flags import model_path
 from engine.metrics import combined, speculation_report
-from engine.quality import perplexity
+from engine.quality.forced import perplexity
 # The prompt sets are the serving workload's (engine.workload), shared with the app's load panel.
 from engine.workload import CHAT_PROMPTS, PASSAGE, REPEAT_PROMPTS, chat, held_out_text  # noqa: F401
 from engine.workload import edit_chat
