@@ -100,7 +100,7 @@ def bench_quality_compare(args) -> dict:
             _progress(step.message, step.fraction)
     rows = run.results
     return {"model": eng.target_model.display_name, "reference": rows[0]["reference"], "text": rows[0]["text"],
-            "window": args.window, "rows": rows, "pareto_front": [rows[i]["label"] for i in pareto_front(rows)]}
+            "window": args.window, "reference_s": run.reference_s, "rows": rows, "pareto_front": [rows[i]["label"] for i in pareto_front(rows)]}
 
 
 def _profile_settings(profile) -> dict:

@@ -100,6 +100,7 @@ class QualityRun:
             _check_settings(c)
         self._gen: Iterator[Progress] | None = None
         self.results: list[dict] = []
+        self.reference_s: float | None = None      # seconds this run spent on the reference (0: kept)
 
     def steps(self) -> Iterator[Progress]:
         if self._gen is None:
@@ -117,7 +118,9 @@ class QualityRun:
         sequences, text = text_ids(eng.tokenizer, self.tokens, self.chat_ids)
         total = len(self.configurations) + 1
         try:
+            t0 = time.perf_counter()
             reference = yield from self._reference(sequences, lambda f, m: Progress(m, f / total))
+            self.reference_s = time.perf_counter() - t0
             for i, configuration in enumerate(self.configurations):
                 share = lambda f, m, i=i: Progress(f"{configuration.label}: {m}", (i + 1 + f) / total)   # noqa: E731
                 result = yield from self._measure(configuration, sequences, text, reference, share)
