@@ -13,6 +13,7 @@ from app.engine_worker import EngineWorker
 from app.load_history import LoadHistory
 from app.load_panel import CURRENT, LoadPanel
 from app.metrics_history import describe_change
+from app.results_table import export_csv
 from engine.profiles import ProfileError
 
 
@@ -127,9 +128,4 @@ class LoadController(QObject):
         self.panel.show_comparison(None, None, None)
 
     def export_csv(self, path: str) -> None:
-        try:
-            written = self.history.write_csv(path)
-        except OSError as exc:
-            self.controller.window.show_error(f"Could not write {path}: {exc.strerror or exc}")
-            return
-        self.controller.window.show_message(f"Saved the load results to {written}")
+        export_csv(self.controller.window, self.history, path, "load results")

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QBoxLayout, QComboBox, QFileDi
 from app.load_history import FIGURE_LABELS, WINDOW_S, LoadHistory
 from app.plot_grid import place_plots
 from app.plot_title import PlotTitle
+from app.results_table import results_box
 from app.setting_controls import SettingControl
 from app.theme import LOAD_COLOURS as C, MUTED_COLOUR, PLOT_COLOURS
 from engine.metrics import RUN_FIGURES
@@ -337,17 +338,7 @@ class LoadPanel(QWidget):
         export, clear = QPushButton("Export CSV…"), QPushButton("Clear results")
         export.clicked.connect(self.ask_csv_path)
         clear.clicked.connect(self.clearResultsRequested)
-        bar = QHBoxLayout()
-        bar.addWidget(self.comparison, 1)
-        bar.addWidget(clear)
-        bar.addWidget(export)
-        box = QWidget()
-        layout = QVBoxLayout(box)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(self.table, 1)
-        layout.addLayout(bar)
-        box.setMinimumHeight(90)
-        return box
+        return results_box(self.table, [clear, export], lead=self.comparison)
 
     def refresh_results(self) -> None:
         rows = self.history.rows

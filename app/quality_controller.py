@@ -17,6 +17,7 @@ from app.engine_worker import EngineWorker
 from app.metrics_history import describe_change
 from app.quality_history import FROM_PROFILE, QualityHistory, session_snapshot
 from app.quality_panel import CURRENT, QualityPanel
+from app.results_table import export_csv
 from engine.profiles import ProfileError
 
 CURRENT_LABEL = "current settings"
@@ -164,12 +165,7 @@ class QualityController(QObject):
             self.controller.window.show_error(f"Could not write {path}: choose a writable folder and a .png name")
 
     def export_csv(self, path: str) -> None:
-        try:
-            written = self.history.write_csv(path)
-        except OSError as exc:
-            self.controller.window.show_error(f"Could not write {path}: {exc.strerror or exc}")
-            return
-        self.controller.window.show_message(f"Saved the quality results to {written}")
+        export_csv(self.controller.window, self.history, path, "quality results")
 
 
 def running_reason(fraction: float, elapsed_s: float) -> str:

@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QBoxLayout, QCheckBox, QFileDi
 
 from app.plot_title import PlotTitle
 from app.quality_history import FROM_PROFILE, QualityHistory
+from app.results_table import results_box
 from app.theme import MUTED_COLOUR, PLOT_COLOURS
 
 CURRENT = "(current settings)"
@@ -292,18 +293,7 @@ class QualityPanel(QWidget):
         csv_button.clicked.connect(self.ask_csv_path)
         clear.clicked.connect(self.clearRequested)
         self.table.setToolTip(TABLE_HINT)
-        bar = QHBoxLayout()
-        bar.addStretch(1)
-        bar.addWidget(clear)
-        bar.addWidget(png)
-        bar.addWidget(csv_button)
-        box = QWidget()
-        layout = QVBoxLayout(box)
-        layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(self.table, 1)
-        layout.addLayout(bar)
-        box.setMinimumHeight(90)
-        return box
+        return results_box(self.table, [clear, png, csv_button])
 
     def _refresh_table(self) -> None:
         rows = self.history.rows
