@@ -26,7 +26,7 @@ from engine.layers.sampler import greedy, make_generator, probabilities, sample
 from engine.metrics import TARGET, ProposerCounts, RequestStats, StepEvent, speculation_report
 from engine.runtime.detokenizer import Detokenizer
 from engine.runtime.model_runner import ModelRunner, RunnerSeq
-from engine.speculative.proposer_choice import shadow_verdict
+from engine.speculative.proposer_choice import shadow_counts, shadow_verdict
 from engine.speculative.spec_decode import Proposal, Proposer, rejection_sample
 from engine.speculative.speculator import Speculator
 from engine.speculative.tree import TreeShape, Verdict, greedy_verify, sample_verify
@@ -181,8 +181,7 @@ class Request:
                 continue
             del self.shadows[name]
             if accepted >= 0:
-                settled.append((name, ProposerCounts(asked=1, drafted=int(bool(tokens)), proposed=len(tokens),
-                                                     accepted=accepted, draft_s=seconds)))
+                settled.append((name, shadow_counts(tokens, accepted, seconds)))
         return settled
 
     def start_proposers(self, names: list[str]) -> None:

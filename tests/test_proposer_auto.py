@@ -9,7 +9,7 @@ from engine import SamplingParams
 from engine.metrics import ProposerCounts, decode_step_rate
 from engine.speculative import proposer_choice
 from engine.speculative.proposer_choice import (EXPLORE_EVERY, EXPLORE_STEPS, MAX_EXPLORE_EVERY, MIN_STEPS, OFF,
-                                               ProposerChoice, shadow_verdict)
+                                               ProposerChoice, shadow_counts, shadow_verdict)
 from tests.conftest import assert_second_token_follows_the_target, chat, together
 
 GREEDY = SamplingParams(max_tokens=24, stop_on_eos=False)
@@ -60,6 +60,19 @@ def test_a_shadow_draft_is_settled_as_a_verify_pass_would_and_waits_while_it_sti
     assert shadow_verdict([5, 6, 7, 8], [5, 6], ended=True) == -1           # cut short by the request's end
     assert shadow_verdict([5, 6, 7, 8], [5, 6, 7, 8], ended=False) == 4
     assert shadow_verdict([], [], ended=False) == 0                         # nothing to draft: a plain step
+
+
+def test_shadow_drafts_count_steps_not_positions():
+    """Half the reply's positions would accept 4 of 4 drafts (a step covers 5 tokens there), half
+    none: drafting every step takes 1/5 + 1 steps per two positions, so 2 / 1.2 = 1.67 tokens a
+    step, not the positions' mean of 3."""
+    total = ProposerCounts()
+    for accepted in (4, 0, 4, 0):
+        total.add(shadow_counts([1, 2, 3, 4], accepted, 0.001))
+    assert total.tokens_per_step == pytest.approx(2 / 1.2)
+    assert total.verified_per_step == pytest.approx(4.0)          # 4 draft tokens every step either way
+    assert total.draft_s_per_step == pytest.approx(0.001)
+    assert total.acceptance_rate == pytest.approx((2 * 4 / 5) / (2 * 4 / 5 + 2 * 4 / 1))
 
 
 def test_shadowed_candidates_never_draft_to_be_measured_and_win_only_when_their_shadows_pay():

@@ -28,8 +28,10 @@ made to draft just to be measured: on the steps it does not draft, it is asked w
 draft (at most once every SHADOW_EVERY steps of a request), and that draft, held against the
 tokens the target then produces, is the step it would have made (`record_shadow`: the tokens it
 would have had accepted, its lookup's seconds; under greedy decoding exactly the verdict a
-verify pass would give). So where nothing pays, nothing is verified to find that out: the
-lookups are all it costs. Its payoff is trusted after MIN_STEPS such steps, and a shadowed
+verify pass would give), each counted as 1 / (1 + accepted) of a step: shadow drafts sample the
+reply's positions evenly, while drafting for real a step covers 1 + accepted of them (so tau is
+the harmonic mean over the samples, as a run drafting every step measures it). So where nothing
+pays, nothing is verified to find that out: the lookups are all it costs. Its payoff is trusted after MIN_STEPS such steps, and a shadowed
 candidate that pays is chosen and drafts for real.
 """
 from __future__ import annotations
@@ -58,6 +60,16 @@ def shadow_verdict(drafted: list[int], produced: list[int], ended: bool) -> int 
     if matched == len(produced) and len(produced) < len(drafted):
         return -1 if ended else None
     return matched
+
+
+def shadow_counts(drafted: list[int], accepted: int, seconds: float) -> ProposerCounts:
+    """A settled shadow draft as the step it would have been, counted as 1 / (1 + accepted) of
+    a step: shadow drafts sample the reply's positions evenly, while drafting for real a step
+    that accepts a tokens covers 1 + a of them, so such steps come 1 / (1 + a) as often. Summed,
+    tau is the harmonic mean of the samples' 1 + accepted, as a run drafting every step measures it."""
+    w = 1.0 / (1 + accepted)
+    return ProposerCounts(asked=w, drafted=w * bool(drafted), proposed=w * len(drafted), accepted=w * accepted,
+                          draft_s=w * seconds)
 
 
 class ProposerChoice:
