@@ -120,7 +120,8 @@ def speculation_report(running: dict, k: int, plain_step_s: float | None, plain_
       verify_cost       = target time per target pass / plain step
       predicted_speedup = the measurement's model: expected_tokens_per_step (the per-position
                           acceptance over the drafts each step really proposed, none counted
-                          as none) / (the measured pass and drafting seconds a step / plain step);
+                          as none) / (the measured seconds of a decoding step, its pass, drafting
+                          and the rest of its work, / plain step);
                           without per-step counts (a server's), predicted_speedup(alpha, k,
                           draft_cost, verify_cost): k drafts every step (`prediction_model` says which)
       break_even_alpha  = the per-token alpha at which k drafts every step would pay 1.0
@@ -131,7 +132,10 @@ def speculation_report(running: dict, k: int, plain_step_s: float | None, plain_
     alpha = running.get("alpha")
     draft_cost = (ratio(running["draft_time_s"], running["proposed"]) or 0.0) / plain_step_s
     verify_cost = running["target_time_s"] / running["target_passes"] / plain_step_s
-    step_cost = (running["target_time_s"] + running["draft_time_s"]) / running["target_passes"] / plain_step_s
+    # a decoding step's measured seconds: its pass, its drafting and the rest of its work (scheduling,
+    # verification, proposer auto's choice), as the plain step's time holds the rest of a plain step's
+    step_s = max(running.get("decode_time_s") or 0.0, running["target_time_s"] + running["draft_time_s"])
+    step_cost = step_s / running["target_passes"] / plain_step_s
     tokens = expected_tokens_per_step(running.get("draft_lengths") or {}, running.get("per_position") or [],
                                       running.get("tree_steps", 0), running.get("tree_accepted", 0))
     if tokens is not None:

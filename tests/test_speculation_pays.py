@@ -199,7 +199,7 @@ def test_a_speculative_reply_shows_its_speedup_and_the_plot_says_whether_it_pays
 def test_the_prediction_is_the_measurements_model_steps_that_drafted_nothing_count_as_plain():
     """Predicted speedup = tokens a step emits under the measured per-position acceptance, each
     step by the drafts it really verified (none where it drafted nothing), over the measured
-    pass and drafting seconds a step: 10 steps drafted nothing and 10 drafted 4 with per-position
+    seconds a decoding step took (its pass, its drafting and the rest of its work): 10 steps drafted nothing and 10 drafted 4 with per-position
     rates 1/2, 1/2, 0 -> (10 x 1 + 10 x (1 + 1/2 + 1/4)) / 20 tokens a step; the i.i.d. model,
     which has every step draft k, predicts more."""
     from engine.metrics import expected_chain_accepted, expected_tokens_per_step, predicted_speedup
@@ -210,7 +210,7 @@ def test_the_prediction_is_the_measurements_model_steps_that_drafted_nothing_cou
                          draft_time_s=0.02, target_time_s=0.36, draft_lengths={0: 10, 4: 10},
                          positions=PositionCounts(attempts=[10, 5, 2], accepts=[5, 2, 0]))
     report = speculation_report(stats.as_dict(), K, 0.015, "session")
-    per_step = (0.36 + 0.02) / 20 / 0.015
+    per_step = 0.4 / 20 / 0.015
     assert report["prediction_model"] == "per step"
     assert report["predicted_speedup"] == pytest.approx(expected_tokens_per_step({0: 10, 4: 10}, [0.5, 0.4, 0.0]) / per_step)
     assert report["predicted_speedup"] < 0.9 * predicted_speedup(stats.positions.alpha(), K, report["draft_cost"],
