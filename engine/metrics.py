@@ -145,6 +145,8 @@ def speculation_report(running: dict, k: int, plain_step_s: float | None, plain_
     return {"measured_speedup": running["decode_tok_s"] * plain_step_s if running["decode_tok_s"] else None,
             "predicted_speedup": predicted, "prediction_model": model,
             "alpha": alpha, "k": k, "draft_cost": draft_cost, "verify_cost": verify_cost,
+            "step_cost": step_cost, "step_other_cost": step_cost - (running["target_time_s"] + running["draft_time_s"])
+            / running["target_passes"] / plain_step_s,
             "break_even_alpha": break_even_alpha(k, draft_cost, verify_cost),
             "plain_tok_s": 1.0 / plain_step_s, "plain_source": plain_source}
 

@@ -473,6 +473,7 @@ def bench_speculative(args) -> dict:
             # The i.i.d. model with the measured costs, each relative to a plain decode step.
             "predicted_speedup": report.get("predicted_speedup"), "break_even_alpha": report.get("break_even_alpha"),
             "draft_target_cost_ratio": report.get("draft_cost"), "verify_vs_decode_step": report.get("verify_cost"),
+            "step_vs_decode_step": report.get("step_cost"), "step_other_vs_decode_step": report.get("step_other_cost"),
             "proposal_ms_per_step": 1e3 * spec.draft_time_s / spec.target_passes if spec.target_passes else None,
             "dtype": _dtype(eng), "compile": eng.settings()["compile"], "threads": torch.get_num_threads(),
             "greedy_identical": spec_out == base_out, "drafted_by": spec.drafted_by,
