@@ -27,7 +27,7 @@ def test_every_setting_survives_save_and_load(store):
     assert path == store.profiles_dir / "mine.json"
     assert store.load("mine") == CUSTOM
     data = json.loads(path.read_text())
-    assert data["format"] == FORMAT and data["version"] == VERSION == 3
+    assert data["format"] == FORMAT and data["version"] == VERSION == 4
 
 
 def test_save_as_writes_a_second_name_and_both_are_listed(store):
