@@ -22,7 +22,6 @@ from app.platform_check import platform_problem
 from app.quality_controller import QualityController
 from app.quality_history import QualityHistory
 from app.theme import APP_ICON, style_sheet
-from engine.quality.figures import pareto_front
 from app.window_geometry import LAYOUT_FILE
 from engine.profiles import ProfileStore
 
@@ -58,7 +57,7 @@ def build(profile_path: str | None = None, store: ProfileStore | None = None, st
     store = store or ProfileStore()
     profile, warning = store.startup_profile(profile_path)
     profile = with_models(profile, model, draft)
-    history, load_history, quality_history = MetricsHistory(), LoadHistory(), QualityHistory(front=pareto_front)
+    history, load_history, quality_history = MetricsHistory(), LoadHistory(), QualityHistory()
     window = MainWindow(history, layout_file=store.root / LAYOUT_FILE, load_history=load_history,
                         quality_history=quality_history)
     host = EngineHost()

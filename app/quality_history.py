@@ -6,18 +6,17 @@ app knows about it: "number", "origin" ("measured", or "from profile NAME"), "sn
 session's engine settings the row was measured with, to match it to a profile on save),
 "current" (it measured the settings in effect) and "change" (for a measurement of the current
 settings: what the user changed since the previous one, as the plots' markers say it).
-The Pareto front is engine maths (engine.quality.figures.pareto_front, plain data), handed in
-by whoever builds the history.
+The Pareto front is engine maths (engine.quality.figures.pareto_front, plain data).
 """
 from __future__ import annotations
 
 import csv
 import json
 from pathlib import Path
-from typing import Callable
 
 from app.metrics_history import describe_change
 from engine import config
+from engine.quality.figures import pareto_front
 
 MEASURED = "measured"
 FROM_PROFILE = "from profile"
@@ -35,10 +34,9 @@ def session_snapshot(profile) -> dict:
 
 
 class QualityHistory:
-    def __init__(self, front: Callable[[list[dict]], list[int]] | None = None):
+    def __init__(self):
         self.rows: list[dict] = []
         self.version = 0
-        self._front = front
 
     def add_row(self, result: dict, snapshot: dict, current: bool, origin: str = MEASURED) -> dict:
         """A finished configuration's result row. `snapshot`: the session's engine settings it
@@ -70,12 +68,9 @@ class QualityHistory:
         self.version += 1
 
     def front(self) -> list[int]:
-        """Indices of the rows on the Pareto front (lower mean KLD, higher decode tok/s)."""
-        rows = [r for r in self.rows if r.get("kld_mean") is not None and r.get("decode_tok_s") is not None]
-        if self._front is None or not rows:
-            return []
-        on_front = self._front(rows)
-        return [self.rows.index(rows[i]) for i in on_front]
+        """Indices of the rows on the Pareto front (lower mean KLD, higher decode tok/s; rows
+        without both figures are on no front)."""
+        return pareto_front(self.rows)
 
     def latest_for(self, snapshot: dict) -> dict | None:
         """The newest row measured with exactly these engine settings (what a profile saved with

@@ -134,7 +134,8 @@ def speculation_report(running: dict, k: int, plain_step_s: float | None, plain_
     verify_cost = running["target_time_s"] / running["target_passes"] / plain_step_s
     # a decoding step's measured seconds: its pass, its drafting and the rest of its work (scheduling,
     # verification, proposer auto's choice), as the plain step's time holds the rest of a plain step's
-    step_s = max(running.get("decode_time_s") or 0.0, running["target_time_s"] + running["draft_time_s"])
+    pass_and_draft_s = running["target_time_s"] + running["draft_time_s"]
+    step_s = max(running.get("decode_time_s") or 0.0, pass_and_draft_s)
     step_cost = step_s / running["target_passes"] / plain_step_s
     tokens = expected_tokens_per_step(running.get("draft_lengths") or {}, running.get("per_position") or [],
                                       running.get("tree_steps", 0), running.get("tree_accepted", 0))
@@ -145,8 +146,7 @@ def speculation_report(running: dict, k: int, plain_step_s: float | None, plain_
     return {"measured_speedup": running["decode_tok_s"] * plain_step_s if running["decode_tok_s"] else None,
             "predicted_speedup": predicted, "prediction_model": model,
             "alpha": alpha, "k": k, "draft_cost": draft_cost, "verify_cost": verify_cost,
-            "step_cost": step_cost, "step_other_cost": step_cost - (running["target_time_s"] + running["draft_time_s"])
-            / running["target_passes"] / plain_step_s,
+            "step_cost": step_cost, "step_other_cost": (step_s - pass_and_draft_s) / running["target_passes"] / plain_step_s,
             "break_even_alpha": break_even_alpha(k, draft_cost, verify_cost),
             "plain_tok_s": 1.0 / plain_step_s, "plain_source": plain_source}
 

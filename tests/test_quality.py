@@ -102,6 +102,13 @@ def test_bad_configurations_and_a_missing_or_changed_text_get_clear_messages(mak
     assert eng.config.kv_cache_dtype == "auto"
 
 
+def test_every_lossy_setting_names_an_exact_value_it_can_take():
+    from engine.config import LOADED, SETTINGS
+    lossy = {s.key: s.exact for s in SETTINGS if s.lossy}
+    assert lossy == {"kv_cache_dtype": "auto", "dtype": LOADED, "weight_dtype": "float"}
+    assert all(s.exact == LOADED or s.exact in s.choices for s in SETTINGS if s.lossy)
+
+
 def test_the_figures_follow_llama_perplexitys_formulas():
     ref = np.array([1.0, 2.0, 3.0, 2.0])
     nll = ref + np.array([0.1, 0.0, 0.2, 0.1])

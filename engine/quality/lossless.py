@@ -7,6 +7,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from engine.cache.kv_cache import dtype_name
 from engine.config import SamplingParams
 from engine.quality.forced import scoring_runner
 
@@ -66,7 +67,7 @@ def lossless_check(eng, prompts: int, tokens: int, progress) -> Iterator:
         plain = yield from _eager(eng, asks, tokens, tick)
         checked.insert(0, "the compiled step (against the eager one)")
     not_checked = [] if eager or eng.runner.compiled is None else [
-        f"the compiled step against the eager one ({_dtype_name(eng.runner.model_dtype)}, a "
+        f"the compiled step against the eager one ({dtype_name(eng.runner.model_dtype)}, a "
         f"{eng.runner.kv_dtype_name} cache, {'quantized' if weights and weights.quantized else 'float'} weights: "
         "rounded below float32, each path rounds in its own summation order)"]
     checked = [c for c in checked if c]
@@ -131,6 +132,3 @@ def _eager(eng, asks: list[list[int]], tokens: int, tick) -> Iterator:
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

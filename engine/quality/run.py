@@ -30,7 +30,6 @@ Qt-free; the app runs `QualityRun.steps()` on its worker thread, one bounded pie
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -39,7 +38,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from engine.config import BY_KEY, ENGINE, LOAD, LOADED, SETTINGS
+from engine.cache.kv_cache import dtype_name
+from engine.config import BY_KEY, ENGINE, LOAD, SETTINGS
 from engine.errors import WorkbenchError
 from engine.quality.figures import compare, summary
 from engine.quality.forced import WINDOW, nll_of, forced_pieces, pieces_in, scoring_runner
@@ -119,7 +119,7 @@ class QualityRun:
         total = len(self.configurations) + 1
         try:
             t0 = time.perf_counter()
-            reference = yield from self._reference(sequences, lambda f, m: Progress(m, f / total))
+            reference = yield from self._reference(sequences, text["sha256"], lambda f, m: Progress(m, f / total))
             self.reference_s = time.perf_counter() - t0
             for i, configuration in enumerate(self.configurations):
                 share = lambda f, m, i=i: Progress(f"{configuration.label}: {m}", (i + 1 + f) / total)   # noqa: E731
@@ -129,11 +129,10 @@ class QualityRun:
         finally:
             eng.reconfigure(**{k: v for k, v in restore.items() if getattr(eng.config, k) != v})
 
-    def _reference(self, sequences, progress) -> Iterator[Progress]:
+    def _reference(self, sequences, digest: str, progress) -> Iterator[Progress]:
         eng = self.engine
         dtype = eng.runner.model_dtype
-        key = (eng.target_model.identity, str(dtype), str(eng.device), self.window,
-               hashlib.sha256(repr(sequences).encode()).hexdigest())
+        key = (eng.target_model.identity, str(dtype), str(eng.device), self.window, digest)
         if key in _kept:
             yield progress(1.0, "the reference (kept from the last measurement)")
             return _kept[key]
@@ -149,7 +148,7 @@ class QualityRun:
             stored.append(compressed_log_probs(logits))
             nll.append(nll_of(torch.log_softmax(logits.double(), -1), targets))
             yield progress((i + 1) / n, f"the reference: {sum(map(len, nll))} tokens")
-        settings = {"dtype": _dtype_name(dtype), "weight_dtype": "float", "kv_cache_dtype": runner.kv_dtype_name}
+        settings = {"dtype": dtype_name(dtype), "weight_dtype": "float", "kv_cache_dtype": runner.kv_dtype_name}
         _kept[key] = Reference(key, stored, np.concatenate(nll), logits.shape[-1], settings)
         return _kept[key]
 
@@ -166,7 +165,7 @@ class QualityRun:
             eng.reconfigure(**live)
             served = eng
         try:
-            in_effect = {"dtype": _dtype_name(served.runner.model_dtype), "weight_dtype": _weights_name(served.target_model),
+            in_effect = {"dtype": dtype_name(served.runner.model_dtype), "weight_dtype": _weights_name(served.target_model),
                          "kv_cache_dtype": served.runner.kv_dtype_name}
             runner = scoring_runner(served.target_model, in_effect["kv_cache_dtype"], served.device, self.window)
             n, nll, kld, same = pieces_in(sequences, self.window), [], [], []
@@ -217,12 +216,12 @@ def _check_settings(configuration: Configuration) -> None:
 def _loads_own(eng, settings: dict) -> dict:
     """The load-time settings a configuration asks for that the loaded engine does not have."""
     return {k: v for k, v in settings.items() if BY_KEY[k].applies == LOAD and getattr(eng.config, k) != v
-            and not (k == "dtype" and v == _dtype_name(eng.runner.model_dtype))}
+            and not (k == "dtype" and v == dtype_name(eng.runner.model_dtype))}
 
 
 def _engine_for(eng, settings: dict):
     from engine.engine import LLMEngine
-    dtype = settings.get("dtype") or _dtype_name(eng.runner.model_dtype)    # never the dtype trial's second load
+    dtype = settings.get("dtype") or dtype_name(eng.runner.model_dtype)    # never the dtype trial's second load
     config = eng.config.with_changes(**{**settings, "dtype": dtype})
     return LLMEngine.load(str(eng.target_model.folder), config)
 
@@ -232,8 +231,3 @@ def _weights_name(loaded) -> str:
     return "float" if w is None or not w.quantized else w.summary()
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-assert all(s.exact in (LOADED,) or s.exact in s.choices for s in SETTINGS if s.lossy)
