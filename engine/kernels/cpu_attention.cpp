@@ -132,6 +132,17 @@ static inline __attribute__((always_inline)) void load_kv(const Pass& p, const v
   }
 }
 
+// One head's D values of a pool slot as fp32, where they can be read: an fp32 pool's own
+// (nothing copied: a copy's wide stores, read back in halves, stalled the loads after them),
+// else decoded into `scratch` (load_kv).
+template <int64_t KIND>
+static inline __attribute__((always_inline)) const float* kv_row(const Pass& p, const void* pool, const float* scales,
+                                                                 int64_t slot, int64_t h, float* scratch) {
+  if (KIND == KIND_F32) return static_cast<const float*>(pool) + (slot * p.hkv + h) * p.d;
+  load_kv<KIND>(p, pool, scales, slot, h, scratch);
+  return scratch;
+}
+
 // Where element i of a head's D values sits once a key or value is decoded (and so where q
 // is put and the output read): FP8 in chunks of 32 in the order 4j + k, bf16 in chunks of
 // 16 in the order 2j + k (see load_kv); fp32 in place.
@@ -169,10 +180,10 @@ static inline __attribute__((always_inline)) int64_t key_index(const Pass& p, co
   return t < k.prefix ? t : p.extra_keys[k.e0 + t - k.prefix];
 }
 
-// Scores of n (<= KT) keys already in `tile` for query head g of a row: each key's dot product
-// its own chain of 8-lane sums over D, then a fixed horizontal sum (KT keys side by side only
-// so that the chains run together).
-static inline __attribute__((always_inline)) void tile_scores(const float* qg, const float* tile, int64_t d,
+// Scores of KT keys (rows of D fp32 values; a missing key points at zeros) for query head g
+// of a row: each key's dot product its own chain of 8-lane sums over D, then a fixed
+// horizontal sum (KT keys side by side only so that the chains run together).
+static inline __attribute__((always_inline)) void tile_scores(const float* qg, const float* const* keys, int64_t d,
                                                               float scale, float out[KT]) {
   f8 sum[KT];
   for (int64_t j = 0; j < KT; ++j) sum[j] = splat(0.0f);
@@ -181,27 +192,44 @@ static inline __attribute__((always_inline)) void tile_scores(const float* qg, c
     std::memcpy(&x, qg + i, 32);
     for (int64_t j = 0; j < KT; ++j) {
       f8 y;
-      std::memcpy(&y, tile + j * d + i, 32);
+      std::memcpy(&y, keys[j] + i, 32);
       sum[j] += x * y;
     }
   }
   for (int64_t j = 0; j < KT; ++j) out[j] = hsum(sum[j]) * scale;
 }
 
-// acc[G, D] += w[g] * value, for one value row in `tile`, and each weight into total[g].
-static inline __attribute__((always_inline)) void add_value(float* acc, float* total, const float* scores,
-                                                            int64_t stride, int64_t at, const float* tile,
-                                                            int64_t g_size, int64_t d) {
+constexpr int64_t VC = 8;     // 8-lane vectors of D a value pass keeps in registers
+
+// acc[G, D] += w[g, t] * values[t] for n consecutive keys of a row (their weights at
+// scores[g * stride + at + t]), each lane summed in key order (each key's term added to the
+// lane in turn, as one key at a time would), the accumulators held in registers over the keys;
+// and each weight into total[g], in key order.
+static inline __attribute__((always_inline)) void add_values(float* acc, float* total, const float* scores,
+                                                             int64_t stride, int64_t at, const float* const* values,
+                                                             int64_t n, int64_t g_size, int64_t d) {
   for (int64_t g = 0; g < g_size; ++g) {
-    float w = scores[g * stride + at];
-    total[g] += w;
-    const f8 wv = splat(w);
-    for (int64_t i = 0; i < d; i += 8) {
-      f8 a, x;
-      std::memcpy(&a, acc + g * d + i, 32);
-      std::memcpy(&x, tile + i, 32);
-      a += wv * x;
-      std::memcpy(acc + g * d + i, &a, 32);
+    const float* w = scores + g * stride + at;
+    float sum = total[g];                           // in a register: total and w share the buffer
+    for (int64_t t = 0; t < n; ++t) sum += w[t];
+    total[g] = sum;
+    for (int64_t c = 0; c < d; c += 8 * VC) {
+      const int64_t nv = (d - c) / 8 < VC ? (d - c) / 8 : VC;
+      float* a_at = acc + g * d + c;
+      f8 a[VC];
+      for (int64_t i = 0; i < VC; ++i)
+        if (i < nv) std::memcpy(&a[i], a_at + 8 * i, 32);
+      for (int64_t t = 0; t < n; ++t) {
+        const f8 wv = splat(w[t]);
+        for (int64_t i = 0; i < VC; ++i)
+          if (i < nv) {
+            f8 x;
+            std::memcpy(&x, values[t] + c + 8 * i, 32);
+            a[i] += wv * x;
+          }
+      }
+      for (int64_t i = 0; i < VC; ++i)
+        if (i < nv) std::memcpy(a_at + 8 * i, &a[i], 32);
     }
   }
 }
@@ -234,11 +262,12 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r0
     lo = k.first < lo ? k.first : lo;
   }
   if (lo > shared_end) lo = shared_end;             // every window starts after the shared keys: none shared
-  buf.resize(static_cast<size_t>(2 * n_rows * g_size * d + score_floats + KT * d + 2 * n_rows * g_size));
+  buf.resize(static_cast<size_t>(2 * n_rows * g_size * d + score_floats + (KT + 1) * d + 2 * n_rows * g_size));
   float* q = buf.data();                            // [R, G, D]
   float* acc = q + n_rows * g_size * d;             // [R, G, D]
-  float* tile = acc + n_rows * g_size * d;          // [KT, D]: keys (or one value) as fp32
-  float* total = tile + KT * d;                     // [R, G]
+  float* tile = acc + n_rows * g_size * d;          // [KT, D]: decoded keys or values (not an fp32 pool's)
+  float* zeros = tile + KT * d;                     // [D]: the missing keys of a tile
+  float* total = zeros + d;                         // [R, G]
   float* sink_term = total + n_rows * g_size;       // [R, G]
   float* scores = sink_term + n_rows * g_size;
   for (int64_t j = 0; j < n_rows; ++j) {
@@ -256,17 +285,19 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r0
   // the shared keys' slots (cache indices lo .. shared_end - 1: every row's causal prefix)
   slots.resize(static_cast<size_t>(shared_end - lo));
   for (int64_t t = lo; t < shared_end; ++t) slots[t - lo] = table[t / p.bs] * p.bs + t % p.bs;
+  std::memset(zeros, 0, d * 4);
   float s[KT];
+  const float* kv[KT];                              // the tile's keys (or values), fp32
   for (int64_t t0 = lo; t0 < shared_end; t0 += KT) {
     const int64_t n = shared_end - t0 < KT ? shared_end - t0 : KT;
     for (int64_t t = t0 + KT; t < t0 + 2 * KT && t < shared_end; ++t) prefetch<KIND>(p, p.k, slots[t - lo], h);
-    for (int64_t j = 0; j < n; ++j) load_kv<KIND>(p, p.k, p.ks, slots[t0 - lo + j], h, tile + j * d);
-    for (int64_t j = n; j < KT; ++j) std::memset(tile + j * d, 0, d * 4);
+    for (int64_t j = 0; j < n; ++j) kv[j] = kv_row<KIND>(p, p.k, p.ks, slots[t0 - lo + j], h, tile + j * d);
+    for (int64_t j = n; j < KT; ++j) kv[j] = zeros;
     for (int64_t j = 0; j < n_rows; ++j) {
       const RowKeys& k = rows[j];
       if (t0 + n <= k.first) continue;              // all before this row's window
       for (int64_t g = 0; g < g_size; ++g) {
-        tile_scores(q + (j * g_size + g) * d, tile, d, p.scale, s);
+        tile_scores(q + (j * g_size + g) * d, kv, d, p.scale, s);
         for (int64_t i = 0; i < n; ++i)
           if (t0 + i >= k.first) k.scores[g * k.stride + t0 + i - k.first] = s[i];
       }
@@ -279,11 +310,11 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r0
       const int64_t n = k.all - t0 < KT ? k.all - t0 : KT;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t index = key_index(p, k, t0 + i);
-        load_kv<KIND>(p, p.k, p.ks, table[index / p.bs] * p.bs + index % p.bs, h, tile + i * d);
+        kv[i] = kv_row<KIND>(p, p.k, p.ks, table[index / p.bs] * p.bs + index % p.bs, h, tile + i * d);
       }
-      for (int64_t i = n; i < KT; ++i) std::memset(tile + i * d, 0, d * 4);
+      for (int64_t i = n; i < KT; ++i) kv[i] = zeros;
       for (int64_t g = 0; g < g_size; ++g) {
-        tile_scores(q + (j * g_size + g) * d, tile, d, p.scale, s);
+        tile_scores(q + (j * g_size + g) * d, kv, d, p.scale, s);
         for (int64_t i = 0; i < n; ++i) k.scores[g * k.stride + t0 + i - k.first] = s[i];
       }
     }
@@ -292,8 +323,18 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r0
     const RowKeys& k = rows[j];
     for (int64_t g = 0; g < g_size; ++g) {
       float* sg = k.scores + g * k.stride;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < k.keys; ++t) m = sg[t] > m ? sg[t] : m;
+      // the max, 8 lanes at a time, then the rest (a max is the same in any order; the
+      // padding lanes are not scores)
+      f8 mv = splat(-std::numeric_limits<float>::infinity());
+      int64_t t = 0;
+      for (; t + 8 <= k.keys; t += 8) {
+        f8 x;
+        std::memcpy(&x, sg + t, 32);
+        mv = select(x > mv, x, mv);
+      }
+      float m = mv[0];
+      for (int i = 1; i < 8; ++i) m = mv[i] > m ? mv[i] : m;
+      for (; t < k.keys; ++t) m = sg[t] > m ? sg[t] : m;
       sink_term[j * g_size + g] = 0.0f;
       if (p.sinks) {
         const float sink = p.sinks[h * g_size + g];
@@ -310,25 +351,32 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r0
   }
   std::memset(acc, 0, n_rows * g_size * d * 4);
   std::memset(total, 0, n_rows * g_size * 4);
-  for (int64_t t = lo; t < shared_end; ++t) {       // the shared values, each read once
-    if (t + KT < shared_end) prefetch<KIND>(p, p.v, slots[t + KT - lo], h);
-    load_kv<KIND>(p, p.v, p.vs, slots[t - lo], h, tile);
-    for (int64_t j = 0; j < n_rows; ++j)
-      if (t >= rows[j].first)
-        add_value(acc + j * g_size * d, total + j * g_size, rows[j].scores, rows[j].stride, t - rows[j].first, tile,
-                  g_size, d);
+  for (int64_t t0 = lo; t0 < shared_end; t0 += KT) {      // the shared values, each read once
+    const int64_t n = shared_end - t0 < KT ? shared_end - t0 : KT;
+    for (int64_t t = t0 + KT; t < t0 + 2 * KT && t < shared_end; ++t) prefetch<KIND>(p, p.v, slots[t - lo], h);
+    for (int64_t i = 0; i < n; ++i) kv[i] = kv_row<KIND>(p, p.v, p.vs, slots[t0 - lo + i], h, tile + i * d);
+    for (int64_t j = 0; j < n_rows; ++j) {
+      const RowKeys& k = rows[j];
+      const int64_t from = k.first > t0 ? k.first : t0;      // the row's window's keys of the tile
+      if (from < t0 + n)
+        add_values(acc + j * g_size * d, total + j * g_size, k.scores, k.stride, from - k.first, kv + (from - t0),
+                   t0 + n - from, g_size, d);
+    }
   }
   for (int64_t j = 0; j < n_rows; ++j) {            // then each row's own, in its key order
     const RowKeys& k = rows[j];
     const int64_t own = k.first > shared_end ? k.first : shared_end;
-    for (int64_t t = own; t < k.all; ++t) {
-      if (t + KT < k.all) {
-        const int64_t ahead = key_index(p, k, t + KT);
+    for (int64_t t0 = own; t0 < k.all; t0 += KT) {
+      const int64_t n = k.all - t0 < KT ? k.all - t0 : KT;
+      for (int64_t t = t0 + KT; t < t0 + 2 * KT && t < k.all; ++t) {
+        const int64_t ahead = key_index(p, k, t);
         prefetch<KIND>(p, p.v, table[ahead / p.bs] * p.bs + ahead % p.bs, h);
       }
-      const int64_t index = key_index(p, k, t);
-      load_kv<KIND>(p, p.v, p.vs, table[index / p.bs] * p.bs + index % p.bs, h, tile);
-      add_value(acc + j * g_size * d, total + j * g_size, k.scores, k.stride, t - k.first, tile, g_size, d);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t index = key_index(p, k, t0 + i);
+        kv[i] = kv_row<KIND>(p, p.v, p.vs, table[index / p.bs] * p.bs + index % p.bs, h, tile + i * d);
+      }
+      add_values(acc + j * g_size * d, total + j * g_size, k.scores, k.stride, t0 - k.first, kv, n, g_size, d);
     }
   }
   for (int64_t j = 0; j < n_rows; ++j)

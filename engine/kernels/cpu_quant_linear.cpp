@@ -576,9 +576,10 @@ void vnni_rows(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t 
     i += RN;
   };
   if constexpr (T == 1 && BITS != KQ6) {
-    // past 8 rows (a verify pass of 8 drafts is 9): eight at a time over the tile, as one pass
-    // takes 5 to 8 (groups of 4 decoded the tile a third time for the ninth row)
-    while (i + 8 <= M) group_of(std::integral_constant<int, 8>{});
+    // past 9 rows: eight at a time over the tile, as one pass takes 5 to 9 (groups of 4
+    // decoded the tile a third time for the ninth row; a group of 1 after 8 cost 0.4 of a pass)
+    while (M - i >= 8 && M - i != 9) group_of(std::integral_constant<int, 8>{});
+    if (M - i == 9) group_of(std::integral_constant<int, 9>{});
     if (M - i == 7) group_of(std::integral_constant<int, 7>{});
     if (M - i == 6) group_of(std::integral_constant<int, 6>{});
     if (M - i == 5) group_of(std::integral_constant<int, 5>{});
@@ -589,14 +590,15 @@ void vnni_rows(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t 
   if (M - i == 1) group_of(std::integral_constant<int, 1>{});
 }
 
-// 5 to 8 rows on one tile (16 columns) at once: R accumulators and R integer sums fit the 32
+// 5 to 9 rows on one tile (16 columns) at once: R accumulators and R integer sums fit the 32
 // registers where two tiles' would not (Q6_K's two sums a row would not: it keeps groups of 4)
 template <int BITS, typename S>
 void vnni_one_pass(const Rows& rows, int64_t M, const Weight& wt, float* y, int64_t ldy) {
   if (M == 5) tile_vnni<BITS, 5, 1, S>(rows, 0, wt, y, ldy, true);
   else if (M == 6) tile_vnni<BITS, 6, 1, S>(rows, 0, wt, y, ldy, true);
   else if (M == 7) tile_vnni<BITS, 7, 1, S>(rows, 0, wt, y, ldy, true);
-  else tile_vnni<BITS, 8, 1, S>(rows, 0, wt, y, ldy, true);
+  else if (M == 8) tile_vnni<BITS, 8, 1, S>(rows, 0, wt, y, ldy, true);
+  else tile_vnni<BITS, 9, 1, S>(rows, 0, wt, y, ldy, true);
 }
 
 // 256-bit: rows eight at a time, then the rest in one group, each group of rows in one pass over
@@ -633,7 +635,7 @@ void run_tiles(Isa isa, const Rows& rows, int64_t M, int64_t t0, int64_t t1, con
   };
   int64_t t = t0;
   if constexpr (BITS != KQ6) {
-    if (isa == AVX512 && M >= 5 && M <= 8) {
+    if (isa == AVX512 && M >= 5 && M <= 9) {
       // a verify pass (k + 1 rows) or a few users: every row in one pass over each tile, so the
       // tile is read and decoded once (in groups of 4, the fifth row cost 0.65 of a step more)
       for (; t < t1; ++t) vnni_one_pass<BITS, S>(rows, M, at(t), y + t * COLS, N);

@@ -67,39 +67,57 @@ def pass_seconds(runner, n: int, context: int = 64, repeats: int = 9, tree=None)
     """Median time of one n-token forward pass at `context` tokens, rolled back after each (on
     CUDA each timed to the end of its kernels).
     tree: an engine.speculative.tree.DraftTree of n - 1 nodes, verified as a tree pass instead."""
-    prompt = list(range(1000, 1000 + context))
-    seq = runner.start(prompt, reserve_tokens=n)
-    tokens = list(range(2000, 2000 + n))
-    if tree is None:
-        def one_pass():
-            runner.forward(seq, tokens, logits_for=n)
-    else:
-        from engine.runtime.model_runner import PassItem
-        item = PassItem(seq, tokens, n, tree.rows(context))
+    return statistics.median(pass_times(runner, [(n, tree)], context, repeats)[0])
 
-        def one_pass():
-            runner.forward_batch([item])
+
+def pass_times(runner, shapes, context: int = 64, repeats: int = 9) -> list[list[float]]:
+    """Seconds of `repeats` forward passes of each shape (n tokens, or (n, tree) with tree an
+    engine.speculative.tree.DraftTree of n - 1 nodes, verified as a tree pass) at `context`
+    tokens, one pass of each shape a round, rolled back after each: the shapes' rounds are
+    interleaved, so a neighbour's load hits each alike and a ratio is taken within a round."""
+    from engine.runtime.model_runner import PassItem
+    shapes = [(s, None) if isinstance(s, int) else s for s in shapes]
+    prompt = list(range(1000, 1000 + context))
+    passes, seqs = [], []
     try:
-        runner.forward(seq, prompt)
-        one_pass()                                         # warm-up (and compile, if on)
-        runner.rollback(seq, context)
-        times = []
-        for _ in range(repeats):
-            _synchronize(runner.device)
-            t0 = time.perf_counter()
+        for n, tree in shapes:
+            seq = runner.start(prompt, reserve_tokens=n)
+            seqs.append(seq)
+            runner.forward(seq, prompt)
+            tokens = list(range(2000, 2000 + n))
+            if tree is None:
+                passes.append(lambda seq=seq, tokens=tokens, n=n: runner.forward(seq, tokens, logits_for=n))
+            else:
+                item = PassItem(seq, tokens, n, tree.rows(context))
+                passes.append(lambda item=item: runner.forward_batch([item]))
+        for seq, one_pass in zip(seqs, passes):       # warm-up (and compile, if on)
             one_pass()
-            _synchronize(runner.device)
-            times.append(time.perf_counter() - t0)
             runner.rollback(seq, context)
+        times = [[] for _ in shapes]
+        for _ in range(repeats):
+            for seq, one_pass, out in zip(seqs, passes, times):
+                _synchronize(runner.device)
+                t0 = time.perf_counter()
+                one_pass()
+                _synchronize(runner.device)
+                out.append(time.perf_counter() - t0)
+                runner.rollback(seq, context)
     finally:
-        runner.end(seq)
-    return statistics.median(times)
+        for seq in seqs:
+            runner.end(seq)
+    return times
+
+
+def _relative(times: list[list[float]]) -> list[float]:
+    """Each shape's median, within a round, of its time / the first shape's."""
+    return [statistics.median(t / one for t, one in zip(shape, times[0])) for shape in times]
 
 
 def verify_costs(runner, ks=(1, 2, 4, 8), repeats: int = 9, context: int = 64) -> dict[str, float]:
-    """{k: time of a (k+1)-token pass / time of a 1-token pass}, both at `context` tokens."""
-    one = pass_seconds(runner, 1, context=context, repeats=repeats)
-    return {str(k): pass_seconds(runner, k + 1, context=context, repeats=repeats) / one for k in ks}
+    """{k: time of a (k+1)-token pass / time of a 1-token pass}, both at `context` tokens, the
+    median of the ratios within interleaved rounds."""
+    relative = _relative(pass_times(runner, [1] + [k + 1 for k in ks], context, repeats))
+    return {str(k): r for k, r in zip(ks, relative[1:])}
 
 
 def _synchronize(device) -> None:
@@ -109,13 +127,14 @@ def _synchronize(device) -> None:
 
 def tree_verify_costs(runner, nodes=(8, 16, 24, 32), context: int = 256) -> dict[str, dict[str, float]]:
     """{nodes: {"tree": time of a tree pass of that many nodes (the root's row too), "chain":
-    a chain pass as wide} / time of a 1-token pass}, eager, at `context` tokens."""
+    a chain pass as wide} / time of a 1-token pass}, eager, at `context` tokens (interleaved
+    rounds, as verify_costs)."""
     from engine.speculative.tree import TreeShape, grow, select
     logp = torch.log_softmax(torch.arange(64, 0, -1, dtype=torch.float32), -1)
     full = grow(logp, lambda frontier, tree: logp.repeat(len(frontier), 1), TreeShape(4, 8, max(nodes)))
-    one = pass_seconds(runner, 1, context=context)
-    return {str(n): {"tree": pass_seconds(runner, n + 1, context=context, tree=select(full, n)) / one,
-                     "chain": pass_seconds(runner, n + 1, context=context) / one} for n in nodes}
+    shapes = [1] + [s for n in nodes for s in ((n + 1, select(full, n)), n + 1)]
+    relative = _relative(pass_times(runner, shapes, context, repeats=9))
+    return {str(n): {"tree": relative[1 + 2 * i], "chain": relative[2 + 2 * i]} for i, n in enumerate(nodes)}
 
 
 class PlainStepClock:
