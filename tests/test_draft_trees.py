@@ -196,6 +196,41 @@ def test_trees_grow_one_depth_past_what_was_verified():
     assert policy.tree_depth(6) == 1
 
 
+def test_the_trim_calibrates_each_size_of_grown_tree_by_its_own_verified_trees():
+    """A suffix tree's size follows its match's length: small trees from short matches accept
+    less of their confidence than full ones. Each size class keeps its own ratio; a tree
+    trimmed to nothing is no evidence (a window of them once locked the ratio at 0)."""
+    policy = SpeculationPolicy()
+    assert policy.tree_calibration(1) == 1.0                  # nothing verified yet
+    for _ in range(4):
+        policy.record_tree(1.0, 0, 1, 0.02, depth=1, grown_nodes=1)       # one-node trees: 0 of 1
+        policy.record_tree(8.0, 6, 7, 0.02, depth=8, grown_nodes=8)       # full trees: 6 of 8
+    for _ in range(40):
+        policy.record_tree(0.0, 0, 1, 0.02, depth=0, grown_nodes=1)       # trimmed to no node
+    assert policy.tree_calibration(1) == 0.0
+    assert policy.tree_calibration(8) == policy.tree_calibration(12) == 0.75
+    assert policy.tree_calibration(3) == 24 / 36              # a class not yet seen: every class's
+    # a full tree of certain nodes is still verified though the one-node trees failed
+    for rows in range(1, 10):
+        for _ in range(2):
+            policy.record_pass(rows, 0.010 + 0.0005 * rows)
+    assert policy.choose_tree_nodes([0.0] * 8, 8) == 8
+    assert policy.choose_tree_nodes([0.0], 8) == 0
+
+
+def test_a_tree_that_costs_nothing_to_grow_is_always_grown_the_trim_decides():
+    policy = SpeculationPolicy()
+    policy.record_pass(1, 0.010)
+    for _ in range(8):                                        # trees that lost: 1 token in 2 plain steps' time
+        policy.record_tree(1.0, 0, 1, 0.020, depth=1, draft_s=0.010)
+    assert not policy.grow_tree(1) and "lose" in policy.paused
+    free = SpeculationPolicy()
+    free.record_pass(1, 0.010)
+    for _ in range(8):
+        free.record_tree(1.0, 0, 1, 0.020, depth=1, draft_s=0.00005)   # index lookups
+    assert free.grow_tree(1) and free.paused is None
+
+
 # ---- the engine ------------------------------------------------------------------------------
 def _no_blocks_in_use(eng) -> bool:
     return all(r.blocks.num_used_blocks == 0 for r in eng.runners())

@@ -17,7 +17,11 @@ every measured one is tried once (k at its largest) before it is predicted.
 A draft tree (engine.speculative.tree) is trimmed after it is grown: the n best nodes by the draft's
 cumulative confidence are expected to accept calibration * (sum of their confidences) tokens
 (EAGLE-2's observation that the confidence tracks acceptance; calibration is measured:
-accepted over predicted, over the recent trees), and the n that maximises
+accepted over predicted, over the recent trees that verified a node and grew about as many
+nodes: a suffix tree's size is bounded by its match's length, and on the edit prompts at
+k = 8 the trees grown to 8 nodes accepted 0.82 of their confidences where one-node trees
+accepted 0.35, so one ratio for both swung from 0.1 to 0.9 with the recent mix and cut good
+trees after a run of poor ones), and the n that maximises
 
     (1 + calibration * sum of the n best confidences) / pass_s(1 + n rows + other rows)
 
@@ -26,7 +30,9 @@ twice at its width before widths are predicted. The tree is grown only one depth
 the recent trimmed trees reached (drafting a depth costs a head pass). Whether to grow a
 tree at all is measured too:
 the recent tree steps' tokens per second (drafting included) against a plain step's; when
-trees lose, plain steps run, with one tree every PROBE_EVERY steps to keep measuring.
+trees lose, plain steps run, with one tree every PROBE_EVERY steps to keep measuring. A tree
+that costs (nearly) nothing to grow (under FREE_DRAFT of a plain pass: the suffix proposer's)
+is always grown, as its trim already verifies no node where none pays.
 Where the choice is to draft nothing (k = 0, or no tree), `paused` says why, in numbers; the
 engine's settings carry it, so the app shows speculation switched off by itself.
 """
@@ -44,9 +50,15 @@ PRIOR_ALPHA = 0.6       # until a proposer has been tried: optimistic, or it wou
 MIN_ATTEMPTS = 16       # attempted draft positions before the measured alpha is trusted
 MIN_TREES = 4           # tree steps before their calibration and speed are trusted
 PROBE_EVERY = 64        # while trees lose: one tree step in this many, to keep measuring
+FREE_DRAFT = 0.02       # growing a tree costing less than this part of a plain pass is free: the trim decides
 # Tree sizes whose pass is measured before any is predicted: a pass's cost need not be linear
 # in its rows (torch's CPU int4 kernel works in blocks of 4 rows: 4 rows cost about 1).
 PROBE_NODES = (3, 7, 15)
+
+
+def size_class(nodes: int | None) -> int:
+    """A grown tree's size, in classes 1, 2-3, 4-7, 8-15, ... (0: unknown)."""
+    return 0 if not nodes else nodes.bit_length()
 
 
 class SpeculationPolicy:
@@ -55,7 +67,10 @@ class SpeculationPolicy:
         self.draft_s: deque = deque(maxlen=KEEP)    # seconds per drafted token
         self.positions: dict[str, PositionCounts] = {}
         self.trees: deque = deque(maxlen=KEEP)     # (predicted accepted, accepted, tokens, seconds) per tree step
+        # (predicted, accepted) of the recent trees that verified a node, by size_class of the tree grown
+        self.verified: dict[int, deque] = {}
         self.tree_depths: deque = deque(maxlen=KEEP)   # the depth each verified (trimmed) tree reached
+        self.tree_draft_s: deque = deque(maxlen=KEEP)  # the seconds each recent tree took to grow
         self.skipped_trees = 0                     # plain steps in a row since trees last lost
         self.paused: str | None = None             # why the last choice drafts nothing (None: it drafts)
 
@@ -116,11 +131,16 @@ class SpeculationPolicy:
         return best
 
     # ---- trees -----------------------------------------------------------------------
-    def record_tree(self, predicted: float, accepted: int, tokens: int, seconds: float, depth: int = 0) -> None:
+    def record_tree(self, predicted: float, accepted: int, tokens: int, seconds: float, depth: int = 0,
+                    draft_s: float | None = None, grown_nodes: int | None = None) -> None:
         """One tree step: its predicted and accepted nodes, tokens emitted, pass + draft seconds,
-        and the depth of the tree it verified (0: trimmed to no node)."""
+        the depth of the tree it verified (0: trimmed to no node), the seconds of its drafting
+        (None: not known apart; counted as costing) and its nodes as grown (None: unknown)."""
         self.trees.append((predicted, accepted, tokens, seconds))
+        if depth and predicted > 0:      # a tree trimmed to nothing says nothing of the confidences
+            self.verified.setdefault(size_class(grown_nodes), deque(maxlen=KEEP)).append((predicted, accepted))
         self.tree_depths.append(depth)
+        self.tree_draft_s.append(math.inf if draft_s is None else draft_s)
 
     def tree_depth(self, depth: int) -> int:
         """How deep to grow the next tree: the setting's depth until MIN_TREES were verified,
@@ -129,12 +149,15 @@ class SpeculationPolicy:
             return depth
         return max(1, min(depth, max(self.tree_depths) + 1))
 
-    def tree_calibration(self) -> float:
-        """Accepted nodes over the draft's predicted ones, recent trees (1.0 until measured)."""
-        if len(self.trees) < MIN_TREES:
+    def tree_calibration(self, grown_nodes: int | None = None) -> float:
+        """Accepted nodes over the draft's predicted ones over the recent verified trees grown
+        about as large (size_class), else over every class's (1.0 until MIN_TREES were verified)."""
+        recent = self.verified.get(size_class(grown_nodes), ())
+        if len(recent) < MIN_TREES:
+            recent = [t for trees in self.verified.values() for t in trees]
+        if len(recent) < MIN_TREES:
             return 1.0
-        predicted = sum(t[0] for t in self.trees)
-        return sum(t[1] for t in self.trees) / predicted if predicted > 0 else 0.0
+        return sum(t[1] for t in recent) / sum(t[0] for t in recent)
 
     def grow_tree(self, rows: int) -> bool:
         """Grow a tree this step? Yes until MIN_TREES were measured; then while the recent tree
@@ -142,6 +165,12 @@ class SpeculationPolicy:
         row and the others'), and once every PROBE_EVERY steps when they do not."""
         plain = self.predicted_pass_s(rows)
         if len(self.trees) < MIN_TREES or plain is None:
+            return True
+        if statistics.median(self.tree_draft_s) < FREE_DRAFT * plain:
+            # growing costs nothing (a suffix tree's index lookups): the trim verifies no node
+            # where none pays, so a tree step that loses is a plain step; a gate on the recent
+            # trees' speed would only shut off the steps that pay after a few that did not
+            self.skipped_trees, self.paused = 0, None
             return True
         tree_rate = sum(t[2] for t in self.trees) / sum(t[3] for t in self.trees)
         if tree_rate > 1.0 / plain:
@@ -161,7 +190,7 @@ class SpeculationPolicy:
         for n in [p for p in PROBE_NODES if p < len(confidences)] + [len(confidences)]:
             if len(self.pass_s.get(1 + n + other_rows, ())) < 2:
                 return n                       # measure this width before predicting any
-        calibration = self.tree_calibration()
+        calibration = self.tree_calibration(len(scores))
         best, best_rate, expected = 0, 0.0, 1.0
         for n in range(len(confidences) + 1):
             if n:

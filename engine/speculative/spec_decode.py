@@ -56,6 +56,7 @@ class Proposal:
     grown: bool = False           # grown by propose_tree: a tree step, its scores the draft's confidences
     source: str = ""              # where a retrieval draft came from (the suffix proposer: request, global)
     proposer: str = ""            # which proposer drafted it (the engine's name for it: suffix, ngram, ...)
+    grown_nodes: int | None = None    # a trimmed tree's nodes as grown (None: not trimmed)
 
     @property
     def tokens(self) -> list[int]:
@@ -64,7 +65,7 @@ class Proposal:
     def trimmed(self, nodes: int) -> "Proposal":
         """A grown tree cut to its `nodes` best nodes (engine.speculative.tree.select)."""
         return Proposal(select(self.tree, nodes), None, self.time_s, grown=True, source=self.source,
-                        proposer=self.proposer)
+                        proposer=self.proposer, grown_nodes=len(self.tree))
 
 
 class Proposer:

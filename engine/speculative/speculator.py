@@ -287,7 +287,8 @@ class Speculator:
         if proposal is not None and proposal.grown:              # a tree trimmed to 0 nodes too:
             self.policy.record_tree(event.tree_predicted_accepted or 0.0, event.accepted,   # its drafting
                                     len(event.token_ids), pass_s + proposal.time_s,        # was spent
-                                    max(proposal.tree.depths, default=0))
+                                    max(proposal.tree.depths, default=0), proposal.time_s,
+                                    proposal.grown_nodes or len(proposal.tree))
         elif proposal is not None and proposal.tokens:
             self.policy.record_verdict(self.proposer_in_effect(), event.accepted_per_position)
         if proposal is not None and proposal.source:             # the suffix proposer's, by source
