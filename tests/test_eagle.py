@@ -138,6 +138,7 @@ def test_the_compiled_draft_step_drafts_what_the_eager_one_does(make_tiny_engine
     assert eng.speculator.eagle[1].head_quant is None                        # a float target's head stays float
     step = eng.speculator.eagle_step.compiled
     assert {30, 9, 1} <= step.row_counts and step.compiles == 1     # one graph for every pass
+    assert eng.speculator.eagle_step.chain_replays >= 2           # a chain's passes replay prepared tensors
     off = make_tiny_engine(compile="off")
     off.reconfigure(proposer="eagle", eagle_head=str(built_head))
     assert off.speculator.eagle_step.compiled is None

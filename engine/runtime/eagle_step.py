@@ -14,10 +14,51 @@ from __future__ import annotations
 import torch
 
 from engine.errors import first_line
-from engine.layers.attention import TORCH, AttentionMetadata, prepare
+from engine.layers import attention_op
+from engine.layers.attention import CPU, TORCH, AttentionMetadata, prepare
 from engine.layers.attention_metadata import SeqSlice
 from engine.models.eagle_head import EagleHead
 from engine.runtime.compiled_step import CompiledStep
+
+
+class ChainPass:
+    """The head's one-row passes of a chain over one head cache, as the target's decode steps run
+    (engine.runtime.decode_graphs): its inputs and rows are tensors made once and refilled in
+    place, prepared for the graph once, so a draft token's pass is the graph's call alone (the
+    metadata and the graph's arguments were built anew for each: a fifth of the head's pass).
+    The head's cache is contiguous: its block table is every block, and the row sees slots 0 ..
+    its own."""
+
+    def __init__(self, compiled: CompiledStep, kv, hidden: int, dtype: torch.dtype, device: torch.device):
+        self.compiled, self.kv = compiled, kv
+        long = dict(dtype=torch.int64, device=device)
+        self.embedded = torch.zeros(1, hidden, dtype=dtype, device=device)
+        self.feature = torch.zeros(1, hidden, dtype=dtype, device=device)
+        self.rope = torch.zeros(1, **long)
+        self.slot, self.prefix = torch.zeros(1, **long), torch.ones(1, **long)
+        graph = attention_op.GraphPass(
+            positions=self.slot, slots=self.slot, tables=torch.arange(kv.k.shape[1], **long)[None],
+            row_seq=torch.zeros(1, **long), prefix=self.prefix, extra_start=torch.zeros(2, **long),
+            extra_keys=torch.zeros(1, **long), **attention_op.pool_args(kv, CPU))
+        self.args = ((self.embedded, self.feature, self.rope), torch.zeros(1, **long), graph)
+        self.prepared = None
+        self.replays = 0                      # passes run over the prepared tensors (tests read it)
+
+    def __call__(self, embedded: torch.Tensor, feature: torch.Tensor, slot: int,
+                 rope_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.embedded.copy_(embedded)
+        self.feature.copy_(feature)
+        self.slot.fill_(slot)
+        self.prefix.fill_(slot + 1)
+        self.rope.fill_(rope_position)
+        if self.prepared is None:             # the first call may build the graph; then prepared once
+            out = self.compiled.run(*self.args)
+            prepared = self.compiled.prepare(*self.args)
+            self.prepared = prepared if prepared.holds(*self.args) else False
+            return out
+        if self.prepared:
+            self.replays += 1
+        return self.compiled.run_prepared(self.prepared or self.compiled.prepare(*self.args))
 
 
 class EagleStep:
@@ -26,6 +67,7 @@ class EagleStep:
         self.compiled: CompiledStep | None = None
         self.compile_error: str | None = None    # why the compiled step was given up, if it was
         self.attention_mode = TORCH               # the mode of the metadata its passes take
+        self._chain: ChainPass | None = None      # the one-row passes over the current head cache
 
     def follow(self, runner) -> None:
         """Compile as the target's runner (engine.runtime.model_runner.ModelRunner) does, and
@@ -51,6 +93,21 @@ class EagleStep:
                 meta = self.metadata(meta.positions, meta.slot_mapping, meta.seqs, kv.block_size)
         return self.head.draft_pass(embedded, features, rope_positions, rows, kv, meta)
 
+    def chain(self, token: int, feature: torch.Tensor, kv, slot: int,
+              rope_position: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A chain's next one-row pass (token at the head cache's `slot`, RoPE at rope_position,
+        after `feature`): __call__'s outputs, over tensors prepared once per head cache (ChainPass);
+        None where the step is not compiled over our CPU attention (the caller runs __call__)."""
+        if self.compiled is None or self.attention_mode != CPU or not self.compiled.is_built:
+            return None
+        if self._chain is None or self._chain.kv is not kv:
+            self._chain = ChainPass(self.compiled, kv, self.head.config.hidden_size, feature.dtype, feature.device)
+        try:
+            return self._chain(self.head.embed([token]), feature, slot, rope_position)
+        except Exception as error:      # noqa: BLE001 - as __call__: eager from now on
+            self._failed(error)
+            return None
+
     @torch.inference_mode()
     def warm(self, block_size: int) -> float:
         """Run the compiled step once on a scratch one-token pass (in a scratch cache), so that it
@@ -75,7 +132,12 @@ class EagleStep:
         same slots."""
         self.compile_error = (f"off: the EAGLE head's compiled step failed ({type(error).__name__}: "
                               f"{first_line(error)}); drafting eagerly")
-        self.compiled, self.attention_mode = None, TORCH
+        self.compiled, self.attention_mode, self._chain = None, TORCH, None
+
+    @property
+    def chain_replays(self) -> int:
+        """A chain's one-row passes run over prepared tensors, on the current head cache."""
+        return self._chain.replays if self._chain is not None else 0
 
     @property
     def state(self) -> str:

@@ -80,8 +80,11 @@ class EagleProposer(Proposer):
                 break
             pos = last + 1 + i                      # the position whose input is (g, token)
             self._ensure(pos - self.base + 2)
-            meta = self._meta(pos, 1)
-            logits, g = self.step([token], g[-1:], self.kv, meta, meta.positions + self.base, self.last_row)
+            out = self.step.chain(token, g[-1:], self.kv, pos - self.base, pos)
+            if out is None:
+                meta = self._meta(pos, 1)
+                out = self.step([token], g[-1:], self.kv, meta, meta.positions + self.base, self.last_row)
+            logits, g = out
         return Proposal(DraftTree.chain(tokens), torch.stack(probs) if probs else None, time.perf_counter() - t0)
 
     supports_trees = True
