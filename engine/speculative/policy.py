@@ -64,6 +64,7 @@ def size_class(nodes: int | None) -> int:
 class SpeculationPolicy:
     def __init__(self):
         self.pass_s: dict[int, deque] = {}          # rows in the pass -> recent pass seconds
+        self._points: list | None = None            # predicted_pass_s's medians (None: to compute)
         self.draft_s: deque = deque(maxlen=KEEP)    # seconds per drafted token
         self.positions: dict[str, PositionCounts] = {}
         self.trees: deque = deque(maxlen=KEEP)     # (predicted accepted, accepted, tokens, seconds) per tree step
@@ -77,6 +78,7 @@ class SpeculationPolicy:
     # ---- measurements --------------------------------------------------------------
     def record_pass(self, rows: int, seconds: float) -> None:
         self.pass_s.setdefault(rows, deque(maxlen=KEEP)).append(seconds)
+        self._points = None
 
     def record_draft(self, tokens: int, seconds: float) -> None:
         if tokens:
@@ -94,7 +96,9 @@ class SpeculationPolicy:
     def predicted_pass_s(self, rows: int) -> float | None:
         """The median time of passes this wide, else linear between the nearest measured
         widths (past the widest: along the last two). None before any measurement."""
-        points = sorted((r, statistics.median(s)) for r, s in self.pass_s.items())
+        if self._points is None:        # (rows, median seconds) by width, until the next pass is recorded
+            self._points = sorted((r, statistics.median(s)) for r, s in self.pass_s.items())
+        points = self._points
         if not points:
             return None
         if len(points) == 1:
