@@ -132,6 +132,17 @@ def test_nothing_pays_so_nothing_drafts():
     assert choice.why.startswith("off has the highest expected rate")
 
 
+def test_an_edge_within_the_noise_drafts_nothing():
+    """A candidate 3% ahead of drafting nothing (tau from a few steps) does not draft; 15% ahead, it does."""
+    rejected = step(proposed=4, accepted=0)
+    for accepted, chosen in ((1, OFF), (2, "suffix")):
+        choice = ProposerChoice()
+        at = measured(choice, {"suffix": step(asked=8, proposed=8, accepted=accepted), "ngram": rejected, OFF: step()})
+        assert choice.choose(CANDIDATES, at, pass_s) == chosen
+        edge = choice.rates["suffix"] / choice.rates[OFF]
+        assert edge == pytest.approx(1.03125 if accepted == 1 else 1.1458, abs=1e-3)
+
+
 def test_a_costly_draft_loses_to_a_cheap_one_that_accepts_less():
     choice = ProposerChoice()
     counts = {"suffix": step(proposed=4, accepted=2, draft_s=0.0001),
