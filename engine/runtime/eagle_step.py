@@ -11,6 +11,8 @@ most of its cost: the compiled pass is a few fused kernels around the attention 
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from engine.errors import first_line
@@ -27,10 +29,10 @@ class ChainPass:
     place, prepared for the graph once, so a draft token's pass is the graph's call alone (the
     metadata and the graph's arguments were built anew for each: a fifth of the head's pass).
     The head's cache is contiguous: its block table is every block, and the row sees slots 0 ..
-    its own."""
+    its own. (It keeps the cache's tensors, not the cache: EagleStep keys its passes by the cache.)"""
 
     def __init__(self, compiled: CompiledStep, kv, hidden: int, dtype: torch.dtype, device: torch.device):
-        self.compiled, self.kv = compiled, kv
+        self.compiled = compiled
         long = dict(dtype=torch.int64, device=device)
         self.embedded = torch.zeros(1, hidden, dtype=dtype, device=device)
         self.feature = torch.zeros(1, hidden, dtype=dtype, device=device)
@@ -42,7 +44,6 @@ class ChainPass:
             extra_keys=torch.zeros(1, **long), **attention_op.pool_args(kv, CPU))
         self.args = ((self.embedded, self.feature, self.rope), torch.zeros(1, **long), graph)
         self.prepared = None
-        self.replays = 0                      # passes run over the prepared tensors (tests read it)
 
     def __call__(self, embedded: torch.Tensor, feature: torch.Tensor, slot: int,
                  rope_position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,8 +57,6 @@ class ChainPass:
             prepared = self.compiled.prepare(*self.args)
             self.prepared = prepared if prepared.holds(*self.args) else False
             return out
-        if self.prepared:
-            self.replays += 1
         return self.compiled.run_prepared(self.prepared or self.compiled.prepare(*self.args))
 
 
@@ -67,7 +66,9 @@ class EagleStep:
         self.compiled: CompiledStep | None = None
         self.compile_error: str | None = None    # why the compiled step was given up, if it was
         self.attention_mode = TORCH               # the mode of the metadata its passes take
-        self._chain: ChainPass | None = None      # the one-row passes over the current head cache
+        # each head cache's one-row chain passes (a request's proposer has its own cache; gone with it)
+        self._chains: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.chain_replays = 0                    # one-row chain passes run over prepared tensors (tests read it)
 
     def follow(self, runner) -> None:
         """Compile as the target's runner (engine.runtime.model_runner.ModelRunner) does, and
@@ -100,10 +101,15 @@ class EagleStep:
         None where the step is not compiled over our CPU attention (the caller runs __call__)."""
         if self.compiled is None or self.attention_mode != CPU or not self.compiled.is_built:
             return None
-        if self._chain is None or self._chain.kv is not kv:
-            self._chain = ChainPass(self.compiled, kv, self.head.config.hidden_size, feature.dtype, feature.device)
+        chain = self._chains.get(kv)
+        if chain is None:
+            chain = self._chains[kv] = ChainPass(self.compiled, kv, self.head.config.hidden_size, feature.dtype,
+                                                 feature.device)
         try:
-            return self._chain(self.head.embed([token]), feature, slot, rope_position)
+            replay = bool(chain.prepared)
+            out = chain(self.head.embed([token]), feature, slot, rope_position)
+            self.chain_replays += replay
+            return out
         except Exception as error:      # noqa: BLE001 - as __call__: eager from now on
             self._failed(error)
             return None
@@ -132,12 +138,8 @@ class EagleStep:
         same slots."""
         self.compile_error = (f"off: the EAGLE head's compiled step failed ({type(error).__name__}: "
                               f"{first_line(error)}); drafting eagerly")
-        self.compiled, self.attention_mode, self._chain = None, TORCH, None
-
-    @property
-    def chain_replays(self) -> int:
-        """A chain's one-row passes run over prepared tensors, on the current head cache."""
-        return self._chain.replays if self._chain is not None else 0
+        self.compiled, self.attention_mode = None, TORCH
+        self._chains.clear()
 
     @property
     def state(self) -> str:
