@@ -39,6 +39,9 @@ typedef int32_t i8v __attribute__((vector_size(32)));
 typedef uint32_t u8v __attribute__((vector_size(32)));
 
 static inline __attribute__((always_inline)) f8 splat(float x) { return f8{x, x, x, x, x, x, x, x}; }
+// splat(x) for an x that is not -0 (x + 0 is x but for -0) in one broadcast: GCC builds splat's
+// vector of a runtime x from 8 inserts, a scalar added to a vector from vbroadcastss.
+static inline __attribute__((always_inline)) f8 broadcast(float x) { return f8{} + x; }
 static inline __attribute__((always_inline)) f8 select(i8v mask, f8 yes, f8 no) {
   return (f8)(((i8v)yes & mask) | ((i8v)no & ~mask));
 }
@@ -100,7 +103,7 @@ static inline __attribute__((always_inline)) void load_kv(const Pass& p, const v
     // 32 bytes at a time as 8 lanes of 4: byte k of every lane, decoded in place, is one
     // vector, so a chunk comes out in the order 4j + k (lane_order; q and the output match it).
     const uint8_t* src = static_cast<const uint8_t*>(pool) + at;
-    const f8 s = splat(scales[slot * p.hkv + h]);
+    const f8 s = broadcast(scales[slot * p.hkv + h]);      // a scale: > 0
     const i8v mag_mask = i8v{0} + (0x7f << 20), sign_mask = i8v{0} + static_cast<int32_t>(0x80000000u);
     const i8v nan_bits = i8v{0} + 0x7fc00000;
     for (int64_t c = 0; c < p.d; c += 32) {
@@ -162,10 +165,6 @@ static inline __attribute__((always_inline)) void prefetch(const Pass& p, const 
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(at + i);
 }
 
-static inline __attribute__((always_inline)) float hsum(f8 a) {
-  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-}
-
 constexpr int64_t KT = 8;     // keys whose scores are computed together (independent sums)
 
 // One row's keys as the task sees them: its cache indices first .. all - 1 in its key order
@@ -180,11 +179,30 @@ static inline __attribute__((always_inline)) int64_t key_index(const Pass& p, co
   return t < k.prefix ? t : p.extra_keys[k.e0 + t - k.prefix];
 }
 
+// [a0 + a1, a2 + a3, b0 + b1, b2 + b3, a4 + a5, a6 + a7, b4 + b5, b6 + b7]: vhaddps's pairwise sums.
+static inline __attribute__((always_inline)) f8 hadd(f8 a, f8 b) {
+  const i8v even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
+  return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+}
+
+// The horizontal sums of 8 vectors side by side, lane j: ((a0 + a1) + (a2 + a3)) + ((a4 + a5) +
+// (a6 + a7)) of a = s[j], all 8 taken together through 7 vector adds, not 7 scalar adds each.
+static inline __attribute__((always_inline)) f8 hsum8(const f8* s) {
+  const f8 h0 = hadd(hadd(s[0], s[1]), hadd(s[2], s[3]));   // lane j < 4: s[j]'s low half's sum, j + 4: its high half's
+  const f8 h1 = hadd(hadd(s[4], s[5]), hadd(s[6], s[7]));
+  const i8v low = {0, 1, 2, 3, 8, 9, 10, 11}, high = {4, 5, 6, 7, 12, 13, 14, 15};
+  return __builtin_shuffle(h0, h1, low) + __builtin_shuffle(h0, h1, high);
+}
+
 // Scores of KT keys (rows of D fp32 values; a missing key points at zeros) for query head g
-// of a row: each key's dot product its own chain of 8-lane sums over D, then a fixed
-// horizontal sum (KT keys side by side only so that the chains run together).
-static inline __attribute__((always_inline)) void tile_scores(const float* qg, const float* const* keys, int64_t d,
-                                                              float scale, float out[KT]) {
+// of a row, lane j key j's: each key's dot product its own chain of 8-lane sums over D, then a
+// fixed horizontal sum (hsum8's order; KT keys side by side only so that the chains run
+// together). DC: D where it is known when compiled (else 0: d).
+template <int64_t DC>
+static inline __attribute__((always_inline)) f8 tile_scores(const float* qg, const float* const* keys, int64_t d_,
+                                                            float scale) {
+  static_assert(KT == 8, "hsum8 sums 8 keys");
+  const int64_t d = DC ? DC : d_;
   f8 sum[KT];
   for (int64_t j = 0; j < KT; ++j) sum[j] = splat(0.0f);
   for (int64_t i = 0; i < d; i += 8) {
@@ -196,7 +214,20 @@ static inline __attribute__((always_inline)) void tile_scores(const float* qg, c
       sum[j] += x * y;
     }
   }
-  for (int64_t j = 0; j < KT; ++j) out[j] = hsum(sum[j]) * scale;
+  return hsum8(sum) * broadcast(scale);
+}
+
+// A tile's scores (keys t0 .. t0 + n - 1 of a row's order, lane i key t0 + i) into the row's
+// score row `sg` (whose first is key `first`): the keys at or after `first` only. Whole when
+// they fit (lanes past n write padding, or a row's own keys' places, written after).
+static inline __attribute__((always_inline)) void put_scores(float* sg, int64_t stride, int64_t first, int64_t t0,
+                                                             int64_t n, f8 s) {
+  if (t0 >= first && t0 - first + KT <= stride) {
+    std::memcpy(sg + t0 - first, &s, 32);
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      if (t0 + i >= first) sg[t0 + i - first] = s[i];
+  }
 }
 
 constexpr int64_t VC = 8;     // 8-lane vectors of D a value pass keeps in registers
@@ -205,9 +236,11 @@ constexpr int64_t VC = 8;     // 8-lane vectors of D a value pass keeps in regis
 // scores[g * stride + at + t]), each lane summed in key order (each key's term added to the
 // lane in turn, as one key at a time would), the accumulators held in registers over the keys;
 // and each weight into total[g], in key order.
+template <int64_t DC>
 static inline __attribute__((always_inline)) void add_values(float* acc, float* total, const float* scores,
                                                              int64_t stride, int64_t at, const float* const* values,
-                                                             int64_t n, int64_t g_size, int64_t d) {
+                                                             int64_t n, int64_t g_size, int64_t d_) {
+  const int64_t d = DC ? DC : d_;
   for (int64_t g = 0; g < g_size; ++g) {
     const float* w = scores + g * stride + at;
     float sum = total[g];                           // in a register: total and w share the buffer
@@ -217,10 +250,11 @@ static inline __attribute__((always_inline)) void add_values(float* acc, float* 
       const int64_t nv = (d - c) / 8 < VC ? (d - c) / 8 : VC;
       float* a_at = acc + g * d + c;
       f8 a[VC];
-      for (int64_t i = 0; i < VC; ++i)
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < VC; ++i)     // unrolled: else GCC copies a[] through the stack
         if (i < nv) std::memcpy(&a[i], a_at + 8 * i, 32);
       for (int64_t t = 0; t < n; ++t) {
-        const f8 wv = splat(w[t]);
+        const f8 wv = broadcast(w[t]);      // a softmax weight: >= 0
         for (int64_t i = 0; i < VC; ++i)
           if (i < nv) {
             f8 x;
@@ -228,6 +262,7 @@ static inline __attribute__((always_inline)) void add_values(float* acc, float* 
             a[i] += wv * x;
           }
       }
+#pragma GCC unroll 8
       for (int64_t i = 0; i < VC; ++i)
         if (i < nv) std::memcpy(a_at + 8 * i, &a[i], 32);
     }
@@ -240,11 +275,11 @@ static inline __attribute__((always_inline)) void add_values(float* acc, float* 
 // arithmetic is exactly what it is alone: each score its own chain, the softmax over its keys
 // in order, its values summed in its key order (the shared keys come first in every row's
 // order), so which rows share a task changes no bit.
-template <int64_t KIND>
+template <int64_t KIND, int64_t DC>
 static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r0, int64_t r1, int64_t h,
                                                         std::vector<float>& buf, std::vector<int64_t>& slots,
                                                         std::vector<RowKeys>& rows) {
-  const int64_t g_size = p.hq / p.hkv, d = p.d, n_rows = r1 - r0;
+  const int64_t g_size = p.hq / p.hkv, d = DC ? DC : p.d, n_rows = r1 - r0;
   const int64_t* table = p.tables + p.row_seq[r0] * p.table_width;
   rows.resize(static_cast<size_t>(n_rows));
   int64_t shared_end = std::numeric_limits<int64_t>::max(), lo = shared_end, score_floats = 0;
@@ -286,7 +321,6 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r0
   slots.resize(static_cast<size_t>(shared_end - lo));
   for (int64_t t = lo; t < shared_end; ++t) slots[t - lo] = table[t / p.bs] * p.bs + t % p.bs;
   std::memset(zeros, 0, d * 4);
-  float s[KT];
   const float* kv[KT];                              // the tile's keys (or values), fp32
   for (int64_t t0 = lo; t0 < shared_end; t0 += KT) {
     const int64_t n = shared_end - t0 < KT ? shared_end - t0 : KT;
@@ -296,11 +330,9 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r0
     for (int64_t j = 0; j < n_rows; ++j) {
       const RowKeys& k = rows[j];
       if (t0 + n <= k.first) continue;              // all before this row's window
-      for (int64_t g = 0; g < g_size; ++g) {
-        tile_scores(q + (j * g_size + g) * d, kv, d, p.scale, s);
-        for (int64_t i = 0; i < n; ++i)
-          if (t0 + i >= k.first) k.scores[g * k.stride + t0 + i - k.first] = s[i];
-      }
+      for (int64_t g = 0; g < g_size; ++g)
+        put_scores(k.scores + g * k.stride, k.stride, k.first, t0, n,
+                   tile_scores<DC>(q + (j * g_size + g) * d, kv, d, p.scale));
     }
   }
   for (int64_t j = 0; j < n_rows; ++j) {            // each row's own keys
@@ -313,10 +345,9 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r0
         kv[i] = kv_row<KIND>(p, p.k, p.ks, table[index / p.bs] * p.bs + index % p.bs, h, tile + i * d);
       }
       for (int64_t i = n; i < KT; ++i) kv[i] = zeros;
-      for (int64_t g = 0; g < g_size; ++g) {
-        tile_scores(q + (j * g_size + g) * d, kv, d, p.scale, s);
-        for (int64_t i = 0; i < n; ++i) k.scores[g * k.stride + t0 + i - k.first] = s[i];
-      }
+      for (int64_t g = 0; g < g_size; ++g)
+        put_scores(k.scores + g * k.stride, k.stride, k.first, t0, n,
+                   tile_scores<DC>(q + (j * g_size + g) * d, kv, d, p.scale));
     }
   }
   for (int64_t j = 0; j < n_rows; ++j) {            // each row's softmax numerators
@@ -359,7 +390,7 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r0
       const RowKeys& k = rows[j];
       const int64_t from = k.first > t0 ? k.first : t0;      // the row's window's keys of the tile
       if (from < t0 + n)
-        add_values(acc + j * g_size * d, total + j * g_size, k.scores, k.stride, from - k.first, kv + (from - t0),
+        add_values<DC>(acc + j * g_size * d, total + j * g_size, k.scores, k.stride, from - k.first, kv + (from - t0),
                    t0 + n - from, g_size, d);
     }
   }
@@ -376,7 +407,7 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r0
         const int64_t index = key_index(p, k, t0 + i);
         kv[i] = kv_row<KIND>(p, p.v, p.vs, table[index / p.bs] * p.bs + index % p.bs, h, tile + i * d);
       }
-      add_values(acc + j * g_size * d, total + j * g_size, k.scores, k.stride, t0 - k.first, kv, n, g_size, d);
+      add_values<DC>(acc + j * g_size * d, total + j * g_size, k.scores, k.stride, t0 - k.first, kv, n, g_size, d);
     }
   }
   for (int64_t j = 0; j < n_rows; ++j)
@@ -391,6 +422,16 @@ static inline __attribute__((always_inline)) void task(const Pass& p, int64_t r0
     }
 }
 
+// A task for the pool's kind, D compiled in where it is 64 or 128 (DC; 0: any D).
+template <int64_t DC>
+static inline __attribute__((always_inline)) void task_of(const Pass& p, int64_t r0, int64_t r1, int64_t h,
+                                                           std::vector<float>& buf, std::vector<int64_t>& slots,
+                                                           std::vector<RowKeys>& rows) {
+  if (p.kind == KIND_F32) task<KIND_F32, DC>(p, r0, r1, h, buf, slots, rows);
+  else if (p.kind == KIND_BF16) task<KIND_BF16, DC>(p, r0, r1, h, buf, slots, rows);
+  else task<KIND_FP8, DC>(p, r0, r1, h, buf, slots, rows);
+}
+
 // Task i is group i / H_kv (rows groups[g] .. groups[g + 1] - 1) at KV head i % H_kv.
 static inline __attribute__((always_inline)) void run_tasks(const Pass& p, const int64_t* groups, int64_t begin,
                                                             int64_t end) {
@@ -399,9 +440,9 @@ static inline __attribute__((always_inline)) void run_tasks(const Pass& p, const
   thread_local std::vector<RowKeys> rows;
   for (int64_t i = begin; i < end; ++i) {
     const int64_t g = i / p.hkv, r0 = groups[g], r1 = groups[g + 1], h = i % p.hkv;
-    if (p.kind == KIND_F32) task<KIND_F32>(p, r0, r1, h, buf, slots, rows);
-    else if (p.kind == KIND_BF16) task<KIND_BF16>(p, r0, r1, h, buf, slots, rows);
-    else task<KIND_FP8>(p, r0, r1, h, buf, slots, rows);
+    if (p.d == 64) task_of<64>(p, r0, r1, h, buf, slots, rows);
+    else if (p.d == 128) task_of<128>(p, r0, r1, h, buf, slots, rows);
+    else task_of<0>(p, r0, r1, h, buf, slots, rows);
   }
 }
 
