@@ -203,6 +203,9 @@ static inline __attribute__((always_inline)) f8 tile_scores(const float* qg, con
                                                             float scale) {
   static_assert(KT == 8, "hsum8 sums 8 keys");
   const int64_t d = DC ? DC : d_;
+  // Loaded here, not kept from the last call: GCC otherwise hoists a tile's KT x D keys out of
+  // the loops over rows and heads, more than the registers hold, and spills them to the stack.
+  asm volatile("" ::: "memory");
   f8 sum[KT];
   for (int64_t j = 0; j < KT; ++j) sum[j] = splat(0.0f);
   for (int64_t i = 0; i < d; i += 8) {
