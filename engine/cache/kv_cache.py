@@ -70,16 +70,12 @@ class CacheShape:
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V values for one token over all layers (scales excluded)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _itemsize(dtype)
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def scale_bytes_per_token(self, dtype: torch.dtype) -> int:
         if dtype != FP8_DTYPE:
             return 0
-        return 2 * self.num_layers * self.num_kv_heads * _itemsize(SCALE_DTYPE)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * SCALE_DTYPE.itemsize
 
 
 class KVCache:
