@@ -66,7 +66,7 @@ class Request:
         self.proposers: dict[str, Proposer] = {}
         self.shadows: dict[str, tuple[list[int], float, int]] = {}     # proposer auto's shadow drafts (tokens, s, at)
         self.shadowed_at: dict[str, int] = {}                          # the step_index of each one's last
-        self.last_pass: tuple | None = None    # (start position, hidden states) of the last target pass
+        self.last_pass: tuple | None = None    # (start position, its hidden states, rows kept or None: all)
         self.seq: RunnerSeq | None = None      # its KV blocks while RUNNING
         self.step_index = 0                    # events emitted
         self.cancelled = threading.Event()     # set from any thread; seen at the next step
@@ -199,8 +199,8 @@ class Request:
                 p.begin(self.token_ids)
             except CacheTooSmallError:
                 return None
-            if self.last_pass is not None:
-                p.target_pass(*self.last_pass)
+            if self.last_pass is not None and p.reads_hidden:
+                p.target_pass(self.last_pass[0], self._kept_hidden())
             self.proposers[name] = p
         return self.proposers[name]
 
@@ -218,12 +218,17 @@ class Request:
         verdict = self._verify(proposal, logits) if proposal is not None and proposal.tokens else None
         if verdict is not None:
             runner.compact(self.seq, start, verdict.rows)
-            hidden = hidden[verdict.rows]             # the kept rows, as a chain would have them
-        self.last_pass = (start, hidden)
-        if self.engine.hidden_sink is not None:
-            self.engine.hidden_sink(self.request_id, start, hidden)
-        for p in self.proposers.values():
-            p.target_pass(start, hidden)
+        # the kept rows' hidden states, as a chain would have them, taken only where one reads them
+        # (a proposer that drafts from them, the hidden sink): an op on the host after a pass runs
+        # with cold caches, tens of microseconds a step on a small model
+        self.last_pass = (start, hidden, verdict.rows if verdict is not None else None)
+        readers = [p for p in self.proposers.values() if p.reads_hidden]
+        if readers or self.engine.hidden_sink is not None:
+            hidden = self._kept_hidden()
+            if self.engine.hidden_sink is not None:
+                self.engine.hidden_sink(self.request_id, start, hidden)
+            for p in readers:
+                p.target_pass(start, hidden)
         if verdict is None:
             if self.num_uncomputed > 0:              # mid-prompt (or mid-recompute) chunk
                 runner.commit(self.seq, self.token_ids)
@@ -243,6 +248,15 @@ class Request:
         for p in self.proposers.values():
             p.accepted(self.token_ids)
         return event
+
+    def _kept_hidden(self) -> torch.Tensor:
+        """The last pass's hidden states of the rows it kept (a verify pass's root and accepted
+        drafts, in path order), taken once and kept."""
+        start, hidden, rows = self.last_pass
+        if rows is not None:
+            hidden = hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[rows]
+            self.last_pass = (start, hidden, None)
+        return hidden
 
     def _verify(self, proposal: Proposal, logits: torch.Tensor) -> Verdict:
         """logits [1 + drafts, V]: the target's at the root and at every draft."""

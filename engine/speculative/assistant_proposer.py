@@ -26,6 +26,8 @@ from engine.speculative.tree import DraftTree
 
 
 class AssistantProposer(Proposer):
+    reads_hidden = True
+
     def __init__(self, assistant, runner):
         """assistant: engine.models.gemma4_assistant.Gemma4Assistant; runner: the target's
         ModelRunner (its pool and its model's embedding)."""

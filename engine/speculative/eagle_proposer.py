@@ -34,6 +34,8 @@ GROW = 256          # feature and cache room is added in steps of this many posi
 
 
 class EagleProposer(Proposer):
+    reads_hidden = True
+
     def __init__(self, head: EagleHead, block_size: int, device, step: EagleStep | None = None):
         """step: how the head's passes run (the engine's, compiled where the target's step is);
         None: eagerly."""

@@ -69,6 +69,8 @@ class Proposal:
 
 
 class Proposer:
+    reads_hidden = False      # target_pass is given the target's hidden states (else it is not called)
+
     def begin(self, prompt_ids: list[int]) -> None:
         pass
 
@@ -83,7 +85,8 @@ class Proposer:
         raise NotImplementedError
 
     def target_pass(self, start: int, hidden: torch.Tensor) -> None:
-        """The target's final hidden states [N, hidden] for positions start.. of its last pass."""
+        """The target's final hidden states [N, hidden] for positions start.. of its last pass
+        (only for a proposer that reads_hidden)."""
 
     def accepted(self, token_ids: list[int]) -> None:
         """The target settled on token_ids (the whole sequence so far)."""
