@@ -74,23 +74,36 @@ def test_a_bad_fusion_is_refused_clearly():
         cpu_quant.linear(x, w, scales, None, 4, Fused(torch.ones(64, dtype=torch.bfloat16), 1e-5))
 
 
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
 @pytest.mark.parametrize("kv_dtype,q_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                               (FP8_DTYPE, torch.bfloat16)], ids=["fp32", "bf16", "fp8"])
-def test_attention_rotates_q_and_k_as_apply_rope_does(kv_dtype, q_dtype):
+def test_attention_rotates_q_and_k_as_apply_rope_does(kv_dtype, q_dtype, isa):
     """Our C++ op given each row's cos and sin: apply_rope's q and k, bit for bit (the output,
-    the stored keys, their FP8 scales); padding rows repeat the last."""
+    the stored keys, their FP8 scales), in each build (the AVX2 one rotates 8 lanes at a time, a
+    tail of 4 lane by lane: D 72); padding rows repeat the last."""
     if cpu_attention.refusal():
         pytest.skip(cpu_attention.refusal())
+    if not all(f in cpu_features.flags() for f in cpu_attention.NEEDS[isa]):
+        pytest.skip(f"no {isa} on this CPU")
+    cpu_attention.force_isa(isa)
+    try:
+        for d in (64, 72):
+            _rotates_as_apply_rope(kv_dtype, q_dtype, d)
+    finally:
+        cpu_attention.force_isa(None)
+
+
+def _rotates_as_apply_rope(kv_dtype, q_dtype, d: int):
     gen = torch.Generator().manual_seed(2)
-    shape, block_size = CacheShape(2, 3, 64), 4
+    shape, block_size = CacheShape(2, 3, d), 4
     pools = [KVCache(shape, 10, block_size, kv_dtype, torch.device("cpu")) for _ in range(2)]
     table = torch.tensor([3, 7, 1, 0])
     seqs = [SeqSlice(start=0, count=3, context_len=11, block_table=table)]
     positions = torch.tensor([8, 9, 10])
     slots = torch.tensor([int(table[p // block_size]) * block_size + p % block_size for p in (8, 9, 10)])
-    q = (torch.randn(4, 9, 64, generator=gen) * 2).to(q_dtype)          # 3 rows and one padding row
-    k, v = ((torch.randn(4, 3, 64, generator=gen) * 2).to(q_dtype) for _ in range(2))
-    angles = torch.rand(4, 1, 32, generator=gen) * 6
+    q = (torch.randn(4, 9, d, generator=gen) * 2).to(q_dtype)           # 3 rows and one padding row
+    k, v = ((torch.randn(4, 3, d, generator=gen) * 2).to(q_dtype) for _ in range(2))
+    angles = torch.rand(4, 1, d // 2, generator=gen) * 6
     rope = tuple(torch.cat((f(angles), f(angles)), dim=-1).to(q_dtype) for f in (torch.cos, torch.sin))
     outs = []
     for pool, given in zip(pools, ((apply_rope(q, rope), apply_rope(k, rope), None), (q, k, rope))):

@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include "cpu_bf16.h"
+#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -624,40 +625,90 @@ void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& k, const
 // RoPE, rotate-half (transformers' Llama), on the first n rows of x [N, H, D] (its last dim
 // contiguous), with each row's cos and sin [N, 1, D] in x's dtype: x * cos + cat(-x2, x1) * sin,
 // each product and the sum rounded to the dtype, as the torch ops round (engine.models.llama.apply_rope).
+// lanes(from, to) computes elements [from, to) of each half; the scalar loop is the definition.
 template <typename T>
-void rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t n, at::Tensor& out) {
+static inline void rope_scalar(const T* xr, const T* c, const T* s, T* o, int64_t half, int64_t from) {
+  auto f = [](T v) { return static_cast<float>(v); };
+  for (int64_t d = from; d < half; ++d) {
+    const T a = static_cast<T>(f(xr[d]) * f(c[d])), b = static_cast<T>(-f(xr[d + half]) * f(s[d]));
+    o[d] = static_cast<T>(f(a) + f(b));
+    const T a2 = static_cast<T>(f(xr[d + half]) * f(c[d + half])), b2 = static_cast<T>(f(xr[d]) * f(s[d + half]));
+    o[d + half] = static_cast<T>(f(a2) + f(b2));
+  }
+}
+
+// 8 lanes at a time, the same bits: IEEE products and sums lane by lane (no FMA: the file builds
+// with -ffp-contract=off and these are separate intrinsics), bf16 rounded as c10 rounds (nearest
+// even on the bits, a NaN to 0x7FC0), and a negation, which is exact, before its product as the
+// definition has it.
+__attribute__((target("avx2"))) static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2"))) static inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+__attribute__((target("avx2"))) static inline __m256 round8(__m256 x, float) { return x; }
+__attribute__((target("avx2"))) static inline __m256 round8(__m256 x, at::BFloat16) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, bias), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
+}
+__attribute__((target("avx2"))) static inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+__attribute__((target("avx2"))) static inline void store8(at::BFloat16* p, __m256 x) {    // x already rounded
+  const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+template <typename T>
+__attribute__((target("avx2"))) static void rope_avx2(const T* xr, const T* c, const T* s, T* o, int64_t half) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const T tag{};
+  int64_t d = 0;
+  for (; d + 8 <= half; d += 8) {
+    const __m256 x1 = load8(xr + d), x2 = load8(xr + d + half);
+    const __m256 a = round8(_mm256_mul_ps(x1, load8(c + d)), tag);
+    const __m256 b = round8(_mm256_mul_ps(_mm256_xor_ps(x2, sign), load8(s + d)), tag);
+    store8(o + d, round8(_mm256_add_ps(a, b), tag));
+    const __m256 a2 = round8(_mm256_mul_ps(x2, load8(c + d + half)), tag);
+    const __m256 b2 = round8(_mm256_mul_ps(x1, load8(s + d + half)), tag);
+    store8(o + d + half, round8(_mm256_add_ps(a2, b2), tag));
+  }
+  rope_scalar(xr, c, s, o, half, d);
+}
+
+template <typename T>
+void rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t n, at::Tensor& out,
+               bool avx2) {
   const int64_t H = x.size(1), D = x.size(2), half = D / 2;
   const T* xp = x.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  auto f = [](T v) { return static_cast<float>(v); };
   for (int64_t i = 0; i < n; ++i)
     for (int64_t h = 0; h < H; ++h) {
       const T* xr = xp + i * x.stride(0) + h * x.stride(1);
       const T* c = cp + i * cos.stride(0);
       const T* s = sp + i * sin.stride(0);
       T* o = op + (i * H + h) * D;
-      for (int64_t d = 0; d < half; ++d) {
-        const T a = static_cast<T>(f(xr[d]) * f(c[d])), b = static_cast<T>(-f(xr[d + half]) * f(s[d]));
-        o[d] = static_cast<T>(f(a) + f(b));
-        const T a2 = static_cast<T>(f(xr[d + half]) * f(c[d + half])), b2 = static_cast<T>(f(xr[d]) * f(s[d + half]));
-        o[d + half] = static_cast<T>(f(a2) + f(b2));
-      }
+      if (avx2) rope_avx2(xr, c, s, o, half);
+      else rope_scalar(xr, c, s, o, half, 0);
     }
 }
 
 // x rotated, into `buffer` (this thread's, reused every call: no allocation a layer)
 at::Tensor rotated(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t n,
-                   std::vector<char>& buffer) {
+                   std::vector<char>& buffer, bool avx2) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "attend_layer: q and k [N, H, D], D even");
   TORCH_CHECK(cos.dim() == 3 && cos.size(0) >= n && cos.size(2) == x.size(2) && cos.stride(2) == 1 &&
               sin.sizes() == cos.sizes() && sin.strides() == cos.strides() && cos.scalar_type() == x.scalar_type() &&
               sin.scalar_type() == x.scalar_type(), "attend_layer: cos and sin [N, 1, D] in q's dtype");
   buffer.resize(static_cast<size_t>(x.numel() * x.element_size()));
   at::Tensor out = at::from_blob(buffer.data(), {x.size(0), x.size(1), x.size(2)}, x.options());
-  if (x.scalar_type() == at::kBFloat16) rope_rows<at::BFloat16>(x, cos, sin, n, out);
-  else rope_rows<float>(x, cos, sin, n, out);
+  if (x.scalar_type() == at::kBFloat16) rope_rows<at::BFloat16>(x, cos, sin, n, out, avx2);
+  else rope_rows<float>(x, cos, sin, n, out, avx2);
   return out;
 }
 
@@ -710,9 +761,9 @@ at::Tensor attend_layer(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const bool rope = cos.has_value() && cos->defined();
   TORCH_CHECK(rope == (sin.has_value() && sin->defined()), "attend_layer: cos and sin, or neither");
   thread_local std::vector<char> k_rotated, q_rotated;
-  store_rows(rope ? rotated(k, *cos, *sin, n, k_rotated) : k, n, k_at, layer, slot_ids, kind);
+  store_rows(rope ? rotated(k, *cos, *sin, n, k_rotated, isa >= 1) : k, n, k_at, layer, slot_ids, kind);
   store_rows(v, n, v_at, layer, slot_ids, kind);
-  const at::Tensor qc = rope ? rotated(q, *cos, *sin, n, q_rotated) : q.contiguous();
+  const at::Tensor qc = rope ? rotated(q, *cos, *sin, n, q_rotated, isa >= 1) : q.contiguous();
   at::Tensor out = at::empty(qc.sizes(), qc.options());
   const int64_t per_layer = blocks * bs * hkv * d, per_scale = blocks * bs * hkv;
   const c10::optional<at::Tensor> sinks32 =
