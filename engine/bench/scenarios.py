@@ -488,19 +488,25 @@ def bench_speculative(args) -> dict:
             "arms": "plain, speculative, speculative, plain: counts are of both arms of a side; the suffix and "
                     "auto counters of the second speculative arm",
             "forecast_by_plain_arm": forecast, **_tree_figures(spec, plain_step_s, eng), **counters,
-            "ceiling": _ceiling_figures(encoded, base_out, args.k, spec, plain_step_s, report.get("verify_cost"))}
+            "ceiling": _ceiling_figures(encoded, base_out, args.k, spec, plain_step_s, report.get("verify_cost"),
+                                        report.get("step_other_cost"))}
 
 
-def _ceiling_figures(prompts, replies, k: int, spec, plain_step_s: float, verify_cost) -> dict:
+def _ceiling_figures(prompts, replies, k: int, spec, plain_step_s: float, verify_cost, other_cost) -> dict:
     """What any draft taken from earlier text (the request's own, or earlier replies) could
     reach on these replies at most k tokens a pass (engine.speculative.suffix_ceiling): tokens per
     pass, and the speedup that bounds at this arm's measured cost of a drafting pass (a tree
-    step's, else the chain's verify; never under a plain step)."""
+    step's, else the chain's verify; never under a plain step). `speedup_at_step_cost` adds the
+    rest of a speculative step's measured work (scheduling, verifying, events: the report's
+    step_other_cost), which the oracle's steps would pay too: what a run drafting as the oracle
+    does would measure on this engine, so that measured / it is the drafts' share alone."""
     from engine.speculative.suffix_ceiling import ceiling
     c = ceiling(prompts, replies, k)
     pass_cost = spec.tree_time_s / spec.tree_steps / plain_step_s if spec.tree_steps else verify_cost or 1.0
     pass_cost = max(pass_cost, 1.0)
-    return c | {"pass_cost": pass_cost, "speedup": c["tokens_per_pass"] / pass_cost if c["passes"] else None}
+    step_cost = pass_cost + (other_cost or 0.0)
+    return c | {"pass_cost": pass_cost, "speedup": c["tokens_per_pass"] / pass_cost if c["passes"] else None,
+                "step_cost": step_cost, "speedup_at_step_cost": c["tokens_per_pass"] / step_cost if c["passes"] else None}
 
 
 def _auto_figures(eng, proposer: str) -> dict:
