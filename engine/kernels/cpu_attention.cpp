@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include "cpu_bf16.h"
+#include "cpu_fused.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -647,13 +648,10 @@ __attribute__((target("avx2"))) static inline __m256 load8(const at::BFloat16* p
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 __attribute__((target("avx2"))) static inline __m256 round8(__m256 x, float) { return x; }
+// cpu_fused.h's rounding to nearest even; a NaN as c10 writes it (0x7FC0), not with its payload
 __attribute__((target("avx2"))) static inline __m256 round8(__m256 x, at::BFloat16) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
-                                        _mm256_set1_epi32(0x7FFF));
-  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, bias), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
   const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
+  return _mm256_blendv_ps(workbench_fused::round8_bf16(x), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
 }
 __attribute__((target("avx2"))) static inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
 __attribute__((target("avx2"))) static inline void store8(at::BFloat16* p, __m256 x) {    // x already rounded
